@@ -1,0 +1,138 @@
+#pragma once
+// latte::TensorView<T, N> — a non-owning strided view.
+//
+// Activations are [B, T, H, D] (batch, time, head, feature), the layout of
+// FlashAttention and flash-linear-attention. The last (feature) dimension is
+// contiguous (stride 1); the other strides are free, so a view can address
+// a slice of a fused QKV buffer or a [T, B, H, D] tensor without copying.
+#include <array>
+#include <cstddef>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+#include "latte/core/error.hpp"
+#include "latte/core/types.hpp"
+
+namespace latte {
+
+template <class T, std::size_t N>
+class TensorView {
+  static_assert(N >= 1, "a TensorView has at least one dimension");
+
+ public:
+  using element_type = T;
+  using extents_type = std::array<index_t, N>;
+  static constexpr std::size_t rank = N;
+
+  TensorView() = default;
+
+  /// A contiguous row-major view of `extents`.
+  TensorView(T* data, const extents_type& extents) : data_(data), extents_(extents) {
+    index_t stride = 1;
+    for (std::size_t d = N; d-- > 0;) {
+      strides_[d] = stride;
+      stride *= extents_[d];
+    }
+  }
+
+  /// A strided view; strides are in elements. The last stride must be 1.
+  TensorView(T* data, const extents_type& extents, const extents_type& strides)
+      : data_(data), extents_(extents), strides_(strides) {}
+
+  /// Views of T convert to views of const T.
+  template <class U>
+    requires(std::is_same_v<const U, T> && !std::is_same_v<U, T>)
+  TensorView(const TensorView<U, N>& other)  // NOLINT(google-explicit-constructor)
+      : data_(other.data()), extents_(other.extents()), strides_(other.strides()) {}
+
+  [[nodiscard]] T* data() const noexcept { return data_; }
+  [[nodiscard]] const extents_type& extents() const noexcept { return extents_; }
+  [[nodiscard]] const extents_type& strides() const noexcept { return strides_; }
+  [[nodiscard]] index_t extent(std::size_t d) const noexcept { return extents_[d]; }
+  [[nodiscard]] index_t stride(std::size_t d) const noexcept { return strides_[d]; }
+
+  [[nodiscard]] index_t size() const noexcept {
+    index_t count = 1;
+    for (index_t e : extents_) count *= e;
+    return count;
+  }
+  [[nodiscard]] bool empty() const noexcept { return size() == 0; }
+
+  /// Element access; unchecked (kernels only run on validated views).
+  template <class... Index>
+    requires(sizeof...(Index) == N)
+  [[nodiscard]] T& operator()(Index... index) const noexcept {
+    const std::array<index_t, N> at{static_cast<index_t>(index)...};
+    index_t offset = 0;
+    for (std::size_t d = 0; d < N; ++d) offset += at[d] * strides_[d];
+    return data_[offset];
+  }
+
+  /// Pointer to the contiguous innermost row at the leading N-1 indices.
+  template <class... Index>
+    requires(sizeof...(Index) == N - 1)
+  [[nodiscard]] T* row(Index... index) const noexcept {
+    const std::array<index_t, N - 1> at{static_cast<index_t>(index)...};
+    index_t offset = 0;
+    for (std::size_t d = 0; d + 1 < N; ++d) offset += at[d] * strides_[d];
+    return data_ + offset;
+  }
+
+  /// Address range [first, last) of the bytes this view can touch (empty: both null).
+  [[nodiscard]] std::array<const std::byte*, 2> byte_range() const noexcept {
+    if (empty() || data_ == nullptr) return {nullptr, nullptr};
+    index_t last = 0;
+    for (std::size_t d = 0; d < N; ++d) last += (extents_[d] - 1) * strides_[d];
+    const auto* first = reinterpret_cast<const std::byte*>(data_);
+    return {first, first + (last + 1) * static_cast<index_t>(sizeof(T))};
+  }
+
+ private:
+  T* data_ = nullptr;
+  extents_type extents_{};
+  extents_type strides_{};
+};
+
+template <class T, std::size_t N>
+TensorView(T*, const std::array<index_t, N>&) -> TensorView<T, N>;
+
+/// Renders extents as "[2, 128, 8, 64]" for error messages.
+template <std::size_t N>
+[[nodiscard]] std::string format_extents(const std::array<index_t, N>& extents) {
+  std::string text = "[";
+  for (std::size_t d = 0; d < N; ++d) {
+    if (d) text += ", ";
+    text += std::to_string(extents[d]);
+  }
+  return text + "]";
+}
+
+/// Checks the structural invariants every kernel relies on: non-negative
+/// extents, non-negative strides, a contiguous last dimension and non-null
+/// data when the view is not empty. Throws latte::Error naming `argument`.
+template <class T, std::size_t N>
+void check_view(const TensorView<T, N>& view, std::string_view argument) {
+  for (std::size_t d = 0; d < N; ++d) {
+    detail::require(view.extent(d) >= 0, argument,
+                    "extents must be non-negative, given " + format_extents(view.extents()));
+    detail::require(view.stride(d) >= 0, argument,
+                    "strides must be non-negative, given " + format_extents(view.strides()));
+  }
+  detail::require(view.extent(N - 1) <= 1 || view.stride(N - 1) == 1, argument,
+                  detail::expected_given("stride of the feature (last) dimension", 1,
+                                         view.stride(N - 1)));
+  detail::require(view.empty() || view.data() != nullptr, argument,
+                  "data is null but the view has " + std::to_string(view.size()) + " elements");
+}
+
+/// True when two views may share memory (conservative: compares address ranges).
+template <class T, std::size_t N, class U, std::size_t M>
+[[nodiscard]] bool may_overlap(const TensorView<T, N>& a, const TensorView<U, M>& b) noexcept {
+  const auto [a_first, a_last] = a.byte_range();
+  const auto [b_first, b_last] = b.byte_range();
+  if (a_first == nullptr || b_first == nullptr) return false;
+  return a_first < b_last && b_first < a_last;
+}
+
+}  // namespace latte

@@ -1,0 +1,197 @@
+#pragma once
+// latte::LatteAttention<Direction, Stabilizer, Positional> — Latte (paper 000 §2,
+// paper 001 §4): attention through L latent states,
+//   p(l|t) = softmax_l(q_t),  p(s|l,t) = exp(k_{s,l}) / sum_{s'<=t} exp(k_{s',l}),
+//   o_t = sum_l p(l|t) sum_{s<=t} p(s|l,t) v_s          (Causal, eq. 10)
+//   o_t = sum_l p(l|t) sum_s p(s|l) v_s                  (Bidirectional, eq. 5)
+// in O(T * L * Dv) time, with O(L * Dv) next-token decode per head.
+//
+// Inputs are already projected: query and key latent logits [B, T, H, L] and
+// values [B, T, H, Dv]; the output is [B, T, H, Dv].
+//
+//   latte::LatteAttention<latte::Causal, latte::RunningMax, latte::VAPOR> attn({.heads = 8,
+//       .latents = 64, .value_dim = 64});
+//   attn.forward(latte::exec::reference, q, k, v, out.view());
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "latte/backends/reference/latte.hpp"
+#include "latte/core/shape_check.hpp"
+#include "latte/core/tensor_view.hpp"
+#include "latte/core/types.hpp"
+#include "latte/mechanisms/latte_state.hpp"
+#include "latte/policies/direction.hpp"
+#include "latte/policies/execution.hpp"
+#include "latte/policies/positional.hpp"
+#include "latte/policies/stabilizer.hpp"
+
+namespace latte {
+
+/// Sizes fixed by a Latte layer's weights.
+struct LatteDims {
+  index_t heads = 0;
+  index_t latents = 0;    ///< L: latent states per head
+  index_t value_dim = 0;  ///< Dv: value features per head
+};
+
+template <Direction Dir, Stabilizer Stab = RunningMax, Positional Pos = NoPositional>
+class LatteAttention {
+ public:
+  using direction = Dir;
+  using stabilizer = Stab;
+  using positional = Pos;
+  template <Real T>
+  using State = LatteState<T>;
+  template <Real T>
+  using InputView = std::type_identity_t<TensorView<const T, 4>>;
+  template <Real T>
+  using StepInputView = std::type_identity_t<TensorView<const T, 3>>;
+
+  /// `positional` carries VAPOR's angles [H, Dv/2] (default: RoPE schedule, base 10000).
+  explicit LatteAttention(LatteDims dims, typename Pos::Params positional = {}) : dims_(dims) {
+    detail::check_positive(dims.heads, "dims.heads");
+    detail::check_positive(dims.latents, "dims.latents");
+    detail::check_positive(dims.value_dim, "dims.value_dim");
+    angles_ = Pos::resolve_angles(positional, dims.heads, dims.value_dim);
+  }
+
+  [[nodiscard]] const LatteDims& dims() const noexcept { return dims_; }
+
+  /// "LatteAttention<causal,running_max,vapor>/float32": names states and benchmarks.
+  template <Real T>
+  [[nodiscard]] static std::string kind() {
+    return std::string("LatteAttention<") + Dir::name + "," + Stab::name + "," + Pos::name +
+           ">/" + dtype_name<T>();
+  }
+
+  /// Whole-sequence forward. T = 0 (or B = 0) is a no-op.
+  template <exec::Policy E, Real T>
+  void forward(E, InputView<T> query_logits, InputView<T> key_logits, InputView<T> values,
+               TensorView<T, 4> out) const {
+    static_assert(exec::implemented<E>, "this execution backend is not implemented yet");
+    validate_sequence(query_logits, key_logits, values, out);
+    if constexpr (Dir::is_causal) {
+      const index_t L = dims_.latents, Dv = dims_.value_dim;
+      std::vector<T> carry_storage(static_cast<std::size_t>(2 * L + L * Dv));
+      const reference::LatteCarry<T> carry{carry_storage.data(), carry_storage.data() + L,
+                                           carry_storage.data() + 2 * L};
+      reference::latte_causal_forward<Stab, Pos>(
+          query_logits, key_logits, values, out, angles_, 0, [&](index_t, index_t) {
+            reference::latte_reset<Stab>(carry, L, Dv);
+            return carry;
+          });
+    } else {
+      reference::latte_bidirectional_forward<Stab, Pos>(query_logits, key_logits, values, out,
+                                                        angles_);
+    }
+  }
+
+  /// A fresh decode state for `batch` sequences whose first token sits at
+  /// absolute position `first_position` (VAPOR rotates by positions).
+  template <Real T>
+    requires(Dir::is_causal)
+  [[nodiscard]] State<T> make_state(index_t batch, std::int64_t first_position = 0) const {
+    detail::check_positive(batch, "batch");
+    detail::require(first_position >= 0, "first_position",
+                    detail::expected_given("value", ">= 0", first_position));
+    State<T> state(kind<T>(), batch, dims_.heads, dims_.latents, dims_.value_dim, first_position);
+    for (index_t b = 0; b < batch; ++b)
+      for (index_t h = 0; h < dims_.heads; ++h)
+        reference::latte_reset<Stab>(state.carry(b, h), dims_.latents, dims_.value_dim);
+    return state;
+  }
+
+  /// Restores a state saved with State::save() by an attention of this type.
+  template <Real T>
+    requires(Dir::is_causal)
+  [[nodiscard]] State<T> load_state(std::span<const std::byte> bytes) const {
+    detail::ByteReader header(bytes, kind<T>());  // checks magic and kind first
+    const auto batch = header.read<std::int64_t>();
+    detail::require(batch >= 1, "bytes", detail::expected_given("saved batch", ">= 1", batch));
+    State<T> state = make_state<T>(batch);
+    state.restore(bytes);
+    return state;
+  }
+
+  /// Forward that continues from `state` and leaves it at the end of the
+  /// sequence, so prefill + step continues exactly.
+  template <exec::Policy E, Real T>
+    requires(Dir::is_causal)
+  void forward(E, InputView<T> query_logits, InputView<T> key_logits, InputView<T> values,
+               TensorView<T, 4> out, State<T>& state) const {
+    static_assert(exec::implemented<E>, "this execution backend is not implemented yet");
+    validate_sequence(query_logits, key_logits, values, out);
+    validate_state(state, query_logits.extent(0));
+    reference::latte_causal_forward<Stab, Pos>(
+        query_logits, key_logits, values, out, angles_, state.position(),
+        [&](index_t b, index_t h) { return state.carry(b, h); });
+    state.advance(query_logits.extent(1));
+  }
+
+  /// Next-token decode: inputs [B, H, L], [B, H, L], [B, H, Dv]; out [B, H, Dv].
+  /// O(L * Dv) per head, independent of the tokens already absorbed; no allocation.
+  template <exec::Policy E, Real T>
+    requires(Dir::is_causal)
+  void step(E, State<T>& state, StepInputView<T> query_logits, StepInputView<T> key_logits,
+            StepInputView<T> values, TensorView<T, 3> out) const {
+    static_assert(exec::implemented<E>, "this execution backend is not implemented yet");
+    const index_t B = state.batch(), H = dims_.heads, L = dims_.latents, Dv = dims_.value_dim;
+    validate_state(state, state.batch());
+    detail::check_shape(query_logits, "query_logits", {B, H, L}, "[B, H, L]");
+    detail::check_shape(key_logits, "key_logits", {B, H, L}, "[B, H, L]");
+    detail::check_shape(values, "values", {B, H, Dv}, "[B, H, Dv]");
+    detail::check_shape(out, "out", {B, H, Dv}, "[B, H, Dv]");
+    check_outputs_distinct(query_logits, key_logits, values, out);
+    const index_t pairs = Dv / 2;
+    for (index_t b = 0; b < B; ++b)
+      for (index_t h = 0; h < H; ++h)
+        reference::latte_causal_step<Stab, Pos>(
+            query_logits.row(b, h), key_logits.row(b, h), values.row(b, h), out.row(b, h),
+            state.carry(b, h), L, Dv, angles_.empty() ? nullptr : angles_.data() + h * pairs,
+            state.position(), state.scratch());
+    state.advance(1);
+  }
+
+ private:
+  template <Real T>
+  void validate_sequence(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
+                         const TensorView<const T, 4>& v, const TensorView<T, 4>& out) const {
+    check_view(q, "query_logits");
+    const index_t B = q.extent(0), Tn = q.extent(1), H = dims_.heads;
+    detail::check_shape(q, "query_logits", {B, Tn, H, dims_.latents}, "[B, T, H, L]");
+    detail::check_shape(k, "key_logits", {B, Tn, H, dims_.latents}, "[B, T, H, L]");
+    detail::check_shape(v, "values", {B, Tn, H, dims_.value_dim}, "[B, T, H, Dv]");
+    detail::check_shape(out, "out", {B, Tn, H, dims_.value_dim}, "[B, T, H, Dv]");
+    check_outputs_distinct(q, k, v, out);
+  }
+
+  template <class Q, class K, class V, class O>
+  static void check_outputs_distinct(const Q& q, const K& k, const V& v, const O& out) {
+    detail::check_no_overlap(out, "out", q, "query_logits");
+    detail::check_no_overlap(out, "out", k, "key_logits");
+    detail::check_no_overlap(out, "out", v, "values");
+  }
+
+  template <Real T>
+  void validate_state(const State<T>& state, index_t batch) const {
+    detail::require(state.kind() == kind<T>(), "state",
+                    detail::expected_given("state kind", kind<T>(),
+                                           state.kind().empty() ? "<empty state>" : state.kind()));
+    detail::require(state.batch() == batch, "state",
+                    detail::expected_given("state batch", batch, state.batch()));
+    detail::require(state.heads() == dims_.heads && state.latents() == dims_.latents &&
+                        state.value_dim() == dims_.value_dim,
+                    "state",
+                    detail::expected_given(
+                        "state [H, L, Dv]",
+                        format_extents<3>({dims_.heads, dims_.latents, dims_.value_dim}),
+                        format_extents<3>({state.heads(), state.latents(), state.value_dim()})));
+  }
+
+  LatteDims dims_;
+  std::vector<double> angles_;  // [H * (Dv/2)] for VAPOR, empty otherwise
+};
+
+}  // namespace latte

@@ -1,0 +1,185 @@
+#pragma once
+// latte::SoftmaxAttention<Direction, Window> — exact scaled dot-product attention
+// (DESIGN §3.1), the baseline every linear mechanism is measured against:
+//   o_t = sum_s a_ts v_s,  a_ts = softmax_s(scale * q_t . k_s) over the allowed s,
+// allowed = all s (Bidirectional), s <= t (Causal), and with
+// SlidingWindow{left, right}: t - left <= s <= t + right (FlashAttention's convention).
+// Default scale 1/sqrt(Dk). Causal decode keeps a KV cache (KVCache<T>).
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <type_traits>
+
+#include "latte/backends/reference/softmax.hpp"
+#include "latte/core/shape_check.hpp"
+#include "latte/core/tensor_view.hpp"
+#include "latte/core/types.hpp"
+#include "latte/mechanisms/kv_cache.hpp"
+#include "latte/policies/direction.hpp"
+#include "latte/policies/execution.hpp"
+#include "latte/policies/window.hpp"
+
+namespace latte {
+
+struct SoftmaxDims {
+  index_t heads = 0;
+  index_t key_dim = 0;    ///< Dk: query/key features per head
+  index_t value_dim = 0;  ///< Dv: value features per head
+};
+
+template <Direction Dir, Window Win = NoWindow>
+class SoftmaxAttention {
+ public:
+  using direction = Dir;
+  using window_type = Win;
+  template <Real T>
+  using State = KVCache<T>;
+  template <Real T>
+  using InputView = std::type_identity_t<TensorView<const T, 4>>;
+  template <Real T>
+  using StepInputView = std::type_identity_t<TensorView<const T, 3>>;
+
+  /// `scale` defaults to 1/sqrt(Dk).
+  explicit SoftmaxAttention(SoftmaxDims dims, Win window = {},
+                            std::optional<double> scale = std::nullopt)
+      : dims_(dims), window_(window) {
+    detail::check_positive(dims.heads, "dims.heads");
+    detail::check_positive(dims.key_dim, "dims.key_dim");
+    detail::check_positive(dims.value_dim, "dims.value_dim");
+    window.validate(Dir::is_causal);
+    scale_ = scale.value_or(1.0 / std::sqrt(static_cast<double>(dims.key_dim)));
+    detail::require(std::isfinite(scale_), "scale",
+                    detail::expected_given("value", "a finite number", scale_));
+  }
+
+  [[nodiscard]] const SoftmaxDims& dims() const noexcept { return dims_; }
+  [[nodiscard]] const Win& window() const noexcept { return window_; }
+  [[nodiscard]] double scale() const noexcept { return scale_; }
+
+  template <Real T>
+  [[nodiscard]] static std::string kind() {
+    return std::string("SoftmaxAttention<") + Dir::name + "," + Win::name + ">/" + dtype_name<T>();
+  }
+
+  /// Whole-sequence forward. T = 0 (or B = 0) is a no-op.
+  template <exec::Policy E, Real T>
+  void forward(E, InputView<T> queries, InputView<T> keys, InputView<T> values,
+               TensorView<T, 4> out) const {
+    static_assert(exec::implemented<E>, "this execution backend is not implemented yet");
+    validate_sequence(queries, keys, values, out);
+    reference::softmax_forward<Dir::is_causal>(queries, keys, values, out, static_cast<T>(scale_),
+                                               window_);
+  }
+
+  /// A KV cache for `batch` sequences. With SlidingWindow the capacity is
+  /// left + 1 and `capacity` is ignored; without a window it is the longest
+  /// context the cache can hold.
+  template <Real T>
+    requires(Dir::is_causal)
+  [[nodiscard]] State<T> make_state(index_t batch, index_t capacity = 0) const {
+    detail::check_positive(batch, "batch");
+    if constexpr (std::is_same_v<Win, SlidingWindow>) capacity = window_.left + 1;
+    detail::check_positive(capacity, "capacity");
+    return State<T>(kind<T>(), batch, dims_.heads, dims_.key_dim, dims_.value_dim, capacity);
+  }
+
+  /// Forward that continues from the cache and leaves it at the end of the sequence.
+  template <exec::Policy E, Real T>
+    requires(Dir::is_causal)
+  void forward(E e, InputView<T> queries, InputView<T> keys, InputView<T> values,
+               TensorView<T, 4> out, State<T>& state) const {
+    validate_sequence(queries, keys, values, out);
+    validate_state(state, queries.extent(0), queries.extent(1));
+    for (index_t t = 0; t < queries.extent(1); ++t) {
+      auto at = [t](const auto& view) { return slice_time(view, t); };
+      step(e, state, at(queries), at(keys), at(values), at(out));
+    }
+  }
+
+  /// Next-token decode: inputs [B, H, Dk], [B, H, Dk], [B, H, Dv]; out [B, H, Dv].
+  /// O(context * D) per head: the KV-cache baseline.
+  template <exec::Policy E, Real T>
+    requires(Dir::is_causal)
+  void step(E, State<T>& state, StepInputView<T> queries, StepInputView<T> keys,
+            StepInputView<T> values, TensorView<T, 3> out) const {
+    static_assert(exec::implemented<E>, "this execution backend is not implemented yet");
+    const index_t B = state.batch(), H = dims_.heads;
+    validate_state(state, B, 1);
+    detail::check_shape(queries, "queries", {B, H, dims_.key_dim}, "[B, H, Dk]");
+    detail::check_shape(keys, "keys", {B, H, dims_.key_dim}, "[B, H, Dk]");
+    detail::check_shape(values, "values", {B, H, dims_.value_dim}, "[B, H, Dv]");
+    detail::check_shape(out, "out", {B, H, dims_.value_dim}, "[B, H, Dv]");
+    check_outputs_distinct(queries, keys, values, out);
+    const std::int64_t position = state.position();
+    const index_t visible = static_cast<index_t>(
+        std::min<std::int64_t>(position + 1, std::is_same_v<Win, SlidingWindow>
+                                                 ? static_cast<std::int64_t>(window_.left + 1)
+                                                 : position + 1));
+    for (index_t b = 0; b < B; ++b)
+      for (index_t h = 0; h < H; ++h)
+        reference::softmax_decode_step(queries.row(b, h), keys.row(b, h), values.row(b, h),
+                                       out.row(b, h), state.slots(b, h), state.capacity(),
+                                       dims_.key_dim, dims_.value_dim, static_cast<T>(scale_),
+                                       position, visible);
+    state.advance(1);
+  }
+
+ private:
+  template <class T>
+  static TensorView<T, 3> slice_time(const TensorView<T, 4>& view, index_t t) {
+    return TensorView<T, 3>(view.data() + t * view.stride(1),
+                            {view.extent(0), view.extent(2), view.extent(3)},
+                            {view.stride(0), view.stride(2), view.stride(3)});
+  }
+
+  template <Real T>
+  void validate_sequence(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
+                         const TensorView<const T, 4>& v, const TensorView<T, 4>& out) const {
+    check_view(q, "queries");
+    const index_t B = q.extent(0), Tn = q.extent(1), H = dims_.heads;
+    detail::check_shape(q, "queries", {B, Tn, H, dims_.key_dim}, "[B, T, H, Dk]");
+    detail::check_shape(k, "keys", {B, Tn, H, dims_.key_dim}, "[B, T, H, Dk]");
+    detail::check_shape(v, "values", {B, Tn, H, dims_.value_dim}, "[B, T, H, Dv]");
+    detail::check_shape(out, "out", {B, Tn, H, dims_.value_dim}, "[B, T, H, Dv]");
+    check_outputs_distinct(q, k, v, out);
+  }
+
+  template <class Q, class K, class V, class O>
+  static void check_outputs_distinct(const Q& q, const K& k, const V& v, const O& out) {
+    detail::check_no_overlap(out, "out", q, "queries");
+    detail::check_no_overlap(out, "out", k, "keys");
+    detail::check_no_overlap(out, "out", v, "values");
+  }
+
+  template <Real T>
+  void validate_state(const State<T>& state, index_t batch, index_t new_tokens) const {
+    detail::require(state.kind() == kind<T>(), "state",
+                    detail::expected_given("state kind", kind<T>(),
+                                           state.kind().empty() ? "<empty state>" : state.kind()));
+    detail::require(state.batch() == batch, "state",
+                    detail::expected_given("state batch", batch, state.batch()));
+    detail::require(state.heads() == dims_.heads && state.key_dim() == dims_.key_dim &&
+                        state.value_dim() == dims_.value_dim,
+                    "state",
+                    detail::expected_given(
+                        "state [H, Dk, Dv]",
+                        format_extents<3>({dims_.heads, dims_.key_dim, dims_.value_dim}),
+                        format_extents<3>({state.heads(), state.key_dim(), state.value_dim()})));
+    if constexpr (!std::is_same_v<Win, SlidingWindow>) {
+      detail::require(state.position() + new_tokens <= state.capacity(), "state",
+                      detail::expected_given("KV cache capacity for " +
+                                                 std::to_string(state.position() + new_tokens) +
+                                                 " tokens",
+                                             ">= " + std::to_string(state.position() + new_tokens),
+                                             state.capacity()));
+    }
+  }
+
+  SoftmaxDims dims_;
+  Win window_;
+  double scale_ = 1.0;
+};
+
+}  // namespace latte

@@ -1,0 +1,5 @@
+#pragma once
+#define LATTE_VERSION_MAJOR 0
+#define LATTE_VERSION_MINOR 1
+#define LATTE_VERSION_PATCH 0
+#define LATTE_VERSION_STRING "0.1.0"

@@ -1,0 +1,86 @@
+// Latte (reference backend) against the explicit T x T oracle on >= 200 random
+// shapes per direction, positional policy and dtype.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <numbers>
+
+#include "oracles/latte_oracle.hpp"
+#include "support.hpp"
+
+namespace {
+using namespace latte;
+using namespace latte::test;
+
+constexpr int kCases = 200;
+
+/// The angles a VAPOR attention was given, as long double for the oracle; the
+/// default schedule is recomputed here from its definition base^(-2i/Dv).
+std::vector<long double> oracle_angles(const Tensor<double, 2>& given, index_t H, index_t Dv) {
+  const index_t pairs = Dv / 2;
+  std::vector<long double> angles(static_cast<std::size_t>(H * pairs));
+  for (index_t h = 0; h < H; ++h)
+    for (index_t i = 0; i < pairs; ++i)
+      angles[h * pairs + i] = given.size() ? (long double)given(h, i)
+                                           : std::pow(10000.0L, -2.0L * i / (long double)Dv);
+  return angles;
+}
+
+template <class T, class Dir, class Pos>
+void run_oracle_cases(const char* label, std::uint64_t seed) {
+  Rng rng(seed);
+  double worst = 0;
+  long long elements = 0;
+  for (int c = 0; c < kCases; ++c) {
+    const Shape s = random_shape(rng);
+    const double logit_scale = pick(rng, std::array{0.5, 2.0, 6.0});
+    const auto q = random_tensor<T, 4>(rng, {s.batch, s.time, s.heads, s.latents}, logit_scale);
+    const auto k = random_tensor<T, 4>(rng, {s.batch, s.time, s.heads, s.latents}, logit_scale);
+    const auto v = uniform_tensor<T, 4>(rng, {s.batch, s.time, s.heads, s.value_dim}, -1, 1);
+    typename Pos::Params params{};
+    std::vector<long double> angles;
+    if constexpr (Pos::rotates_values) {
+      if (c % 2 == 1) {  // half the cases: learned-looking angles in (0, pi)
+        params.angles = uniform_tensor<double, 2>(rng, {s.heads, s.value_dim / 2}, 0.0,
+                                                  std::numbers::pi);
+      }
+      angles = oracle_angles(params.angles, s.heads, s.value_dim);
+    }
+    const LatteAttention<Dir, RunningMax, Pos> attention(
+        {.heads = s.heads, .latents = s.latents, .value_dim = s.value_dim}, params);
+    Tensor<T, 4> out(v.extents());
+    attention.forward(exec::reference, q, k, v, out.view());
+    const double error = relative_error(out, latte_oracle(Dir::is_causal, q, k, v, angles));
+    CHECK_MESSAGE(error <= Tolerance<T>::relative, label << " case " << c << " B=" << s.batch
+                                                         << " T=" << s.time << " H=" << s.heads
+                                                         << " L=" << s.latents
+                                                         << " Dv=" << s.value_dim
+                                                         << " error=" << error);
+    worst = std::max(worst, error);
+    elements += out.size();
+  }
+  std::printf("[oracle] %-44s %s cases=%d elements=%lld max_rel_error=%.3e (tol %.0e)\n", label,
+              dtype_name<T>(), kCases, elements, worst, Tolerance<T>::relative);
+}
+
+}  // namespace
+
+TEST_CASE("Latte causal == oracle (float, double)") {
+  run_oracle_cases<float, Causal, NoPositional>("LatteAttention<Causal>", 101);
+  run_oracle_cases<double, Causal, NoPositional>("LatteAttention<Causal>", 102);
+}
+TEST_CASE("Latte bidirectional == oracle (float, double)") {
+  run_oracle_cases<float, Bidirectional, NoPositional>("LatteAttention<Bidirectional>", 103);
+  run_oracle_cases<double, Bidirectional, NoPositional>("LatteAttention<Bidirectional>", 104);
+}
+TEST_CASE("Latte causal VAPOR == oracle (float, double)") {
+  run_oracle_cases<float, Causal, VAPOR>("LatteAttention<Causal,RunningMax,VAPOR>", 105);
+  run_oracle_cases<double, Causal, VAPOR>("LatteAttention<Causal,RunningMax,VAPOR>", 106);
+}
+TEST_CASE("Latte bidirectional VAPOR == oracle (float, double)") {
+  run_oracle_cases<float, Bidirectional, VAPOR>("LatteAttention<Bidirectional,RunningMax,VAPOR>",
+                                                107);
+  run_oracle_cases<double, Bidirectional, VAPOR>("LatteAttention<Bidirectional,RunningMax,VAPOR>",
+                                                 108);
+}
