@@ -5,6 +5,7 @@
 // allowed = all s (Bidirectional), s <= t (Causal), and with
 // SlidingWindow{left, right}: t - left <= s <= t + right (FlashAttention's convention).
 // Default scale 1/sqrt(Dk). Causal decode keeps a KV cache (KVCache<T>).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <optional>
@@ -85,6 +86,22 @@ class SoftmaxAttention {
     return State<T>(kind<T>(), batch, dims_.heads, dims_.key_dim, dims_.value_dim, capacity);
   }
 
+  /// Restores a cache saved with State::save() by an attention of this type.
+  template <Real T>
+    requires(Dir::is_causal)
+  [[nodiscard]] State<T> load_state(std::span<const std::byte> bytes) const {
+    detail::ByteReader header(bytes, kind<T>());  // checks magic and kind first
+    const auto batch = header.read<std::int64_t>();
+    detail::require(batch >= 1, "bytes", detail::expected_given("saved batch", ">= 1", batch));
+    for (int skipped = 0; skipped < 3; ++skipped) (void)header.read<std::int64_t>();
+    const auto capacity = header.read<std::int64_t>();
+    detail::require(capacity >= 1, "bytes",
+                    detail::expected_given("saved capacity", ">= 1", capacity));
+    State<T> state = make_state<T>(batch, capacity);
+    state.restore(bytes);
+    return state;
+  }
+
   /// Forward that continues from the cache and leaves it at the end of the sequence.
   template <exec::Policy E, Real T>
     requires(Dir::is_causal)
@@ -113,16 +130,15 @@ class SoftmaxAttention {
     detail::check_shape(out, "out", {B, H, dims_.value_dim}, "[B, H, Dv]");
     check_outputs_distinct(queries, keys, values, out);
     const std::int64_t position = state.position();
-    const index_t visible = static_cast<index_t>(
-        std::min<std::int64_t>(position + 1, std::is_same_v<Win, SlidingWindow>
-                                                 ? static_cast<std::int64_t>(window_.left + 1)
-                                                 : position + 1));
+    std::int64_t visible = position + 1;  // every token so far, or the window
+    if constexpr (std::is_same_v<Win, SlidingWindow>)
+      visible = std::min<std::int64_t>(visible, window_.left + 1);
     for (index_t b = 0; b < B; ++b)
       for (index_t h = 0; h < H; ++h)
         reference::softmax_decode_step(queries.row(b, h), keys.row(b, h), values.row(b, h),
                                        out.row(b, h), state.slots(b, h), state.capacity(),
                                        dims_.key_dim, dims_.value_dim, static_cast<T>(scale_),
-                                       position, visible);
+                                       position, static_cast<index_t>(visible));
     state.advance(1);
   }
 

@@ -1,0 +1,210 @@
+// Decode equivalence: forward(T) == prefill(T1) + (T - T1) steps (both equal to
+// the oracle), chunked prefill, positions continuing across calls (VAPOR), and
+// save/restore continuing bit-exactly.
+#include <doctest/doctest.h>
+
+#include <cstdio>
+
+#include "oracles/latte_oracle.hpp"
+#include "oracles/softmax_oracle.hpp"
+#include "support.hpp"
+
+namespace {
+using namespace latte;
+using namespace latte::test;
+
+constexpr int kCases = 60;
+
+std::vector<long double> rope_angles(index_t H, index_t Dv) {
+  std::vector<long double> angles;
+  for (index_t h = 0; h < H; ++h)
+    for (index_t i = 0; i < Dv / 2; ++i)
+      angles.push_back(std::pow(10000.0L, -2.0L * i / (long double)Dv));
+  return angles;
+}
+
+/// Runs prefill of the first `prefill` tokens through forward(..., state), the
+/// rest through step(), and returns the whole output.
+template <class Attention, class T, class State>
+Tensor<T, 4> prefill_then_step(const Attention& attention, State& state, const Tensor<T, 4>& q,
+                               const Tensor<T, 4>& k, const Tensor<T, 4>& v, index_t prefill) {
+  const index_t Tn = q.extent(1);
+  Tensor<T, 4> out({v.extent(0), Tn, v.extent(2), v.extent(3)});
+  Tensor<T, 4> head_out({v.extent(0), prefill, v.extent(2), v.extent(3)});
+  attention.forward(exec::reference, time_slice(q, 0, prefill), time_slice(k, 0, prefill),
+                    time_slice(v, 0, prefill), head_out.view(), state);
+  for (index_t t = 0; t < prefill; ++t) set_time_step(out, t, time_step(head_out, t));
+  Tensor<T, 3> row({v.extent(0), v.extent(2), v.extent(3)});
+  for (index_t t = prefill; t < Tn; ++t) {
+    attention.step(exec::reference, state, time_step(q, t), time_step(k, t), time_step(v, t),
+                   row.view());
+    set_time_step(out, t, row);
+  }
+  return out;
+}
+
+template <class T, class Pos>
+void latte_decode_cases(std::uint64_t seed) {
+  Rng rng(seed);
+  double worst = 0;
+  for (int c = 0; c < kCases; ++c) {
+    const Shape s = random_shape(rng, 1e7);
+    const auto q = random_tensor<T, 4>(rng, {s.batch, s.time, s.heads, s.latents}, 2.0);
+    const auto k = random_tensor<T, 4>(rng, {s.batch, s.time, s.heads, s.latents}, 2.0);
+    const auto v = uniform_tensor<T, 4>(rng, {s.batch, s.time, s.heads, s.value_dim}, -1, 1);
+    const LatteAttention<Causal, RunningMax, Pos> attention(
+        {.heads = s.heads, .latents = s.latents, .value_dim = s.value_dim});
+    const auto oracle = latte_oracle(true, q, k, v,
+                                     Pos::rotates_values ? rope_angles(s.heads, s.value_dim)
+                                                         : std::vector<long double>{});
+    Tensor<T, 4> whole(v.extents());
+    attention.forward(exec::reference, q, k, v, whole.view());
+
+    const index_t prefill = std::uniform_int_distribution<index_t>(0, s.time)(rng);
+    auto state = attention.template make_state<T>(s.batch);
+    const auto decoded = prefill_then_step(attention, state, q, k, v, prefill);
+    CHECK(state.position() == s.time);
+
+    const double error_whole = relative_error(whole, oracle);
+    const double error_decoded = relative_error(decoded, oracle);
+    CHECK_MESSAGE(error_whole <= Tolerance<T>::relative, "case " << c);
+    CHECK_MESSAGE(error_decoded <= Tolerance<T>::relative,
+                  "case " << c << " T=" << s.time << " prefill=" << prefill);
+    worst = std::max({worst, error_whole, error_decoded});
+  }
+  std::printf("[decode] LatteAttention<Causal,RunningMax,%s> %s cases=%d max_rel_error=%.3e\n",
+              Pos::name, dtype_name<T>(), kCases, worst);
+}
+
+template <class T, class Win>
+void softmax_decode_cases(std::uint64_t seed) {
+  Rng rng(seed);
+  double worst = 0;
+  for (int c = 0; c < kCases; ++c) {
+    const Shape s = random_shape(rng, 1e7);
+    const index_t Dk = s.latents;
+    const auto q = random_tensor<T, 4>(rng, {s.batch, s.time, s.heads, Dk}, 1.0);
+    const auto k = random_tensor<T, 4>(rng, {s.batch, s.time, s.heads, Dk}, 1.0);
+    const auto v = uniform_tensor<T, 4>(rng, {s.batch, s.time, s.heads, s.value_dim}, -1, 1);
+    Win window{};
+    MaskSpec mask{.causal = true};
+    if constexpr (std::is_same_v<Win, SlidingWindow>) {
+      window.left = std::uniform_int_distribution<index_t>(0, s.time + 1)(rng);
+      mask.left = window.left;
+    }
+    const SoftmaxAttention<Causal, Win> attention(
+        {.heads = s.heads, .key_dim = Dk, .value_dim = s.value_dim}, window);
+    const auto oracle =
+        softmax_oracle(mask, 1.0L / std::sqrt((long double)Dk), q, k, v);
+    const index_t prefill = std::uniform_int_distribution<index_t>(0, s.time)(rng);
+    auto cache = attention.template make_state<T>(s.batch, s.time);
+    const auto decoded = prefill_then_step(attention, cache, q, k, v, prefill);
+    const double error = relative_error(decoded, oracle);
+    CHECK_MESSAGE(error <= Tolerance<T>::relative,
+                  "case " << c << " T=" << s.time << " prefill=" << prefill);
+    worst = std::max(worst, error);
+  }
+  std::printf("[decode] SoftmaxAttention<Causal,%s> (KV cache) %s cases=%d max_rel_error=%.3e\n",
+              Win::name, dtype_name<T>(), kCases, worst);
+}
+
+}  // namespace
+
+TEST_CASE("Latte: prefill + steps == forward == oracle") {
+  latte_decode_cases<float, NoPositional>(301);
+  latte_decode_cases<double, NoPositional>(302);
+}
+TEST_CASE("Latte VAPOR: positions continue across forward and step") {
+  latte_decode_cases<float, VAPOR>(303);
+  latte_decode_cases<double, VAPOR>(304);
+}
+TEST_CASE("Softmax KV cache: prefill + steps == oracle") {
+  softmax_decode_cases<float, NoWindow>(305);
+  softmax_decode_cases<double, NoWindow>(306);
+  softmax_decode_cases<float, SlidingWindow>(307);
+  softmax_decode_cases<double, SlidingWindow>(308);
+}
+
+TEST_CASE("Latte: chunked prefill equals one forward") {
+  Rng rng(309);
+  const index_t B = 2, Tn = 97, H = 3, L = 7, Dv = 6;
+  const auto q = random_tensor<double, 4>(rng, {B, Tn, H, L}, 3.0);
+  const auto k = random_tensor<double, 4>(rng, {B, Tn, H, L}, 3.0);
+  const auto v = uniform_tensor<double, 4>(rng, {B, Tn, H, Dv}, -1, 1);
+  const LatteAttention<Causal, RunningMax, VAPOR> attention({H, L, Dv});
+  const auto oracle = latte_oracle(true, q, k, v, rope_angles(H, Dv));
+  auto state = attention.make_state<double>(B);
+  Tensor<double, 4> out({B, Tn, H, Dv});
+  index_t first = 0;
+  for (index_t chunk : {0, 1, 13, 40, 43}) {
+    Tensor<double, 4> part({B, chunk, H, Dv});
+    attention.forward(exec::reference, time_slice(q, first, chunk), time_slice(k, first, chunk),
+                      time_slice(v, first, chunk), part.view(), state);
+    for (index_t t = 0; t < chunk; ++t) set_time_step(out, first + t, time_step(part, t));
+    first += chunk;
+  }
+  REQUIRE(first == Tn);
+  CHECK(relative_error(out, oracle) <= Tolerance<double>::relative);
+}
+
+template <class Attention, class T>
+void check_save_restore(const Attention& attention, const Tensor<T, 4>& q, const Tensor<T, 4>& k,
+                        const Tensor<T, 4>& v, index_t split,
+                        typename Attention::template State<T> state) {
+  const index_t B = q.extent(0), Tn = q.extent(1), H = v.extent(2), Dv = v.extent(3);
+  Tensor<T, 4> head({B, split, H, Dv});
+  attention.forward(exec::reference, time_slice(q, 0, split), time_slice(k, 0, split),
+                    time_slice(v, 0, split), head.view(), state);
+  const std::vector<std::byte> bytes = state.save();
+  auto restored = attention.template load_state<T>(bytes);
+  CHECK(restored.position() == state.position());
+  CHECK(restored.save() == bytes);
+  Tensor<T, 4> rest_original({B, Tn - split, H, Dv}), rest_restored({B, Tn - split, H, Dv});
+  attention.forward(exec::reference, time_slice(q, split, Tn - split),
+                    time_slice(k, split, Tn - split), time_slice(v, split, Tn - split),
+                    rest_original.view(), state);
+  attention.forward(exec::reference, time_slice(q, split, Tn - split),
+                    time_slice(k, split, Tn - split), time_slice(v, split, Tn - split),
+                    rest_restored.view(), restored);
+  CHECK(bit_equal(rest_original, rest_restored));
+  CHECK(state.save() == restored.save());
+}
+
+TEST_CASE("Latte: save/restore continues bit-exactly") {
+  Rng rng(310);
+  const index_t B = 2, Tn = 64, H = 3, L = 5, Dv = 8;
+  const auto q = random_tensor<float, 4>(rng, {B, Tn, H, L}, 4.0);
+  const auto k = random_tensor<float, 4>(rng, {B, Tn, H, L}, 4.0);
+  const auto v = uniform_tensor<float, 4>(rng, {B, Tn, H, Dv}, -1, 1);
+  const LatteAttention<Causal, RunningMax, VAPOR> attention({H, L, Dv});
+  check_save_restore(attention, q, k, v, 29, attention.make_state<float>(B, 1000));
+  const LatteAttention<Causal> plain({H, L, Dv});
+  check_save_restore(plain, q, k, v, 1, plain.make_state<float>(B));
+}
+
+TEST_CASE("Softmax KV cache: save/restore continues bit-exactly") {
+  Rng rng(311);
+  const index_t B = 1, Tn = 50, H = 2, Dk = 4, Dv = 3;
+  const auto q = random_tensor<double, 4>(rng, {B, Tn, H, Dk}, 1.0);
+  const auto k = random_tensor<double, 4>(rng, {B, Tn, H, Dk}, 1.0);
+  const auto v = uniform_tensor<double, 4>(rng, {B, Tn, H, Dv}, -1, 1);
+  const SoftmaxAttention<Causal> full({H, Dk, Dv});
+  check_save_restore(full, q, k, v, 20, full.make_state<double>(B, Tn));
+  const SoftmaxAttention<Causal, SlidingWindow> windowed({H, Dk, Dv}, {.left = 7});
+  check_save_restore(windowed, q, k, v, 33, windowed.make_state<double>(B));
+}
+
+TEST_CASE("Latte state size is independent of the context length") {
+  const LatteAttention<Causal, RunningMax, VAPOR> attention({4, 16, 8});
+  auto state = attention.make_state<float>(1);
+  const std::size_t bytes_before = state.bytes();
+  Rng rng(312);
+  for (index_t n : {10, 1000}) {
+    const auto q = random_tensor<float, 4>(rng, {1, n, 4, 16}, 1.0);
+    const auto v = uniform_tensor<float, 4>(rng, {1, n, 4, 8}, -1, 1);
+    Tensor<float, 4> out({1, n, 4, 8});
+    attention.forward(exec::reference, q, q, v, out.view(), state);
+    CHECK(state.bytes() == bytes_before);
+    CHECK(state.save().size() == attention.make_state<float>(1).save().size());
+  }
+}

@@ -1,0 +1,238 @@
+// Adversarial numerics: logit spreads, the NoStabilizer failure mode, VAPOR at
+// large positions, rows of the implied attention summing to one, masked
+// latents and zero values.
+#include <doctest/doctest.h>
+
+#include <cstdio>
+#include <limits>
+
+#include "oracles/latte_oracle.hpp"
+#include "oracles/softmax_oracle.hpp"
+#include "support.hpp"
+
+namespace {
+using namespace latte;
+using namespace latte::test;
+
+/// [1, T, 1, L] key logits whose latent 0 is the paper's [1, 10, 1000] pattern.
+template <class T>
+Tensor<T, 4> paper_spread_keys(Rng& rng, index_t L) {
+  auto k = random_tensor<T, 4>(rng, {1, 3, 1, L}, 1.0);
+  k(0, 0, 0, 0) = 1;
+  k(0, 1, 0, 0) = 10;
+  k(0, 2, 0, 0) = 1000;
+  return k;
+}
+
+template <class T, class Stab>
+Tensor<T, 4> latte_forward(bool causal, const Tensor<T, 4>& q, const Tensor<T, 4>& k,
+                           const Tensor<T, 4>& v) {
+  Tensor<T, 4> out(v.extents());
+  const LatteDims dims{q.extent(2), q.extent(3), v.extent(3)};
+  if (causal)
+    LatteAttention<Causal, Stab>(dims).forward(exec::reference, q, k, v, out.view());
+  else
+    LatteAttention<Bidirectional, Stab>(dims).forward(exec::reference, q, k, v, out.view());
+  return out;
+}
+
+template <class T>
+void paper_example() {
+  Rng rng(401);
+  for (index_t L : {1, 4}) {
+    const auto q = random_tensor<T, 4>(rng, {1, 3, 1, L}, 1.0);
+    const auto k = paper_spread_keys<T>(rng, L);
+    const auto v = uniform_tensor<T, 4>(rng, {1, 3, 1, 5}, -1, 1);
+    for (bool causal : {true, false}) {
+      const auto stable = latte_forward<T, RunningMax>(causal, q, k, v);
+      CHECK(all_finite(stable));
+      CHECK(relative_error(stable, latte_oracle(causal, q, k, v)) <= Tolerance<T>::relative);
+      // The ablation: raw exp(1000) overflows and the output is NaN.
+      const auto raw = latte_forward<T, NoStabilizer>(causal, q, k, v);
+      CHECK_FALSE(all_finite(raw));
+    }
+  }
+  // In the causal case the first two rows see only [1] and [1, 10]: p(s|l,t) there
+  // must be the exact prefix softmax, which a single global max (1000) would
+  // underflow to 0/0. With L = 1 the output is p(s|t) v exactly.
+  const Tensor<T, 4> q({1, 3, 1, 1}, T(0));
+  const auto k = paper_spread_keys<T>(rng, 1);
+  Tensor<T, 4> v({1, 3, 1, 1});
+  v(0, 0, 0, 0) = 1;
+  v(0, 1, 0, 0) = 2;
+  v(0, 2, 0, 0) = 4;
+  const auto out = latte_forward<T, RunningMax>(true, q, k, v);
+  const double w = std::exp(-9.0);  // p(s=0 | t=1) = e^1 / (e^1 + e^10)
+  CHECK(double(out(0, 0, 0, 0)) == doctest::Approx(1.0).epsilon(1e-6));
+  CHECK(double(out(0, 1, 0, 0)) == doctest::Approx((w * 1 + 2) / (w + 1)).epsilon(1e-6));
+  CHECK(double(out(0, 2, 0, 0)) == doctest::Approx(4.0).epsilon(1e-6));
+}
+
+template <class T>
+void random_spreads() {
+  Rng rng(402);
+  double worst = 0;
+  int cases = 0, overflow_cases = 0;
+  for (double spread : {1e3, 3e3, 1e4}) {
+    for (int c = 0; c < 12; ++c, ++cases) {
+      const Shape s = random_shape(rng, 2e6);
+      const auto q = uniform_tensor<T, 4>(rng, {s.batch, s.time, s.heads, s.latents},
+                                          -spread / 2, spread / 2);
+      const auto k = uniform_tensor<T, 4>(rng, {s.batch, s.time, s.heads, s.latents},
+                                          -spread / 2, spread / 2);
+      const auto v = uniform_tensor<T, 4>(rng, {s.batch, s.time, s.heads, s.value_dim}, -1, 1);
+      for (bool causal : {true, false}) {
+        const auto out = latte_forward<T, RunningMax>(causal, q, k, v);
+        REQUIRE(all_finite(out));
+        const double error = relative_error(out, latte_oracle(causal, q, k, v));
+        CHECK_MESSAGE(error <= Tolerance<T>::relative, "spread " << spread << " case " << c);
+        worst = std::max(worst, error);
+      }
+      // NoStabilizer overflows as soon as one key logit exceeds log(max of T).
+      const T k_max = *std::max_element(k.data(), k.data() + k.size());
+      if (double(k_max) > std::log(double(std::numeric_limits<T>::max()))) {
+        const auto raw = latte_forward<T, NoStabilizer>(true, q, k, v);
+        CHECK_FALSE(all_finite(raw));
+        ++overflow_cases;
+      }
+    }
+  }
+  CHECK(overflow_cases >= 12);  // the ablation's failure was actually exercised
+  std::printf("[spread] Latte RunningMax %s spreads 1e3..1e4 cases=%d max_rel_error=%.3e; "
+              "NoStabilizer non-finite in %d of them\n",
+              dtype_name<T>(), cases, worst, overflow_cases);
+}
+
+}  // namespace
+
+TEST_CASE("Key logits [1, 10, 1000]: RunningMax exact, NoStabilizer overflows") {
+  paper_example<float>();
+  paper_example<double>();
+}
+
+TEST_CASE("Logit spreads up to 1e4 stay finite and exact") {
+  random_spreads<float>();
+  random_spreads<double>();
+}
+
+TEST_CASE("VAPOR at positions up to 1e7 in float32 matches float64 and the oracle") {
+  Rng rng(403);
+  const index_t B = 1, Tn = 40, H = 2, L = 6, Dv = 16;
+  const auto q64 = random_tensor<double, 4>(rng, {B, Tn, H, L}, 2.0);
+  const auto k64 = random_tensor<double, 4>(rng, {B, Tn, H, L}, 2.0);
+  const auto v64 = uniform_tensor<double, 4>(rng, {B, Tn, H, Dv}, -1, 1);
+  Tensor<float, 4> q32(q64.extents()), k32(k64.extents()), v32(v64.extents());
+  for (index_t i = 0; i < q64.size(); ++i) q32.data()[i] = float(q64.data()[i]);
+  for (index_t i = 0; i < k64.size(); ++i) k32.data()[i] = float(k64.data()[i]);
+  for (index_t i = 0; i < v64.size(); ++i) v32.data()[i] = float(v64.data()[i]);
+  // Angles up to 1 rad per step: at 1e7 the angle is ~1e7 rad, where a float32
+  // product position*theta would be off by whole radians.
+  VAPOR::Params params;
+  params.angles = uniform_tensor<double, 2>(rng, {H, Dv / 2}, 0.01, 1.0);
+  std::vector<long double> angles;
+  for (index_t i = 0; i < params.angles.size(); ++i) angles.push_back(params.angles.data()[i]);
+  const LatteAttention<Causal, RunningMax, VAPOR> attention({H, L, Dv}, params);
+  const auto oracle = latte_oracle(true, q32, k32, v32, angles);
+  for (std::int64_t first : {std::int64_t{0}, std::int64_t{1'000'003}, std::int64_t{9'999'960}}) {
+    auto state32 = attention.make_state<float>(B, first);
+    auto state64 = attention.make_state<double>(B, first);
+    Tensor<float, 4> out32(v32.extents());
+    Tensor<double, 4> out64(v64.extents());
+    attention.forward(exec::reference, q32, k32, v32, out32.view(), state32);
+    attention.forward(exec::reference, q64, k64, v64, out64.view(), state64);
+    CHECK(state32.position() == first + Tn);
+    const double error = relative_error(out32, oracle);
+    CHECK_MESSAGE(error <= Tolerance<float>::relative, "first position " << first);
+    TensorLD<4> as_ld(out64.extents());
+    for (index_t i = 0; i < out64.size(); ++i) as_ld.data()[i] = out64.data()[i];
+    CHECK(relative_error(out32, as_ld) <= Tolerance<float>::relative);
+    std::printf("[vapor] positions %lld..%lld float32 vs oracle max_rel_error=%.3e\n",
+                static_cast<long long>(first), static_cast<long long>(first + Tn), error);
+  }
+}
+
+/// With one-hot values v_s = e_s (Dv = T), output row t is row t of the implied
+/// attention matrix: it must match the oracle matrix, be zero above the
+/// diagonal when causal, and sum to 1.
+template <class T>
+void implied_rows(bool causal) {
+  Rng rng(404);
+  for (index_t Tn : {1, 2, 17, 61}) {
+    for (index_t L : {1, 7}) {
+      const auto q = random_tensor<T, 4>(rng, {1, Tn, 1, L}, 3.0);
+      const auto k = random_tensor<T, 4>(rng, {1, Tn, 1, L}, 3.0);
+      Tensor<T, 4> one_hot({1, Tn, 1, Tn}, T(0));
+      for (index_t s = 0; s < Tn; ++s) one_hot(0, s, 0, s) = 1;
+      const auto rows = latte_forward<T, RunningMax>(causal, q, k, one_hot);
+      const auto matrix = latte_attention_matrix(causal, q, k, 0, 0);
+      for (index_t t = 0; t < Tn; ++t) {
+        double total = 0;
+        for (index_t s = 0; s < Tn; ++s) {
+          total += rows(0, t, 0, s);
+          CHECK(std::fabs(double(rows(0, t, 0, s)) - double(matrix[t * Tn + s])) <=
+                Tolerance<T>::relative);
+          if (causal && s > t) CHECK(rows(0, t, 0, s) == T(0));
+        }
+        CHECK(std::fabs(total - 1.0) <= Tolerance<T>::relative);
+      }
+    }
+  }
+}
+
+TEST_CASE("Rows of the implied attention matrix sum to 1") {
+  implied_rows<float>(true);
+  implied_rows<float>(false);
+  implied_rows<double>(true);
+  implied_rows<double>(false);
+}
+
+TEST_CASE("Softmax rows sum to 1 and large scores stay finite") {
+  Rng rng(405);
+  const index_t Tn = 33;
+  auto q = random_tensor<float, 4>(rng, {1, Tn, 1, 4}, 30.0);  // scores up to ~1e3
+  auto k = random_tensor<float, 4>(rng, {1, Tn, 1, 4}, 30.0);
+  Tensor<float, 4> one_hot({1, Tn, 1, Tn}, 0.f);
+  for (index_t s = 0; s < Tn; ++s) one_hot(0, s, 0, s) = 1;
+  Tensor<float, 4> rows(one_hot.extents());
+  SoftmaxAttention<Causal>({1, 4, Tn}).forward(exec::reference, q, k, one_hot, rows.view());
+  REQUIRE(all_finite(rows));
+  CHECK(relative_error(rows, softmax_oracle({.causal = true}, 0.5L, q, k, one_hot)) <=
+        Tolerance<float>::relative);
+  for (index_t t = 0; t < Tn; ++t) {
+    double total = 0;
+    for (index_t s = 0; s < Tn; ++s) total += rows(0, t, 0, s);
+    CHECK(std::fabs(total - 1.0) <= Tolerance<float>::relative);
+  }
+}
+
+TEST_CASE("Masked latents (-inf logits) follow the documented convention") {
+  constexpr double inf = std::numeric_limits<double>::infinity();
+  Rng rng(406);
+  const index_t Tn = 23, L = 5, Dv = 4;
+  auto q = random_tensor<double, 4>(rng, {1, Tn, 1, L}, 2.0);
+  auto k = random_tensor<double, 4>(rng, {1, Tn, 1, L}, 2.0);
+  const auto v = uniform_tensor<double, 4>(rng, {1, Tn, 1, Dv}, -1, 1);
+  for (index_t t = 0; t < Tn; ++t) {
+    k(0, t, 0, 1) = -inf;              // latent 1: never any key mass
+    if (t < 10) k(0, t, 0, 2) = -inf;  // latent 2: empty until t = 10
+    if (t % 3 == 0) q(0, t, 0, 3) = -inf;  // the query ignores latent 3 sometimes
+  }
+  for (index_t l = 0; l < L; ++l) q(0, 7, 0, l) = -inf;  // query 7 ignores every latent
+  for (bool causal : {true, false}) {
+    const auto out = latte_forward<double, RunningMax>(causal, q, k, v);
+    REQUIRE(all_finite(out));
+    CHECK(relative_error(out, latte_oracle(causal, q, k, v)) <= Tolerance<double>::relative);
+    for (index_t d = 0; d < Dv; ++d) CHECK(out(0, 7, 0, d) == 0.0);
+  }
+}
+
+TEST_CASE("All-zero values give exactly zero output") {
+  Rng rng(407);
+  const auto q = random_tensor<float, 4>(rng, {2, 31, 3, 7}, 5.0);
+  const auto k = random_tensor<float, 4>(rng, {2, 31, 3, 7}, 5.0);
+  const Tensor<float, 4> v({2, 31, 3, 6}, 0.f);
+  for (bool causal : {true, false}) {
+    const auto out = latte_forward<float, RunningMax>(causal, q, k, v);
+    for (index_t i = 0; i < out.size(); ++i) CHECK(out.data()[i] == 0.f);
+  }
+}
