@@ -4,6 +4,7 @@
 #include <array>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "latte/core/error.hpp"
 #include "latte/core/tensor_view.hpp"
@@ -19,6 +20,30 @@ void check_shape(const TensorView<T, N>& view, std::string_view argument,
   if (view.extents() == expected) return;
   throw Error(argument, expected_given(std::string("shape ") + std::string(layout),
                                        format_extents(expected), format_extents(view.extents())));
+}
+
+/// An output's elements must be distinct: ordered by stride, every dimension
+/// of extent > 1 must step past the whole span of the smaller ones (so no
+/// zero strides and no interleaving that would write one element twice).
+template <class T, std::size_t N>
+void check_distinct_elements(const TensorView<T, N>& view, std::string_view argument) {
+  if (view.empty()) return;
+  std::array<std::array<index_t, 2>, N> by_stride{};  // {stride, extent}
+  std::size_t count = 0;
+  for (std::size_t d = 0; d < N; ++d)
+    if (view.extent(d) > 1) by_stride[count++] = {view.stride(d), view.extent(d)};
+  for (std::size_t i = 1; i < count; ++i)  // insertion sort: N is at most 4
+    for (std::size_t j = i; j > 0 && by_stride[j][0] < by_stride[j - 1][0]; --j)
+      std::swap(by_stride[j], by_stride[j - 1]);
+  index_t span = 1;
+  for (std::size_t i = 0; i < count; ++i) {
+    const auto [stride, extent] = by_stride[i];
+    require(stride >= span, argument,
+            "strides " + format_extents(view.strides()) + " for extents " +
+                format_extents(view.extents()) +
+                " address some elements twice; an output needs distinct elements");
+    span += (extent - 1) * stride;
+  }
 }
 
 /// An output must not share memory with an input.

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <span>
 #include <string>
 #include <string_view>
@@ -20,6 +21,22 @@
 namespace latte::detail {
 
 inline constexpr std::string_view state_magic = "latteST1";
+
+/// A saved state claiming the product of `extents` elements of `element_size`
+/// bytes must be at least that long; checked before a state is allocated from it.
+inline void require_state_fits(std::size_t buffer_bytes, std::size_t element_size,
+                               std::initializer_list<std::int64_t> extents) {
+  std::size_t elements = 1;
+  for (std::int64_t extent : extents) {
+    require(extent >= 0 && static_cast<std::size_t>(extent) <= buffer_bytes, "bytes",
+            expected_given("saved extent that fits the buffer", "<= " + std::to_string(buffer_bytes),
+                           extent));
+    elements *= static_cast<std::size_t>(extent);
+    require(elements * element_size <= buffer_bytes, "bytes",
+            expected_given("state buffer bytes", ">= " + std::to_string(elements * element_size),
+                           buffer_bytes));
+  }
+}
 
 class ByteWriter {
  public:

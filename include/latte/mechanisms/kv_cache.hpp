@@ -67,9 +67,13 @@ class KVCache {
     }
     const auto position = reader.read<std::int64_t>();
     detail::require(position >= 0, "bytes", detail::expected_given("saved position", ">= 0", position));
-    reader.read_array(keys_, keys_.size(), "keys");
-    reader.read_array(values_, values_.size(), "values");
+    // Read everything first: a bad buffer leaves this cache untouched.
+    std::vector<T> keys, values;
+    reader.read_array(keys, keys_.size(), "keys");
+    reader.read_array(values, values_.size(), "values");
     reader.finish();
+    keys_.swap(keys);
+    values_.swap(values);
     position_ = position;
   }
 

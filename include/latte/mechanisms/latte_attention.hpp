@@ -110,6 +110,9 @@ class LatteAttention {
     detail::ByteReader header(bytes, kind<T>());  // checks magic and kind first
     const auto batch = header.read<std::int64_t>();
     detail::require(batch >= 1, "bytes", detail::expected_given("saved batch", ">= 1", batch));
+    // The buffer must hold the state it describes before anything is allocated.
+    detail::require_state_fits(bytes.size(), sizeof(T),
+                               {batch, dims_.heads, dims_.latents, dims_.value_dim + 2});
     State<T> state = make_state<T>(batch);
     state.restore(bytes);
     return state;
@@ -169,6 +172,7 @@ class LatteAttention {
 
   template <class Q, class K, class V, class O>
   static void check_outputs_distinct(const Q& q, const K& k, const V& v, const O& out) {
+    detail::check_distinct_elements(out, "out");
     detail::check_no_overlap(out, "out", q, "query_logits");
     detail::check_no_overlap(out, "out", k, "key_logits");
     detail::check_no_overlap(out, "out", v, "values");

@@ -73,10 +73,17 @@ class LatteState {
                       detail::expected_given(std::string("saved ") + name, extent, saved));
     }
     const auto position = reader.read<std::int64_t>();
-    reader.read_array(running_max_, running_max_.size(), "running_max");
-    reader.read_array(normaliser_, normaliser_.size(), "normaliser");
-    reader.read_array(memory_, memory_.size(), "memory");
+    detail::require(position >= 0, "bytes",
+                    detail::expected_given("saved position", ">= 0", position));
+    // Read everything first: a bad buffer leaves this state untouched.
+    std::vector<T> running_max, normaliser, memory;
+    reader.read_array(running_max, running_max_.size(), "running_max");
+    reader.read_array(normaliser, normaliser_.size(), "normaliser");
+    reader.read_array(memory, memory_.size(), "memory");
     reader.finish();
+    running_max_.swap(running_max);
+    normaliser_.swap(normaliser);
+    memory_.swap(memory);
     position_ = position;
   }
 

@@ -97,6 +97,9 @@ class SoftmaxAttention {
     const auto capacity = header.read<std::int64_t>();
     detail::require(capacity >= 1, "bytes",
                     detail::expected_given("saved capacity", ">= 1", capacity));
+    // The buffer must hold the cache it describes before anything is allocated.
+    detail::require_state_fits(bytes.size(), sizeof(T),
+                               {batch, dims_.heads, capacity, dims_.key_dim + dims_.value_dim});
     State<T> state = make_state<T>(batch, capacity);
     state.restore(bytes);
     return state;
@@ -164,6 +167,7 @@ class SoftmaxAttention {
 
   template <class Q, class K, class V, class O>
   static void check_outputs_distinct(const Q& q, const K& k, const V& v, const O& out) {
+    detail::check_distinct_elements(out, "out");
     detail::check_no_overlap(out, "out", q, "queries");
     detail::check_no_overlap(out, "out", k, "keys");
     detail::check_no_overlap(out, "out", v, "values");
@@ -183,7 +187,13 @@ class SoftmaxAttention {
                         "state [H, Dk, Dv]",
                         format_extents<3>({dims_.heads, dims_.key_dim, dims_.value_dim}),
                         format_extents<3>({state.heads(), state.key_dim(), state.value_dim()})));
-    if constexpr (!std::is_same_v<Win, SlidingWindow>) {
+    if constexpr (std::is_same_v<Win, SlidingWindow>) {
+      detail::require(state.capacity() >= window_.left + 1, "state",
+                      detail::expected_given("KV cache capacity for window.left = " +
+                                                 std::to_string(window_.left),
+                                             ">= " + std::to_string(window_.left + 1),
+                                             state.capacity()));
+    } else {
       detail::require(state.position() + new_tokens <= state.capacity(), "state",
                       detail::expected_given("KV cache capacity for " +
                                                  std::to_string(state.position() + new_tokens) +

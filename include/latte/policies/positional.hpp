@@ -61,7 +61,7 @@ struct VAPOR {
                                             index_t value_dim) {
     const index_t pairs = value_dim / 2;
     std::vector<double> table(static_cast<std::size_t>(heads * pairs));
-    if (params.angles.size() == 0 && params.angles.extent(0) == 0) {
+    if (params.angles.extent(0) == 0 && params.angles.extent(1) == 0) {  // not given
       detail::require(params.base > 1.0, "base",
                       detail::expected_given("VAPOR base of the RoPE schedule", "> 1",
                                              params.base));
