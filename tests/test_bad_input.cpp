@@ -216,8 +216,22 @@ void patch_int64(std::vector<std::byte>& bytes, std::size_t offset, std::int64_t
   std::memcpy(bytes.data() + offset, &value, sizeof value);
 }
 
-/// Offset of the first int64 after the magic and the kind string.
-std::size_t header_size(const std::string& kind) { return 8 + 8 + kind.size(); }
+const std::vector<std::string> kLatteSizeNames{"batch", "heads", "latents", "value_dim"};
+const std::vector<std::string> kCacheSizeNames{"batch", "heads", "key_dim", "value_dim",
+                                               "capacity"};
+
+/// Offset of the value of saved size `index` (StateStorage's layout: magic,
+/// kind, size count, then (name, value) pairs, then the position).
+std::size_t size_value_offset(const std::string& kind, const std::vector<std::string>& names,
+                              std::size_t index) {
+  std::size_t offset = 8 + 8 + kind.size() + 8;
+  for (std::size_t i = 0; i < index; ++i) offset += 8 + names[i].size() + 8;
+  return offset + 8 + names[index].size();
+}
+/// Offset of the saved position.
+std::size_t position_offset(const std::string& kind, const std::vector<std::string>& names) {
+  return size_value_offset(kind, names, names.size() - 1) + 8;
+}
 
 // ------------------------------------------------ forward: extent mismatch --
 
@@ -628,7 +642,7 @@ TEST_CASE_TEMPLATE("forward with state: a state of another batch size", A, CAUSA
   auto good = make_state(attention, kB);
   REQUIRE_NOTHROW(in.forward(attention, good));
   auto state = make_state(attention, kB + 1);
-  expect_error([&] { in.forward(attention, state); }, "state", "state batch");
+  expect_error([&] { in.forward(attention, state); }, "state", "batch=");
   CHECK(state.position() == 0);
 }
 
@@ -748,7 +762,7 @@ TEST_CASE_TEMPLATE("load_state: one trailing byte", A, CAUSAL_LATTE_TYPES) {
   auto bytes = saved_state(attention);
   bytes.push_back(std::byte{0});
   expect_error([&] { (void)attention.template load_state<float>(bytes); }, "bytes",
-               "trailing bytes");
+               "state data bytes");
 }
 
 TEST_CASE("load_state: bytes of LatteAttention<Causal, NoStabilizer>") {
@@ -788,7 +802,7 @@ TEST_CASE("load_state: bytes of an attention with other dims") {
   const CausalLatte other({.heads = kH, .latents = kL + 1, .value_dim = kDv});
   const auto bytes = other.make_state<float>(kB).save();
   REQUIRE_NOTHROW((void)other.load_state<float>(bytes));
-  expect_error([&] { (void)attention.load_state<float>(bytes); }, "bytes", "saved latents");
+  expect_error([&] { (void)attention.load_state<float>(bytes); }, "bytes", "latents=5");
 }
 
 TEST_CASE("restore: bytes of another batch size") {
@@ -796,14 +810,15 @@ TEST_CASE("restore: bytes of another batch size") {
   const auto bytes = saved_state(attention, kB + 1);
   auto state = attention.make_state<float>(kB);
   REQUIRE_NOTHROW(state.restore(saved_state(attention, kB)));
-  expect_error([&] { state.restore(bytes); }, "bytes", "saved batch");
+  expect_error([&] { state.restore(bytes); }, "bytes", "batch=3");
 }
 
 // A corrupted batch field is a 'bytes' error found before anything is allocated.
 TEST_CASE("load_state: a corrupted, huge batch field") {
   const CausalLatte attention(kLatteDims);
   auto bytes = saved_state(attention);
-  patch_int64(bytes, header_size(CausalLatte::kind<float>()), std::int64_t{1} << 50);
+  patch_int64(bytes, size_value_offset(CausalLatte::kind<float>(), kLatteSizeNames, 0),
+              std::int64_t{1} << 50);
   expect_error([&] { (void)attention.load_state<float>(bytes); }, "bytes", "");
 }
 
@@ -811,7 +826,7 @@ TEST_CASE("load_state: a corrupted, huge batch field") {
 TEST_CASE("load_state: a negative saved position") {
   const CausalLatte attention(kLatteDims);
   auto bytes = saved_state(attention);
-  patch_int64(bytes, header_size(CausalLatte::kind<float>()) + 4 * 8, -5);
+  patch_int64(bytes, position_offset(CausalLatte::kind<float>(), kLatteSizeNames), -5);
   expect_error([&] { (void)attention.load_state<float>(bytes); }, "bytes", "position");
 }
 
@@ -910,13 +925,13 @@ TEST_CASE("KV cache: restore of every truncation of valid bytes") {
 TEST_CASE("KV cache: restore into a cache of another capacity") {
   const CausalWindowedSoftmax attention(kSoftmaxDims, SlidingWindow{.left = 8});
   auto other = attention.make_state<float>(kB);  // 9 slots, same kind
-  expect_error([&] { other.restore(saved_cache()); }, "bytes", "saved capacity");
+  expect_error([&] { other.restore(saved_cache()); }, "bytes", "capacity=");
 }
 
 TEST_CASE("KV cache: restore into a cache of another batch size") {
   const CausalWindowedSoftmax attention(kSoftmaxDims, SlidingWindow{.left = 7});
   auto other = attention.make_state<float>(kB + 1);
-  expect_error([&] { other.restore(saved_cache()); }, "bytes", "saved batch");
+  expect_error([&] { other.restore(saved_cache()); }, "bytes", "batch=");
 }
 
 TEST_CASE("KV cache: restore of bytes of another kind") {
@@ -942,7 +957,7 @@ TEST_CASE("KV cache: restore of a negative saved position") {
   auto state = attention.make_state<float>(kB);
   auto bytes = saved_cache();
   REQUIRE_NOTHROW(state.restore(bytes));
-  patch_int64(bytes, header_size(CausalWindowedSoftmax::kind<float>()) + 5 * 8, -1);
+  patch_int64(bytes, position_offset(CausalWindowedSoftmax::kind<float>(), kCacheSizeNames), -1);
   expect_error([&] { state.restore(bytes); }, "bytes", "position");
 }
 
@@ -969,10 +984,12 @@ TEST_CASE("KV cache: load_state of bytes of another kind or garbage") {
   expect_error([&] { (void)attention.load_state<float>(garbage); }, "bytes", "magic");
 }
 
-TEST_CASE("KV cache: load_state of bytes of a window of another size") {
-  const CausalWindowedSoftmax attention(kSoftmaxDims, SlidingWindow{.left = 4});
-  expect_error([&] { (void)attention.load_state<float>(saved_cache()); }, "bytes",
-               "saved capacity");
+TEST_CASE("KV cache: load_state of bytes of a smaller window") {
+  // saved_cache() holds left + 1 = 8 tokens: enough for left = 4, not for left = 9.
+  const CausalWindowedSoftmax smaller(kSoftmaxDims, SlidingWindow{.left = 4});
+  CHECK_NOTHROW((void)smaller.load_state<float>(saved_cache()));
+  const CausalWindowedSoftmax larger(kSoftmaxDims, SlidingWindow{.left = 9});
+  expect_error([&] { (void)larger.load_state<float>(saved_cache()); }, "bytes", "capacity");
 }
 
 // A corrupted capacity field is a 'bytes' error found before anything is allocated.
@@ -980,7 +997,8 @@ TEST_CASE("KV cache: load_state with a corrupted, huge capacity field") {
   const CausalSoftmax attention(kSoftmaxDims);
   auto bytes = attention.make_state<float>(kB, 8).save();
   REQUIRE_NOTHROW((void)attention.load_state<float>(bytes));
-  patch_int64(bytes, header_size(CausalSoftmax::kind<float>()) + 4 * 8, std::int64_t{1} << 50);
+  patch_int64(bytes, size_value_offset(CausalSoftmax::kind<float>(), kCacheSizeNames, 4),
+              std::int64_t{1} << 50);
   expect_error([&] { (void)attention.load_state<float>(bytes); }, "bytes", "");
 }
 

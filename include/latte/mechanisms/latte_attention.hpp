@@ -19,6 +19,7 @@
 
 #include "latte/backends/reference/latte.hpp"
 #include "latte/core/shape_check.hpp"
+#include "latte/core/state_storage.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
 #include "latte/mechanisms/latte_state.hpp"
@@ -104,15 +105,17 @@ class LatteAttention {
   }
 
   /// Restores a state saved with State::save() by an attention of this type.
+  /// The buffer is checked whole before a state is allocated from it.
   template <Real T>
     requires(Dir::is_causal)
   [[nodiscard]] State<T> load_state(std::span<const std::byte> bytes) const {
-    detail::ByteReader header(bytes, kind<T>());  // checks magic and kind first
-    const auto batch = header.read<std::int64_t>();
+    const auto header = StateStorage<T>::read_header(bytes, kind<T>());
+    const index_t batch = header.sizes.empty() ? 0 : header.sizes.front().value;
     detail::require(batch >= 1, "bytes", detail::expected_given("saved batch", ">= 1", batch));
-    // The buffer must hold the state it describes before anything is allocated.
-    detail::require_state_fits(bytes.size(), sizeof(T),
-                               {batch, dims_.heads, dims_.latents, dims_.value_dim + 2});
+    const LatteDims& d = dims_;
+    StateStorage<T>::require_layout(header,
+                                    State<T>::sizes_for(batch, d.heads, d.latents, d.value_dim),
+                                    State<T>::fields_for(batch, d.heads, d.latents, d.value_dim));
     State<T> state = make_state<T>(batch);
     state.restore(bytes);
     return state;
@@ -178,23 +181,19 @@ class LatteAttention {
     detail::check_no_overlap(out, "out", v, "values");
   }
 
+  /// Allocation-free on success (step calls it per token).
   template <Real T>
   void validate_state(const State<T>& state, index_t batch) const {
-    detail::require(state.kind() == kind<T>(), "state",
-                    detail::expected_given("state kind", kind<T>(),
-                                           state.kind().empty() ? "<empty state>" : state.kind()));
-    detail::require(state.batch() == batch, "state",
-                    detail::expected_given("state batch", batch, state.batch()));
-    detail::require(state.heads() == dims_.heads && state.latents() == dims_.latents &&
-                        state.value_dim() == dims_.value_dim,
-                    "state",
-                    detail::expected_given(
-                        "state [H, L, Dv]",
-                        format_extents<3>({dims_.heads, dims_.latents, dims_.value_dim}),
-                        format_extents<3>({state.heads(), state.latents(), state.value_dim()})));
+    const bool matches = state.kind() == kinds_.template get<T>() && state.batch() == batch &&
+                         state.heads() == dims_.heads && state.latents() == dims_.latents &&
+                         state.value_dim() == dims_.value_dim;
+    if (!matches)
+      state.require_matches(kind<T>(), State<T>::sizes_for(batch, dims_.heads, dims_.latents,
+                                                           dims_.value_dim));
   }
 
   LatteDims dims_;
+  detail::KindNames kinds_{kind<float>(), kind<double>()};
   std::vector<double> angles_;  // [H * (Dv/2)] for VAPOR, empty otherwise
 };
 

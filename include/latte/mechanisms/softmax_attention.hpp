@@ -15,6 +15,7 @@
 
 #include "latte/backends/reference/softmax.hpp"
 #include "latte/core/shape_check.hpp"
+#include "latte/core/state_storage.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
 #include "latte/mechanisms/kv_cache.hpp"
@@ -87,20 +88,24 @@ class SoftmaxAttention {
   }
 
   /// Restores a cache saved with State::save() by an attention of this type.
+  /// The buffer is checked whole before a cache is allocated from it.
   template <Real T>
     requires(Dir::is_causal)
   [[nodiscard]] State<T> load_state(std::span<const std::byte> bytes) const {
-    detail::ByteReader header(bytes, kind<T>());  // checks magic and kind first
-    const auto batch = header.read<std::int64_t>();
+    const auto header = StateStorage<T>::read_header(bytes, kind<T>());
+    detail::require(header.sizes.size() == 5, "bytes",
+                    detail::expected_given("saved sizes", 5, header.sizes.size()));
+    const index_t batch = header.sizes[0].value, capacity = header.sizes[4].value;
     detail::require(batch >= 1, "bytes", detail::expected_given("saved batch", ">= 1", batch));
-    for (int skipped = 0; skipped < 3; ++skipped) (void)header.read<std::int64_t>();
-    const auto capacity = header.read<std::int64_t>();
-    detail::require(capacity >= 1, "bytes",
-                    detail::expected_given("saved capacity", ">= 1", capacity));
-    // The buffer must hold the cache it describes before anything is allocated.
-    detail::require_state_fits(bytes.size(), sizeof(T),
-                               {batch, dims_.heads, capacity, dims_.key_dim + dims_.value_dim});
-    State<T> state = make_state<T>(batch, capacity);
+    const index_t needed = tokens_visible_at_most(1);
+    detail::require(capacity >= needed, "bytes",
+                    detail::expected_given("saved capacity", ">= " + std::to_string(needed),
+                                           capacity));
+    const SoftmaxDims& d = dims_;
+    StateStorage<T>::require_layout(
+        header, State<T>::sizes_for(batch, d.heads, d.key_dim, d.value_dim, capacity),
+        State<T>::fields_for(batch, d.heads, d.key_dim, d.value_dim, capacity));
+    State<T> state(kind<T>(), batch, d.heads, d.key_dim, d.value_dim, capacity);
     state.restore(bytes);
     return state;
   }
@@ -146,6 +151,12 @@ class SoftmaxAttention {
   }
 
  private:
+  /// The most tokens a query sees: the window's left side + 1, or `context`.
+  [[nodiscard]] index_t tokens_visible_at_most(index_t context) const noexcept {
+    if constexpr (std::is_same_v<Win, SlidingWindow>) return window_.left + 1;
+    else return context;
+  }
+
   template <class T>
   static TensorView<T, 3> slice_time(const TensorView<T, 4>& view, index_t t) {
     return TensorView<T, 3>(view.data() + t * view.stride(1),
@@ -173,20 +184,15 @@ class SoftmaxAttention {
     detail::check_no_overlap(out, "out", v, "values");
   }
 
+  /// Allocation-free on success (step calls it per token).
   template <Real T>
   void validate_state(const State<T>& state, index_t batch, index_t new_tokens) const {
-    detail::require(state.kind() == kind<T>(), "state",
-                    detail::expected_given("state kind", kind<T>(),
-                                           state.kind().empty() ? "<empty state>" : state.kind()));
-    detail::require(state.batch() == batch, "state",
-                    detail::expected_given("state batch", batch, state.batch()));
-    detail::require(state.heads() == dims_.heads && state.key_dim() == dims_.key_dim &&
-                        state.value_dim() == dims_.value_dim,
-                    "state",
-                    detail::expected_given(
-                        "state [H, Dk, Dv]",
-                        format_extents<3>({dims_.heads, dims_.key_dim, dims_.value_dim}),
-                        format_extents<3>({state.heads(), state.key_dim(), state.value_dim()})));
+    const bool matches = state.kind() == kinds_.template get<T>() && state.batch() == batch &&
+                         state.heads() == dims_.heads && state.key_dim() == dims_.key_dim &&
+                         state.value_dim() == dims_.value_dim;
+    if (!matches)
+      state.require_matches(kind<T>(), State<T>::sizes_for(batch, dims_.heads, dims_.key_dim,
+                                                           dims_.value_dim, state.capacity()));
     if constexpr (std::is_same_v<Win, SlidingWindow>) {
       detail::require(state.capacity() >= window_.left + 1, "state",
                       detail::expected_given("KV cache capacity for window.left = " +
@@ -205,6 +211,7 @@ class SoftmaxAttention {
 
   SoftmaxDims dims_;
   Win window_;
+  detail::KindNames kinds_{kind<float>(), kind<double>()};
   double scale_ = 1.0;
 };
 

@@ -1,0 +1,278 @@
+#pragma once
+// StateStorage<T>: the storage, identity and byte format shared by every decode state.
+//
+// A state is a kind string (attention type + dtype), named sizes that fix its
+// shape (batch, heads, ...), the absolute position of the next token and a few
+// named fields of T. Mechanism states derive from it and add typed accessors.
+// States belong to one batch of sequences; step them from one thread at a time.
+//
+// Bytes: magic "latteST2", kind, sizes (name, value), position, field table
+// (name, element count), then the fields' data in host byte order. Reading
+// checks magic, kind, sizes and every length before it touches the state,
+// and a rejected buffer leaves the state as it was.
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "latte/core/error.hpp"
+#include "latte/core/types.hpp"
+
+namespace latte {
+
+/// One named size of a state ("batch", "heads", "latents", ...).
+struct StateSize {
+  std::string name;
+  std::int64_t value = 0;
+  friend bool operator==(const StateSize&, const StateSize&) = default;
+};
+
+/// One named field of a state and its element count.
+struct StateField {
+  std::string name;
+  std::size_t count = 0;
+};
+
+namespace detail {
+
+inline std::string describe_sizes(const std::vector<StateSize>& sizes) {
+  std::string text = "[";
+  for (std::size_t i = 0; i < sizes.size(); ++i)
+    text += (i ? ", " : "") + sizes[i].name + "=" + std::to_string(sizes[i].value);
+  return text + "]";
+}
+
+/// Appends trivially copyable values to a byte vector.
+class ByteSink {
+ public:
+  template <class V>
+  void put(const V& value) { put_raw(&value, sizeof(V)); }
+  void put_string(std::string_view text) {
+    put<std::uint64_t>(text.size());
+    put_raw(text.data(), text.size());
+  }
+  void put_raw(const void* data, std::size_t count) {
+    const auto* first = static_cast<const std::byte*>(data);
+    bytes.insert(bytes.end(), first, first + count);
+  }
+  std::vector<std::byte> bytes;
+};
+
+/// Reads values back, with every length checked against what is left.
+class ByteSource {
+ public:
+  explicit ByteSource(std::span<const std::byte> bytes) : bytes_(bytes) {}
+  template <class V>
+  V get() {
+    V value;
+    get_raw(&value, sizeof(V));
+    return value;
+  }
+  std::string get_string() {
+    const auto count = get<std::uint64_t>();
+    require(count <= remaining(), "bytes", "truncated state: a name runs past the buffer");
+    std::string text(count, '\0');
+    get_raw(text.data(), count);
+    return text;
+  }
+  void get_raw(void* out, std::size_t count) {
+    require(count <= remaining(), "bytes",
+            expected_given("bytes left in the state buffer", ">= " + std::to_string(count),
+                           remaining()));
+    if (count) std::memcpy(out, bytes_.data() + offset_, count);
+    offset_ += count;
+  }
+  [[nodiscard]] std::size_t remaining() const noexcept { return bytes_.size() - offset_; }
+
+ private:
+  std::span<const std::byte> bytes_;
+  std::size_t offset_ = 0;
+};
+
+/// An attention type's state kinds for both dtypes, built once so that
+/// checking a state on every step allocates nothing.
+struct KindNames {
+  std::string float32, float64;
+  template <Real T>
+  [[nodiscard]] const std::string& get() const noexcept {
+    if constexpr (std::is_same_v<T, float>) return float32;
+    else return float64;
+  }
+};
+
+}  // namespace detail
+
+template <Real T>
+class StateStorage {
+ public:
+  static constexpr std::string_view magic = "latteST2";
+
+  /// What a saved buffer says about itself; read and fully length-checked
+  /// before any state is allocated from it.
+  struct Header {
+    std::vector<StateSize> sizes;
+    std::int64_t position = 0;
+    std::vector<StateField> fields;
+  };
+
+  StateStorage() = default;
+  StateStorage(std::string kind, std::vector<StateSize> sizes, std::vector<StateField> fields,
+               std::int64_t position)
+      : kind_(std::move(kind)), sizes_(std::move(sizes)), fields_(std::move(fields)),
+        position_(position) {
+    data_.reserve(fields_.size());
+    for (const StateField& field : fields_) data_.emplace_back(field.count);
+  }
+
+  /// The attention type and dtype this state belongs to.
+  [[nodiscard]] const std::string& kind() const noexcept { return kind_; }
+  [[nodiscard]] const std::vector<StateSize>& sizes() const noexcept { return sizes_; }
+  /// The named size `name` (0 when the state has none of that name).
+  [[nodiscard]] std::int64_t size_of(std::string_view name) const noexcept {
+    for (const StateSize& size : sizes_)
+      if (size.name == name) return size.value;
+    return 0;
+  }
+  [[nodiscard]] index_t batch() const noexcept { return size_of("batch"); }
+  /// Absolute position of the next token.
+  [[nodiscard]] std::int64_t position() const noexcept { return position_; }
+  void advance(std::int64_t tokens) noexcept { position_ += tokens; }
+  /// Bytes of state data held (what decode keeps in memory).
+  [[nodiscard]] std::size_t bytes() const noexcept {
+    std::size_t total = 0;
+    for (const auto& field : data_) total += field.size() * sizeof(T);
+    return total;
+  }
+
+  [[nodiscard]] T* field(std::size_t index) noexcept { return data_[index].data(); }
+  [[nodiscard]] const T* field(std::size_t index) const noexcept { return data_[index].data(); }
+
+  /// Throws latte::Error("state") unless this state has `kind` and `sizes`.
+  void require_matches(std::string_view kind, const std::vector<StateSize>& sizes) const {
+    detail::require(kind_ == kind, "state",
+                    detail::expected_given("state kind", kind,
+                                           kind_.empty() ? "<empty state>" : kind_));
+    detail::require(sizes_ == sizes, "state",
+                    detail::expected_given("state sizes", detail::describe_sizes(sizes),
+                                           detail::describe_sizes(sizes_)));
+  }
+
+  [[nodiscard]] std::vector<std::byte> save() const {
+    detail::ByteSink sink;
+    sink.put_raw(magic.data(), magic.size());
+    sink.put_string(kind_);
+    sink.put<std::uint64_t>(sizes_.size());
+    for (const StateSize& size : sizes_) {
+      sink.put_string(size.name);
+      sink.put<std::int64_t>(size.value);
+    }
+    sink.put<std::int64_t>(position_);
+    sink.put<std::uint64_t>(fields_.size());
+    for (const StateField& field : fields_) {
+      sink.put_string(field.name);
+      sink.put<std::uint64_t>(field.count);
+    }
+    for (const auto& field : data_) sink.put_raw(field.data(), field.size() * sizeof(T));
+    return std::move(sink.bytes);
+  }
+
+  /// Reads and checks the header of saved bytes of `kind`: magic, kind, the
+  /// field table, and that the buffer holds exactly the data it announces.
+  [[nodiscard]] static Header read_header(std::span<const std::byte> bytes, std::string_view kind) {
+    detail::ByteSource source(bytes);
+    Header header;
+    read_header_into(source, kind, header);
+    return header;
+  }
+
+  /// Throws latte::Error("bytes") unless a saved header has exactly `sizes` and `fields`.
+  static void require_layout(const Header& header, const std::vector<StateSize>& sizes,
+                             const std::vector<StateField>& fields) {
+    detail::require(header.sizes == sizes, "bytes",
+                    detail::expected_given("saved state sizes", detail::describe_sizes(sizes),
+                                           detail::describe_sizes(header.sizes)));
+    detail::require(header.fields.size() == fields.size(), "bytes",
+                    detail::expected_given("saved field count", fields.size(),
+                                           header.fields.size()));
+    for (std::size_t i = 0; i < fields.size(); ++i)
+      detail::require(
+          header.fields[i].name == fields[i].name && header.fields[i].count == fields[i].count,
+          "bytes",
+          detail::expected_given("saved field " + std::to_string(i),
+                                 fields[i].name + "[" + std::to_string(fields[i].count) + "]",
+                                 header.fields[i].name + "[" +
+                                     std::to_string(header.fields[i].count) + "]"));
+  }
+
+  /// Overwrites this state with saved bytes of the same kind and sizes; all or nothing.
+  void restore(std::span<const std::byte> bytes) {
+    detail::ByteSource source(bytes);
+    Header header;
+    read_header_into(source, kind_, header);
+    require_layout(header, sizes_, fields_);
+    std::vector<std::vector<T>> data;
+    data.reserve(fields_.size());
+    for (const StateField& field : fields_) {
+      data.emplace_back(field.count);
+      source.get_raw(data.back().data(), field.count * sizeof(T));
+    }
+    data_.swap(data);
+    position_ = header.position;
+  }
+
+ private:
+  static void read_header_into(detail::ByteSource& source, std::string_view kind, Header& header) {
+    char head[magic.size()] = {};
+    source.get_raw(head, sizeof head);
+    detail::require(std::string_view(head, sizeof head) == magic, "bytes",
+                    "not a latte state (magic 'latteST2' missing)");
+    const std::string saved_kind = source.get_string();
+    detail::require(saved_kind == kind, "bytes",
+                    detail::expected_given("state kind", kind,
+                                           saved_kind.empty() ? "<empty>" : saved_kind));
+    const auto size_count = source.get<std::uint64_t>();
+    detail::require(size_count <= 16, "bytes",
+                    detail::expected_given("number of saved sizes", "<= 16", size_count));
+    for (std::uint64_t i = 0; i < size_count; ++i) {
+      StateSize size;
+      size.name = source.get_string();
+      size.value = source.get<std::int64_t>();
+      detail::require(size.value >= 0, "bytes",
+                      detail::expected_given("saved " + size.name, ">= 0", size.value));
+      header.sizes.push_back(std::move(size));
+    }
+    header.position = source.get<std::int64_t>();
+    detail::require(header.position >= 0, "bytes",
+                    detail::expected_given("saved position", ">= 0", header.position));
+    const auto field_count = source.get<std::uint64_t>();
+    detail::require(field_count <= 16, "bytes",
+                    detail::expected_given("number of saved fields", "<= 16", field_count));
+    std::size_t data_bytes = 0;
+    for (std::uint64_t i = 0; i < field_count; ++i) {
+      StateField field;
+      field.name = source.get_string();
+      field.count = source.get<std::uint64_t>();
+      detail::require(field.count <= source.remaining() / sizeof(T), "bytes",
+                      detail::expected_given("saved field '" + field.name + "' elements",
+                                             "<= " + std::to_string(source.remaining() / sizeof(T)),
+                                             field.count));
+      data_bytes += field.count * sizeof(T);
+      header.fields.push_back(std::move(field));
+    }
+    detail::require(data_bytes == source.remaining(), "bytes",
+                    detail::expected_given("state data bytes", data_bytes, source.remaining()));
+  }
+
+  std::string kind_;
+  std::vector<StateSize> sizes_;
+  std::vector<StateField> fields_;
+  std::int64_t position_ = 0;
+  std::vector<std::vector<T>> data_;
+};
+
+}  // namespace latte
