@@ -230,4 +230,3 @@ BENCHMARK(softmax_step)
     ->Arg(1 << 10)->Arg(16 << 10)
     ->Unit(benchmark::kMicrosecond);
 
-BENCHMARK_MAIN();

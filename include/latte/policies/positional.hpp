@@ -1,10 +1,11 @@
 #pragma once
-// Positional policies for Latte: NoPositional and VAPOR (value-acting
-// positional rotations, paper 000 App. B.3).
+// Positional policies: NoPositional, VAPOR (value-acting positional rotations,
+// paper 000 App. B.3) and RoPE (rotary query/key embeddings).
 #include <array>
 #include <cmath>
 #include <concepts>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "latte/core/angles.hpp"
@@ -18,6 +19,7 @@ namespace latte {
 /// the prefix it attends to.
 struct NoPositional {
   static constexpr bool rotates_values = false;
+  static constexpr bool rotates_queries_keys = false;
   static constexpr const char* name = "no_positional";
   struct Params {};
 
@@ -27,25 +29,21 @@ struct NoPositional {
   }
 };
 
-/// VAPOR: o_t = sum_s p(s|t) R^{t-s} v_s = R^t sum_l p(l|t) sum_s p(s|l,t) R^{-s} v_s
-/// (paper 000 eq. 22). R is block-diagonal with 2x2 rotations acting on the
-/// adjacent value features (2i, 2i+1), pair i turning by theta_{h,i} per step;
-/// with an odd value dimension the last feature is not rotated. Attention
-/// weights are unchanged; the memory accumulates R^{-s} v_s and the read-out
-/// is rotated by R^t. Angles are reduced in double precision (core/angles.hpp).
-struct VAPOR {
-  static constexpr bool rotates_values = true;
-  static constexpr const char* name = "vapor";
+namespace detail {
 
+/// Block-diagonal 2x2 rotations R^n on adjacent feature pairs (2i, 2i+1),
+/// pair i turning by n * theta_{h,i}; with an odd dimension the last feature
+/// is not rotated. Shared by VAPOR (on values) and RoPE (on queries and keys).
+struct PairRotation {
   struct Params {
-    /// Per-head angles [H, Dv/2] (learned upstream). Empty: the RoPE schedule
-    /// theta_i = base^(-2i/Dv), the same for every head.
+    /// Per-head angles [H, D/2] (learned upstream). Empty (0 x 0): the RoPE
+    /// schedule theta_i = base^(-2i/D), the same for every head.
     Tensor<double, 2> angles;
     /// Base of the default schedule.
     double base = 10000.0;
   };
 
-  /// Angles from a float or double [H, Dv/2] view (copied).
+  /// Angles from a float or double [H, D/2] view (copied).
   template <Real T>
   static Params params_from(TensorView<const T, 2> angles) {
     check_view(angles, "angles");
@@ -56,30 +54,29 @@ struct VAPOR {
     return params;
   }
 
-  /// A flat [heads * (value_dim / 2)] table of angles, validated.
-  static std::vector<double> resolve_angles(const Params& params, index_t heads,
-                                            index_t value_dim) {
-    const index_t pairs = value_dim / 2;
+  /// A flat [heads * (dim / 2)] table of angles, validated.
+  static std::vector<double> resolve_angles(const Params& params, index_t heads, index_t dim,
+                                            const char* layout = "[H, D/2]") {
+    const index_t pairs = dim / 2;
     std::vector<double> table(static_cast<std::size_t>(heads * pairs));
     if (params.angles.extent(0) == 0 && params.angles.extent(1) == 0) {  // not given
-      detail::require(params.base > 1.0, "base",
-                      detail::expected_given("VAPOR base of the RoPE schedule", "> 1",
-                                             params.base));
+      require(params.base > 1.0, "base",
+              expected_given("base of the RoPE schedule", "> 1", params.base));
       for (index_t h = 0; h < heads; ++h)
         for (index_t i = 0; i < pairs; ++i)
-          table[static_cast<std::size_t>(h * pairs + i)] = rope_theta(i, value_dim, params.base);
+          table[static_cast<std::size_t>(h * pairs + i)] = rope_theta(i, dim, params.base);
       return table;
     }
     const std::array<index_t, 2> expected{heads, pairs};
-    detail::require(params.angles.extents() == expected, "angles",
-                    detail::expected_given("shape [H, Dv/2]", format_extents(expected),
-                                           format_extents(params.angles.extents())));
+    require(params.angles.extents() == expected, "angles",
+            expected_given(std::string("shape ") + layout, format_extents(expected),
+                           format_extents(params.angles.extents())));
     for (index_t h = 0; h < heads; ++h)
       for (index_t i = 0; i < pairs; ++i) {
         const double theta = params.angles(h, i);
-        detail::require(std::isfinite(theta), "angles",
-                        "every angle must be finite (head " + std::to_string(h) + ", pair " +
-                            std::to_string(i) + ")");
+        require(std::isfinite(theta), "angles",
+                "every angle must be finite (head " + std::to_string(h) + ", pair " +
+                    std::to_string(i) + ")");
         table[static_cast<std::size_t>(h * pairs + i)] = theta;
       }
     return table;
@@ -99,11 +96,40 @@ struct VAPOR {
   }
 };
 
-/// A positional policy says whether it rotates values, carries Params and can
+}  // namespace detail
+
+/// VAPOR: o_t = sum_s p(s|t) R^{t-s} v_s = R^t sum_l p(l|t) sum_s p(s|l,t) R^{-s} v_s
+/// (paper 000 eq. 22), R the pair rotation above acting on the value features.
+/// Attention weights are unchanged; the memory accumulates R^{-s} v_s and the
+/// read-out is rotated by R^t. Angles [H, Dv/2]; reduced in double precision.
+struct VAPOR : detail::PairRotation {
+  static constexpr bool rotates_values = true;
+  static constexpr bool rotates_queries_keys = false;
+  static constexpr const char* name = "vapor";
+  static std::vector<double> resolve_angles(const Params& params, index_t heads,
+                                            index_t value_dim) {
+    return PairRotation::resolve_angles(params, heads, value_dim, "[H, Dv/2]");
+  }
+};
+
+/// RoPE (RoFormer): queries and keys are rotated by R^t and R^s, so their dot
+/// product depends on t - s only. Angles [H, Dk/2] (default schedule base 10000).
+struct RoPE : detail::PairRotation {
+  static constexpr bool rotates_values = false;
+  static constexpr bool rotates_queries_keys = true;
+  static constexpr const char* name = "rope";
+  static std::vector<double> resolve_angles(const Params& params, index_t heads,
+                                            index_t key_dim) {
+    return PairRotation::resolve_angles(params, heads, key_dim, "[H, Dk/2]");
+  }
+};
+
+/// A positional policy says what it rotates, carries Params and can
 /// turn them into a validated angle table.
 template <class P>
 concept Positional = requires(const typename P::Params& params) {
   { P::rotates_values } -> std::convertible_to<bool>;
+  { P::rotates_queries_keys } -> std::convertible_to<bool>;
   { P::name } -> std::convertible_to<const char*>;
   { P::resolve_angles(params, index_t{}, index_t{}) } -> std::same_as<std::vector<double>>;
 };
