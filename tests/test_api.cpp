@@ -118,27 +118,25 @@ TEST_CASE("defaults: VAPOR without angles is the RoPE schedule base^(-2i/Dv) for
 
 // ----------------------------------------------------------------- supports --
 
-TEST_CASE("supports: reference is available, cpu and cuda say why not") {
+TEST_CASE("supports: reference and cpu are available, cuda says why not") {
   static_assert(latte::exec::implemented<latte::exec::reference_t>);
-  static_assert(!latte::exec::implemented<latte::exec::cpu_t>);
+  static_assert(latte::exec::implemented<latte::exec::cpu_t>);
   static_assert(!latte::exec::implemented<latte::exec::cuda_t>);
+  static_assert(std::is_same_v<latte::exec::default_t, latte::exec::cpu_t>);
 
-  const latte::Support reference = latte::supports(latte::exec::reference);
-  CHECK(reference.ok);
-  CHECK(static_cast<bool>(reference));
-  CHECK(reference.reason.empty());
-
-  const latte::Support cpu = latte::supports(latte::exec::cpu);
-  CHECK_FALSE(cpu.ok);
-  CHECK_FALSE(static_cast<bool>(cpu));
-  CHECK(cpu.reason.find("'cpu'") != std::string::npos);
-  CHECK(cpu.reason.find("not implemented") != std::string::npos);
-  CHECK(cpu.reason.find("latte::exec::reference") != std::string::npos);
+  for (const latte::Support& available :
+       {latte::supports(latte::exec::reference), latte::supports(latte::exec::cpu)}) {
+    CHECK(available.ok);
+    CHECK(static_cast<bool>(available));
+    CHECK(available.reason.empty());
+  }
 
   const latte::Support cuda = latte::supports(latte::exec::cuda);
   CHECK_FALSE(cuda.ok);
+  CHECK_FALSE(static_cast<bool>(cuda));
   CHECK(cuda.reason.find("'cuda'") != std::string::npos);
   CHECK(cuda.reason.find("not implemented") != std::string::npos);
+  CHECK(cuda.reason.find("latte::exec::cpu") != std::string::npos);
   // Support is contextually convertible to bool only (explicit).
   static_assert(!std::is_convertible_v<latte::Support, bool>);
   static_assert(std::is_constructible_v<bool, latte::Support>);

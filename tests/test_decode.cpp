@@ -5,6 +5,10 @@
 
 #include <cstdio>
 
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
 #include "oracles/latte_oracle.hpp"
 #include "oracles/softmax_oracle.hpp"
 #include "support.hpp"
@@ -25,25 +29,25 @@ std::vector<long double> rope_angles(index_t H, index_t Dv) {
 
 /// Runs prefill of the first `prefill` tokens through forward(..., state), the
 /// rest through step(), and returns the whole output.
-template <class Attention, class T, class State>
+template <class E, class Attention, class T, class State>
 Tensor<T, 4> prefill_then_step(const Attention& attention, State& state, const Tensor<T, 4>& q,
                                const Tensor<T, 4>& k, const Tensor<T, 4>& v, index_t prefill) {
   const index_t Tn = q.extent(1);
   Tensor<T, 4> out({v.extent(0), Tn, v.extent(2), v.extent(3)});
   Tensor<T, 4> head_out({v.extent(0), prefill, v.extent(2), v.extent(3)});
-  attention.forward(exec::reference, time_slice(q, 0, prefill), time_slice(k, 0, prefill),
+  attention.forward(E{}, time_slice(q, 0, prefill), time_slice(k, 0, prefill),
                     time_slice(v, 0, prefill), head_out.view(), state);
   for (index_t t = 0; t < prefill; ++t) set_time_step(out, t, time_step(head_out, t));
   Tensor<T, 3> row({v.extent(0), v.extent(2), v.extent(3)});
   for (index_t t = prefill; t < Tn; ++t) {
-    attention.step(exec::reference, state, time_step(q, t), time_step(k, t), time_step(v, t),
+    attention.step(E{}, state, time_step(q, t), time_step(k, t), time_step(v, t),
                    row.view());
     set_time_step(out, t, row);
   }
   return out;
 }
 
-template <class T, class Pos>
+template <class E, class T, class Pos>
 void latte_decode_cases(std::uint64_t seed) {
   Rng rng(seed);
   double worst = 0;
@@ -58,11 +62,11 @@ void latte_decode_cases(std::uint64_t seed) {
                                      Pos::rotates_values ? rope_angles(s.heads, s.value_dim)
                                                          : std::vector<long double>{});
     Tensor<T, 4> whole(v.extents());
-    attention.forward(exec::reference, q, k, v, whole.view());
+    attention.forward(E{}, q, k, v, whole.view());
 
     const index_t prefill = std::uniform_int_distribution<index_t>(0, s.time)(rng);
     auto state = attention.template make_state<T>(s.batch);
-    const auto decoded = prefill_then_step(attention, state, q, k, v, prefill);
+    const auto decoded = prefill_then_step<E>(attention, state, q, k, v, prefill);
     CHECK(state.position() == s.time);
 
     const double error_whole = relative_error(whole, oracle);
@@ -72,11 +76,12 @@ void latte_decode_cases(std::uint64_t seed) {
                   "case " << c << " T=" << s.time << " prefill=" << prefill);
     worst = std::max({worst, error_whole, error_decoded});
   }
-  std::printf("[decode] LatteAttention<Causal,RunningMax,%s> %s cases=%d max_rel_error=%.3e\n",
-              Pos::name, dtype_name<T>(), kCases, worst);
+  std::printf("[decode] (%s) LatteAttention<Causal,RunningMax,%s> %s cases=%d "
+              "max_rel_error=%.3e\n",
+              E::name, Pos::name, dtype_name<T>(), kCases, worst);
 }
 
-template <class T, class Win>
+template <class E, class T, class Win>
 void softmax_decode_cases(std::uint64_t seed) {
   Rng rng(seed);
   double worst = 0;
@@ -98,31 +103,66 @@ void softmax_decode_cases(std::uint64_t seed) {
         softmax_oracle(mask, 1.0L / std::sqrt((long double)Dk), q, k, v);
     const index_t prefill = std::uniform_int_distribution<index_t>(0, s.time)(rng);
     auto cache = attention.template make_state<T>(s.batch, s.time);
-    const auto decoded = prefill_then_step(attention, cache, q, k, v, prefill);
+    const auto decoded = prefill_then_step<E>(attention, cache, q, k, v, prefill);
     const double error = relative_error(decoded, oracle);
     CHECK_MESSAGE(error <= Tolerance<T>::relative,
                   "case " << c << " T=" << s.time << " prefill=" << prefill);
     worst = std::max(worst, error);
   }
-  std::printf("[decode] SoftmaxAttention<Causal,%s> (KV cache) %s cases=%d max_rel_error=%.3e\n",
-              Win::name, dtype_name<T>(), kCases, worst);
+  std::printf("[decode] (%s) SoftmaxAttention<Causal,%s> (KV cache) %s cases=%d "
+              "max_rel_error=%.3e\n",
+              E::name, Win::name, dtype_name<T>(), kCases, worst);
 }
 
 }  // namespace
 
-TEST_CASE("Latte: prefill + steps == forward == oracle") {
-  latte_decode_cases<float, NoPositional>(301);
-  latte_decode_cases<double, NoPositional>(302);
+TEST_CASE_TEMPLATE("Latte: prefill + steps == forward == oracle", E, exec::reference_t,
+                   exec::cpu_t) {
+  latte_decode_cases<E, float, NoPositional>(301);
+  latte_decode_cases<E, double, NoPositional>(302);
 }
-TEST_CASE("Latte VAPOR: positions continue across forward and step") {
-  latte_decode_cases<float, VAPOR>(303);
-  latte_decode_cases<double, VAPOR>(304);
+TEST_CASE_TEMPLATE("Latte VAPOR: positions continue across forward and step", E,
+                   exec::reference_t, exec::cpu_t) {
+  latte_decode_cases<E, float, VAPOR>(303);
+  latte_decode_cases<E, double, VAPOR>(304);
 }
-TEST_CASE("Softmax KV cache: prefill + steps == oracle") {
-  softmax_decode_cases<float, NoWindow>(305);
-  softmax_decode_cases<double, NoWindow>(306);
-  softmax_decode_cases<float, SlidingWindow>(307);
-  softmax_decode_cases<double, SlidingWindow>(308);
+TEST_CASE_TEMPLATE("Softmax KV cache: prefill + steps == oracle", E, exec::reference_t,
+                   exec::cpu_t) {
+  softmax_decode_cases<E, float, NoWindow>(305);
+  softmax_decode_cases<E, double, NoWindow>(306);
+  softmax_decode_cases<E, float, SlidingWindow>(307);
+  softmax_decode_cases<E, double, SlidingWindow>(308);
+}
+
+TEST_CASE("cpu: one head split into time segments (two-pass scan) == oracle") {
+#if defined(_OPENMP)
+  omp_set_num_threads(std::max(2, omp_get_max_threads()));  // force several segments
+#endif
+  Rng rng(313);
+  for (const double spread : {2.0, 2000.0}) {
+    const index_t Tn = 3001, L = 5, Dv = 6;
+    const auto q = random_tensor<double, 4>(rng, {1, Tn, 1, L}, 2.0);
+    auto k = uniform_tensor<double, 4>(rng, {1, Tn, 1, L}, -spread / 2, spread / 2);
+    k(0, 2000, 0, 1) = spread;  // a new maximum deep inside a later segment
+    const auto v = uniform_tensor<double, 4>(rng, {1, Tn, 1, Dv}, -1, 1);
+    const LatteAttention<Causal, RunningMax, VAPOR> attention({1, L, Dv});
+    const auto oracle = latte_oracle(true, q, k, v, rope_angles(1, Dv));
+    Tensor<double, 4> out(v.extents());
+    attention.forward(exec::cpu, q, k, v, out.view());
+    CHECK(relative_error(out, oracle) <= Tolerance<double>::relative);
+    // The same through a state that already holds a prefix, then compare the tail.
+    auto state = attention.make_state<double>(1);
+    Tensor<double, 4> head({1, 700, 1, Dv}), tail({1, Tn - 700, 1, Dv});
+    attention.forward(exec::cpu, time_slice(q, 0, 700), time_slice(k, 0, 700),
+                      time_slice(v, 0, 700), head.view(), state);
+    attention.forward(exec::cpu, time_slice(q, 700, Tn - 700), time_slice(k, 700, Tn - 700),
+                      time_slice(v, 700, Tn - 700), tail.view(), state);
+    Tensor<double, 4> joined(v.extents());
+    for (index_t t = 0; t < Tn; ++t)
+      set_time_step(joined, t, t < 700 ? time_step(head, t) : time_step(tail, t - 700));
+    CHECK(relative_error(joined, oracle) <= Tolerance<double>::relative);
+    CHECK(state.position() == Tn);
+  }
 }
 
 TEST_CASE("Latte: chunked prefill equals one forward") {

@@ -30,7 +30,7 @@ std::vector<long double> oracle_angles(const Tensor<double, 2>& given, index_t H
 template <class T, class Dir, class Pos>
 void run_oracle_cases(const char* label, std::uint64_t seed) {
   Rng rng(seed);
-  double worst = 0;
+  double worst_reference = 0, worst_cpu = 0;
   long long elements = 0;
   for (int c = 0; c < kCases; ++c) {
     const Shape s = random_shape(rng);
@@ -49,19 +49,23 @@ void run_oracle_cases(const char* label, std::uint64_t seed) {
     }
     const LatteAttention<Dir, RunningMax, Pos> attention(
         {.heads = s.heads, .latents = s.latents, .value_dim = s.value_dim}, params);
-    Tensor<T, 4> out(v.extents());
+    const auto oracle = latte_oracle(Dir::is_causal, q, k, v, angles);
+    Tensor<T, 4> out(v.extents()), out_cpu(v.extents());
     attention.forward(exec::reference, q, k, v, out.view());
-    const double error = relative_error(out, latte_oracle(Dir::is_causal, q, k, v, angles));
-    CHECK_MESSAGE(error <= Tolerance<T>::relative, label << " case " << c << " B=" << s.batch
-                                                         << " T=" << s.time << " H=" << s.heads
-                                                         << " L=" << s.latents
-                                                         << " Dv=" << s.value_dim
-                                                         << " error=" << error);
-    worst = std::max(worst, error);
+    attention.forward(exec::cpu, q, k, v, out_cpu.view());
+    const double error = relative_error(out, oracle), error_cpu = relative_error(out_cpu, oracle);
+    CHECK_MESSAGE(std::max(error, error_cpu) <= Tolerance<T>::relative,
+                  label << " case " << c << " B=" << s.batch << " T=" << s.time
+                        << " H=" << s.heads << " L=" << s.latents << " Dv=" << s.value_dim
+                        << " reference error=" << error << " cpu error=" << error_cpu);
+    worst_reference = std::max(worst_reference, error);
+    worst_cpu = std::max(worst_cpu, error_cpu);
     elements += out.size();
   }
-  std::printf("[oracle] %-44s %s cases=%d elements=%lld max_rel_error=%.3e (tol %.0e)\n", label,
-              dtype_name<T>(), kCases, elements, worst, Tolerance<T>::relative);
+  std::printf("[oracle] %-44s %s cases=%d elements=%lld max_rel_error reference=%.3e "
+              "cpu=%.3e (tol %.0e)\n",
+              label, dtype_name<T>(), kCases, elements, worst_reference, worst_cpu,
+              Tolerance<T>::relative);
 }
 
 }  // namespace

@@ -24,19 +24,19 @@ Tensor<T, 4> paper_spread_keys(Rng& rng, index_t L) {
   return k;
 }
 
-template <class T, class Stab>
+template <class T, class Stab, class E = exec::reference_t>
 Tensor<T, 4> latte_forward(bool causal, const Tensor<T, 4>& q, const Tensor<T, 4>& k,
                            const Tensor<T, 4>& v) {
   Tensor<T, 4> out(v.extents());
   const LatteDims dims{q.extent(2), q.extent(3), v.extent(3)};
   if (causal)
-    LatteAttention<Causal, Stab>(dims).forward(exec::reference, q, k, v, out.view());
+    LatteAttention<Causal, Stab>(dims).forward(E{}, q, k, v, out.view());
   else
-    LatteAttention<Bidirectional, Stab>(dims).forward(exec::reference, q, k, v, out.view());
+    LatteAttention<Bidirectional, Stab>(dims).forward(E{}, q, k, v, out.view());
   return out;
 }
 
-template <class T>
+template <class T, class E>
 void paper_example() {
   Rng rng(401);
   for (index_t L : {1, 4}) {
@@ -44,11 +44,11 @@ void paper_example() {
     const auto k = paper_spread_keys<T>(rng, L);
     const auto v = uniform_tensor<T, 4>(rng, {1, 3, 1, 5}, -1, 1);
     for (bool causal : {true, false}) {
-      const auto stable = latte_forward<T, RunningMax>(causal, q, k, v);
+      const auto stable = latte_forward<T, RunningMax, E>(causal, q, k, v);
       CHECK(all_finite(stable));
       CHECK(relative_error(stable, latte_oracle(causal, q, k, v)) <= Tolerance<T>::relative);
       // The ablation: raw exp(1000) overflows and the output is NaN.
-      const auto raw = latte_forward<T, NoStabilizer>(causal, q, k, v);
+      const auto raw = latte_forward<T, NoStabilizer, E>(causal, q, k, v);
       CHECK_FALSE(all_finite(raw));
     }
   }
@@ -61,14 +61,14 @@ void paper_example() {
   v(0, 0, 0, 0) = 1;
   v(0, 1, 0, 0) = 2;
   v(0, 2, 0, 0) = 4;
-  const auto out = latte_forward<T, RunningMax>(true, q, k, v);
+  const auto out = latte_forward<T, RunningMax, E>(true, q, k, v);
   const double w = std::exp(-9.0);  // p(s=0 | t=1) = e^1 / (e^1 + e^10)
   CHECK(double(out(0, 0, 0, 0)) == doctest::Approx(1.0).epsilon(1e-6));
   CHECK(double(out(0, 1, 0, 0)) == doctest::Approx((w * 1 + 2) / (w + 1)).epsilon(1e-6));
   CHECK(double(out(0, 2, 0, 0)) == doctest::Approx(4.0).epsilon(1e-6));
 }
 
-template <class T>
+template <class T, class E>
 void random_spreads() {
   Rng rng(402);
   double worst = 0;
@@ -82,7 +82,7 @@ void random_spreads() {
                                           -spread / 2, spread / 2);
       const auto v = uniform_tensor<T, 4>(rng, {s.batch, s.time, s.heads, s.value_dim}, -1, 1);
       for (bool causal : {true, false}) {
-        const auto out = latte_forward<T, RunningMax>(causal, q, k, v);
+        const auto out = latte_forward<T, RunningMax, E>(causal, q, k, v);
         REQUIRE(all_finite(out));
         const double error = relative_error(out, latte_oracle(causal, q, k, v));
         CHECK_MESSAGE(error <= Tolerance<T>::relative, "spread " << spread << " case " << c);
@@ -91,28 +91,32 @@ void random_spreads() {
       // NoStabilizer overflows as soon as one key logit exceeds log(max of T).
       const T k_max = *std::max_element(k.data(), k.data() + k.size());
       if (double(k_max) > std::log(double(std::numeric_limits<T>::max()))) {
-        const auto raw = latte_forward<T, NoStabilizer>(true, q, k, v);
+        const auto raw = latte_forward<T, NoStabilizer, E>(true, q, k, v);
         CHECK_FALSE(all_finite(raw));
         ++overflow_cases;
       }
     }
   }
   CHECK(overflow_cases >= 12);  // the ablation's failure was actually exercised
-  std::printf("[spread] Latte RunningMax %s spreads 1e3..1e4 cases=%d max_rel_error=%.3e; "
+  std::printf("[spread] Latte RunningMax (%s) %s spreads 1e3..1e4 cases=%d max_rel_error=%.3e; "
               "NoStabilizer non-finite in %d of them\n",
-              dtype_name<T>(), cases, worst, overflow_cases);
+              E::name, dtype_name<T>(), cases, worst, overflow_cases);
 }
 
 }  // namespace
 
 TEST_CASE("Key logits [1, 10, 1000]: RunningMax exact, NoStabilizer overflows") {
-  paper_example<float>();
-  paper_example<double>();
+  paper_example<float, exec::reference_t>();
+  paper_example<double, exec::reference_t>();
+  paper_example<float, exec::cpu_t>();
+  paper_example<double, exec::cpu_t>();
 }
 
 TEST_CASE("Logit spreads up to 1e4 stay finite and exact") {
-  random_spreads<float>();
-  random_spreads<double>();
+  random_spreads<float, exec::reference_t>();
+  random_spreads<double, exec::reference_t>();
+  random_spreads<float, exec::cpu_t>();
+  random_spreads<double, exec::cpu_t>();
 }
 
 TEST_CASE("VAPOR at positions up to 1e7 in float32 matches float64 and the oracle") {
@@ -133,28 +137,33 @@ TEST_CASE("VAPOR at positions up to 1e7 in float32 matches float64 and the oracl
   for (index_t i = 0; i < params.angles.size(); ++i) angles.push_back(params.angles.data()[i]);
   const LatteAttention<Causal, RunningMax, VAPOR> attention({H, L, Dv}, params);
   const auto oracle = latte_oracle(true, q32, k32, v32, angles);
+  auto run = [&](auto e) {
   for (std::int64_t first : {std::int64_t{0}, std::int64_t{1'000'003}, std::int64_t{9'999'960}}) {
     auto state32 = attention.make_state<float>(B, first);
     auto state64 = attention.make_state<double>(B, first);
     Tensor<float, 4> out32(v32.extents());
     Tensor<double, 4> out64(v64.extents());
-    attention.forward(exec::reference, q32, k32, v32, out32.view(), state32);
-    attention.forward(exec::reference, q64, k64, v64, out64.view(), state64);
+    attention.forward(e, q32, k32, v32, out32.view(), state32);
+    attention.forward(e, q64, k64, v64, out64.view(), state64);
     CHECK(state32.position() == first + Tn);
     const double error = relative_error(out32, oracle);
     CHECK_MESSAGE(error <= Tolerance<float>::relative, "first position " << first);
     TensorLD<4> as_ld(out64.extents());
     for (index_t i = 0; i < out64.size(); ++i) as_ld.data()[i] = out64.data()[i];
     CHECK(relative_error(out32, as_ld) <= Tolerance<float>::relative);
-    std::printf("[vapor] positions %lld..%lld float32 vs oracle max_rel_error=%.3e\n",
-                static_cast<long long>(first), static_cast<long long>(first + Tn), error);
+    std::printf("[vapor] (%s) positions %lld..%lld float32 vs oracle max_rel_error=%.3e\n",
+                decltype(e)::name, static_cast<long long>(first),
+                static_cast<long long>(first + Tn), error);
   }
+  };
+  run(exec::reference);
+  run(exec::cpu);
 }
 
 /// With one-hot values v_s = e_s (Dv = T), output row t is row t of the implied
 /// attention matrix: it must match the oracle matrix, be zero above the
 /// diagonal when causal, and sum to 1.
-template <class T>
+template <class T, class E>
 void implied_rows(bool causal) {
   Rng rng(404);
   for (index_t Tn : {1, 2, 17, 61}) {
@@ -163,7 +172,7 @@ void implied_rows(bool causal) {
       const auto k = random_tensor<T, 4>(rng, {1, Tn, 1, L}, 3.0);
       Tensor<T, 4> one_hot({1, Tn, 1, Tn}, T(0));
       for (index_t s = 0; s < Tn; ++s) one_hot(0, s, 0, s) = 1;
-      const auto rows = latte_forward<T, RunningMax>(causal, q, k, one_hot);
+      const auto rows = latte_forward<T, RunningMax, E>(causal, q, k, one_hot);
       const auto matrix = latte_attention_matrix(causal, q, k, 0, 0);
       for (index_t t = 0; t < Tn; ++t) {
         double total = 0;
@@ -180,10 +189,14 @@ void implied_rows(bool causal) {
 }
 
 TEST_CASE("Rows of the implied attention matrix sum to 1") {
-  implied_rows<float>(true);
-  implied_rows<float>(false);
-  implied_rows<double>(true);
-  implied_rows<double>(false);
+  implied_rows<float, exec::reference_t>(true);
+  implied_rows<float, exec::reference_t>(false);
+  implied_rows<double, exec::reference_t>(true);
+  implied_rows<double, exec::reference_t>(false);
+  implied_rows<float, exec::cpu_t>(true);
+  implied_rows<float, exec::cpu_t>(false);
+  implied_rows<double, exec::cpu_t>(true);
+  implied_rows<double, exec::cpu_t>(false);
 }
 
 TEST_CASE("Softmax rows sum to 1 and large scores stay finite") {
@@ -193,8 +206,12 @@ TEST_CASE("Softmax rows sum to 1 and large scores stay finite") {
   auto k = random_tensor<float, 4>(rng, {1, Tn, 1, 4}, 30.0);
   Tensor<float, 4> one_hot({1, Tn, 1, Tn}, 0.f);
   for (index_t s = 0; s < Tn; ++s) one_hot(0, s, 0, s) = 1;
+  for (const bool use_cpu : {false, true}) {
   Tensor<float, 4> rows(one_hot.extents());
-  SoftmaxAttention<Causal>({1, 4, Tn}).forward(exec::reference, q, k, one_hot, rows.view());
+  if (use_cpu)
+    SoftmaxAttention<Causal>({1, 4, Tn}).forward(exec::cpu, q, k, one_hot, rows.view());
+  else
+    SoftmaxAttention<Causal>({1, 4, Tn}).forward(exec::reference, q, k, one_hot, rows.view());
   REQUIRE(all_finite(rows));
   CHECK(relative_error(rows, softmax_oracle({.causal = true}, 0.5L, q, k, one_hot)) <=
         Tolerance<float>::relative);
@@ -203,9 +220,11 @@ TEST_CASE("Softmax rows sum to 1 and large scores stay finite") {
     for (index_t s = 0; s < Tn; ++s) total += rows(0, t, 0, s);
     CHECK(std::fabs(total - 1.0) <= Tolerance<float>::relative);
   }
+  }
 }
 
-TEST_CASE("Masked latents (-inf logits) follow the documented convention") {
+TEST_CASE_TEMPLATE("Masked latents (-inf logits) follow the documented convention", E,
+                   exec::reference_t, exec::cpu_t) {
   constexpr double inf = std::numeric_limits<double>::infinity();
   Rng rng(406);
   const index_t Tn = 23, L = 5, Dv = 4;
@@ -219,20 +238,21 @@ TEST_CASE("Masked latents (-inf logits) follow the documented convention") {
   }
   for (index_t l = 0; l < L; ++l) q(0, 7, 0, l) = -inf;  // query 7 ignores every latent
   for (bool causal : {true, false}) {
-    const auto out = latte_forward<double, RunningMax>(causal, q, k, v);
+    const auto out = latte_forward<double, RunningMax, E>(causal, q, k, v);
     REQUIRE(all_finite(out));
     CHECK(relative_error(out, latte_oracle(causal, q, k, v)) <= Tolerance<double>::relative);
     for (index_t d = 0; d < Dv; ++d) CHECK(out(0, 7, 0, d) == 0.0);
   }
 }
 
-TEST_CASE("All-zero values give exactly zero output") {
+TEST_CASE_TEMPLATE("All-zero values give exactly zero output", E, exec::reference_t,
+                   exec::cpu_t) {
   Rng rng(407);
   const auto q = random_tensor<float, 4>(rng, {2, 31, 3, 7}, 5.0);
   const auto k = random_tensor<float, 4>(rng, {2, 31, 3, 7}, 5.0);
   const Tensor<float, 4> v({2, 31, 3, 6}, 0.f);
   for (bool causal : {true, false}) {
-    const auto out = latte_forward<float, RunningMax>(causal, q, k, v);
+    const auto out = latte_forward<float, RunningMax, E>(causal, q, k, v);
     for (index_t i = 0; i < out.size(); ++i) CHECK(out.data()[i] == 0.f);
   }
 }

@@ -17,7 +17,7 @@ constexpr int kCases = 200;
 template <class T, class Dir, class Win>
 void run_oracle_cases(const char* label, std::uint64_t seed) {
   Rng rng(seed);
-  double worst = 0;
+  double worst_reference = 0, worst_cpu = 0;
   long long elements = 0;
   for (int c = 0; c < kCases; ++c) {
     const Shape s = random_shape(rng);
@@ -40,19 +40,25 @@ void run_oracle_cases(const char* label, std::uint64_t seed) {
     const SoftmaxAttention<Dir, Win> attention(
         {.heads = s.heads, .key_dim = Dk, .value_dim = s.value_dim}, window,
         custom_scale ? std::optional<double>(scale) : std::nullopt);
-    Tensor<T, 4> out(v.extents());
-    attention.forward(exec::reference, q, k, v, out.view());
     const long double oracle_scale = custom_scale ? 0.37L : 1.0L / std::sqrt((long double)Dk);
-    const double error = relative_error(out, softmax_oracle(mask, oracle_scale, q, k, v));
-    CHECK_MESSAGE(error <= Tolerance<T>::relative,
+    const auto oracle = softmax_oracle(mask, oracle_scale, q, k, v);
+    Tensor<T, 4> out(v.extents()), out_cpu(v.extents());
+    attention.forward(exec::reference, q, k, v, out.view());
+    attention.forward(exec::cpu, q, k, v, out_cpu.view());
+    const double error = relative_error(out, oracle), error_cpu = relative_error(out_cpu, oracle);
+    CHECK_MESSAGE(std::max(error, error_cpu) <= Tolerance<T>::relative,
                   label << " case " << c << " B=" << s.batch << " T=" << s.time
                         << " H=" << s.heads << " Dk=" << Dk << " Dv=" << s.value_dim
-                        << " window=" << mask.left << "," << mask.right << " error=" << error);
-    worst = std::max(worst, error);
+                        << " window=" << mask.left << "," << mask.right
+                        << " reference error=" << error << " cpu error=" << error_cpu);
+    worst_reference = std::max(worst_reference, error);
+    worst_cpu = std::max(worst_cpu, error_cpu);
     elements += out.size();
   }
-  std::printf("[oracle] %-44s %s cases=%d elements=%lld max_rel_error=%.3e (tol %.0e)\n", label,
-              dtype_name<T>(), kCases, elements, worst, Tolerance<T>::relative);
+  std::printf("[oracle] %-44s %s cases=%d elements=%lld max_rel_error reference=%.3e "
+              "cpu=%.3e (tol %.0e)\n",
+              label, dtype_name<T>(), kCases, elements, worst_reference, worst_cpu,
+              Tolerance<T>::relative);
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "latte/backends/cpu/latte.hpp"
 #include "latte/backends/reference/latte.hpp"
 #include "latte/core/shape_check.hpp"
 #include "latte/core/state_storage.hpp"
@@ -75,14 +76,22 @@ class LatteAttention {
     validate_sequence(query_logits, key_logits, values, out);
     if constexpr (Dir::is_causal) {
       const index_t L = dims_.latents, Dv = dims_.value_dim;
-      std::vector<T> carry_storage(static_cast<std::size_t>(2 * L + L * Dv));
-      const reference::LatteCarry<T> carry{carry_storage.data(), carry_storage.data() + L,
-                                           carry_storage.data() + 2 * L};
-      reference::latte_causal_forward<Stab, Pos>(
-          query_logits, key_logits, values, out, angles_, 0, [&](index_t, index_t) {
-            reference::latte_reset<Stab>(carry, L, Dv);
-            return carry;
-          });
+      std::vector<T> carries(static_cast<std::size_t>(query_logits.extent(0) * dims_.heads *
+                                                      (2 * L + L * Dv)));
+      auto carry_of = [&](index_t b, index_t h) {
+        T* base = carries.data() + (b * dims_.heads + h) * (2 * L + L * Dv);
+        const reference::LatteCarry<T> carry{base, base + L, base + 2 * L};
+        reference::latte_reset<Stab>(carry, L, Dv);
+        return carry;
+      };
+      if constexpr (std::is_same_v<E, exec::cpu_t>)
+        cpu::latte_causal_forward<Stab, Pos>(query_logits, key_logits, values, out, angles_, 0,
+                                             carry_of);
+      else
+        reference::latte_causal_forward<Stab, Pos>(query_logits, key_logits, values, out,
+                                                   angles_, 0, carry_of);
+    } else if constexpr (std::is_same_v<E, exec::cpu_t>) {
+      cpu::latte_bidirectional_forward<Stab, Pos>(query_logits, key_logits, values, out, angles_);
     } else {
       reference::latte_bidirectional_forward<Stab, Pos>(query_logits, key_logits, values, out,
                                                         angles_);
@@ -130,9 +139,13 @@ class LatteAttention {
     static_assert(exec::implemented<E>, "this execution backend is not implemented yet");
     validate_sequence(query_logits, key_logits, values, out);
     validate_state(state, query_logits.extent(0));
-    reference::latte_causal_forward<Stab, Pos>(
-        query_logits, key_logits, values, out, angles_, state.position(),
-        [&](index_t b, index_t h) { return state.carry(b, h); });
+    auto carry_of = [&](index_t b, index_t h) { return state.carry(b, h); };
+    if constexpr (std::is_same_v<E, exec::cpu_t>)
+      cpu::latte_causal_forward<Stab, Pos>(query_logits, key_logits, values, out, angles_,
+                                           state.position(), carry_of);
+    else
+      reference::latte_causal_forward<Stab, Pos>(query_logits, key_logits, values, out, angles_,
+                                                 state.position(), carry_of);
     state.advance(query_logits.extent(1));
   }
 
@@ -150,13 +163,19 @@ class LatteAttention {
     detail::check_shape(values, "values", {B, H, Dv}, "[B, H, Dv]");
     detail::check_shape(out, "out", {B, H, Dv}, "[B, H, Dv]");
     check_outputs_distinct(query_logits, key_logits, values, out);
-    const index_t pairs = Dv / 2;
-    for (index_t b = 0; b < B; ++b)
-      for (index_t h = 0; h < H; ++h)
-        reference::latte_causal_step<Stab, Pos>(
-            query_logits.row(b, h), key_logits.row(b, h), values.row(b, h), out.row(b, h),
-            state.carry(b, h), L, Dv, angles_.empty() ? nullptr : angles_.data() + h * pairs,
-            state.position(), state.scratch());
+    if constexpr (std::is_same_v<E, exec::cpu_t>) {
+      cpu::latte_causal_step<Stab, Pos>(
+          query_logits, key_logits, values, out, angles_, state.position(),
+          [&](index_t b, index_t h) { return state.carry(b, h); }, state.scratch());
+    } else {
+      const index_t pairs = Dv / 2;
+      for (index_t b = 0; b < B; ++b)
+        for (index_t h = 0; h < H; ++h)
+          reference::latte_causal_step<Stab, Pos>(
+              query_logits.row(b, h), key_logits.row(b, h), values.row(b, h), out.row(b, h),
+              state.carry(b, h), L, Dv, angles_.empty() ? nullptr : angles_.data() + h * pairs,
+              state.position(), state.scratch());
+    }
     state.advance(1);
   }
 

@@ -27,7 +27,7 @@ class LatteState : public StateStorage<T> {
              std::int64_t first_position)
       : StateStorage<T>(std::move(kind), sizes_for(batch, heads, latents, value_dim),
                         fields_for(batch, heads, latents, value_dim), first_position),
-        scratch_(static_cast<std::size_t>(value_dim)) {}
+        scratch_(static_cast<std::size_t>(3 * latents + value_dim)) {}
 
   static std::vector<StateSize> sizes_for(index_t batch, index_t heads, index_t latents,
                                           index_t value_dim) {
@@ -51,7 +51,7 @@ class LatteState : public StateStorage<T> {
     return {this->field(0) + head * L, this->field(1) + head * L,
             this->field(2) + head * L * value_dim()};
   }
-  /// Dv values of scratch for a step (not part of the saved state).
+  /// 3 L + Dv values of scratch for a step (not part of the saved state).
   [[nodiscard]] T* scratch() noexcept { return scratch_.data(); }
 
  private:

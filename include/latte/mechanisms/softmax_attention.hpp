@@ -13,6 +13,7 @@
 #include <string>
 #include <type_traits>
 
+#include "latte/backends/cpu/softmax.hpp"
 #include "latte/backends/reference/softmax.hpp"
 #include "latte/core/shape_check.hpp"
 #include "latte/core/state_storage.hpp"
@@ -71,8 +72,12 @@ class SoftmaxAttention {
                TensorView<T, 4> out) const {
     static_assert(exec::implemented<E>, "this execution backend is not implemented yet");
     validate_sequence(queries, keys, values, out);
-    reference::softmax_forward<Dir::is_causal>(queries, keys, values, out, static_cast<T>(scale_),
-                                               window_);
+    if constexpr (std::is_same_v<E, exec::cpu_t>)
+      cpu::softmax_forward<Dir::is_causal>(queries, keys, values, out, static_cast<T>(scale_),
+                                           window_);
+    else
+      reference::softmax_forward<Dir::is_causal>(queries, keys, values, out,
+                                                 static_cast<T>(scale_), window_);
   }
 
   /// A KV cache for `batch` sequences. With SlidingWindow the capacity is
@@ -141,12 +146,23 @@ class SoftmaxAttention {
     std::int64_t visible = position + 1;  // every token so far, or the window
     if constexpr (std::is_same_v<Win, SlidingWindow>)
       visible = std::min<std::int64_t>(visible, window_.left + 1);
-    for (index_t b = 0; b < B; ++b)
-      for (index_t h = 0; h < H; ++h)
-        reference::softmax_decode_step(queries.row(b, h), keys.row(b, h), values.row(b, h),
-                                       out.row(b, h), state.slots(b, h), state.capacity(),
-                                       dims_.key_dim, dims_.value_dim, static_cast<T>(scale_),
-                                       position, static_cast<index_t>(visible));
+    const index_t capacity = state.capacity(), Dk = dims_.key_dim, Dv = dims_.value_dim;
+    const auto seen = static_cast<index_t>(visible);
+    const T scale = static_cast<T>(scale_);
+    if constexpr (std::is_same_v<E, exec::cpu_t>) {
+      cpu::parallel_for(B * H, cpu::thread_count(), [&](index_t i, int) {
+        const index_t b = i / H, h = i % H;
+        cpu::softmax_decode_step(queries.row(b, h), keys.row(b, h), values.row(b, h),
+                                 out.row(b, h), state.slots(b, h), capacity, Dk, Dv, scale,
+                                 position, seen);
+      });
+    } else {
+      for (index_t b = 0; b < B; ++b)
+        for (index_t h = 0; h < H; ++h)
+          reference::softmax_decode_step(queries.row(b, h), keys.row(b, h), values.row(b, h),
+                                         out.row(b, h), state.slots(b, h), capacity, Dk, Dv,
+                                         scale, position, seen);
+    }
     state.advance(1);
   }
 

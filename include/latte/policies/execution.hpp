@@ -9,7 +9,8 @@ namespace latte::exec {
 struct reference_t {
   static constexpr const char* name = "reference";
 };
-/// xsimd + OpenMP kernels. Reserved: the CPU backend is not built yet.
+/// xsimd + OpenMP kernels (the default). Compile with -march=native (or the
+/// target's -m flags) for wide SIMD.
 struct cpu_t {
   static constexpr const char* name = "cpu";
 };
@@ -19,6 +20,8 @@ struct cuda_t {
 };
 
 inline constexpr reference_t reference{};
+/// The execution policy used when none is named.
+using default_t = cpu_t;
 inline constexpr cpu_t cpu{};
 inline constexpr cuda_t cuda{};
 
@@ -27,7 +30,7 @@ concept Policy = std::same_as<E, reference_t> || std::same_as<E, cpu_t> || std::
 
 /// Whether a backend is available in this build.
 template <Policy E>
-inline constexpr bool implemented = std::same_as<E, reference_t>;
+inline constexpr bool implemented = std::same_as<E, reference_t> || std::same_as<E, cpu_t>;
 
 }  // namespace latte::exec
 
@@ -48,7 +51,7 @@ template <exec::Policy E>
   } else {
     return {false, std::string("the '") + E::name +
                        "' backend is not implemented in this version of latte; use "
-                       "latte::exec::reference"};
+                       "latte::exec::cpu or latte::exec::reference"};
   }
 }
 

@@ -1,0 +1,415 @@
+#pragma once
+// CPU backend for Latte: xsimd vectorisation and OpenMP threads.
+//
+// Causal: the exact RunningMax recurrence of paper 000 (eqs. 10-12, App. B.2
+// eq. 21) as a register-blocked scan. Per token, an L-wide stage absorbs the
+// key logits (running max m, rescale c, weight w, normaliser alpha) and forms
+// gamma_l = p(l|t) / alpha_{t,l}; one pass over the L x Dv memory (kept in L1)
+// then updates vtilde_l = c_l vtilde_l + w_l v_t and reads o_t = sum_l gamma_l
+// vtilde_l with the value and output blocks held in registers. Work is split
+// over (batch, head); when there are fewer heads than threads, time is split
+// into one segment per thread and run in two passes (segment-local states in
+// parallel -> a scan that merges them -> outputs in parallel), so B*H = 1
+// still uses every core. Workspace is O(threads * L * Dv), independent of T.
+//
+// Bidirectional: the two contractions of eq. 7 in row blocks: a column
+// maximum of the key logits, then per block E = exp(K - max), alpha += 1^T E,
+// M += E^T V (Eigen GEMM), then O = (softmax(Q) / alpha) M per block.
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include "latte/backends/cpu/parallel.hpp"
+#include "latte/backends/cpu/rotation.hpp"
+#include "latte/backends/cpu/simd.hpp"
+#include "latte/backends/reference/latte.hpp"
+#include "latte/core/tensor_view.hpp"
+#include "latte/core/types.hpp"
+#include "latte/policies/positional.hpp"
+#include "latte/policies/stabilizer.hpp"
+
+namespace latte::cpu {
+
+using reference::LatteCarry;
+
+/// Per-worker scratch for the causal scan.
+template <Real T>
+struct LatteScratch {
+  LatteScratch(index_t L, index_t Dv)
+      : carry_scale(L), weight(L), gamma(L), rotated(Dv), rotation(Dv / 2) {}
+  std::vector<T> carry_scale, weight, gamma, rotated;
+  RotationStepper<T> rotation;
+};
+
+/// The L-wide key stage (eq. 21): m <- max(m, k), c = exp(m_old - m),
+/// w = exp(k - m), alpha <- c alpha + w. Returns whether any c != 1.
+template <Stabilizer Stab, Real T>
+bool absorb_keys(const T* k, LatteCarry<T> carry, T* c, T* w, index_t L) noexcept {
+  bool rescaled = false;
+  index_t l = 0;
+  if constexpr (std::is_same_v<Stab, RunningMax>) {
+    using B = simd::batch<T>;
+    constexpr index_t W = simd::width<T>;
+    constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+    for (; l + W <= L; l += W) {
+      const B key = simd::load(k + l), old_max = simd::load(carry.running_max + l);
+      const B new_max = simd::max(old_max, key);
+      rescaled = rescaled || simd::any_greater(new_max, old_max);
+      // Where everything so far is -inf the sums stay empty: c = 1, w = 0.
+      const B scale = simd::replace_where_equal(new_max, neg_inf, B(T(1)), simd::exp(old_max - new_max));
+      const B weight = simd::replace_where_equal(new_max, neg_inf, B(T(0)), simd::exp(key - new_max));
+      simd::store(carry.running_max + l, new_max);
+      simd::store(c + l, scale);
+      simd::store(w + l, weight);
+      simd::store(carry.normaliser + l,
+                  simd::fma(simd::load(carry.normaliser + l), scale, weight));
+    }
+  }
+  for (; l < L; ++l) {
+    const Absorb<T> a = Stab::absorb(carry.running_max[l], k[l]);
+    c[l] = a.carry_scale;
+    w[l] = a.weight;
+    rescaled = rescaled || a.carry_scale != T(1);
+    carry.normaliser[l] = carry.normaliser[l] * a.carry_scale + a.weight;
+  }
+  return rescaled;
+}
+
+/// gamma_l = p(l|t) / alpha_l (eq. 11); zero for an empty latent (alpha = 0)
+/// and for a query whose logits are all -inf.
+template <Real T>
+void latent_read_weights(const T* q, const T* normaliser, T* gamma, index_t L) noexcept {
+  using B = simd::batch<T>;
+  constexpr index_t W = simd::width<T>;
+  T q_max = -std::numeric_limits<T>::infinity();
+  index_t l = 0;
+  if (L >= W) {
+    B running = simd::load(q);
+    for (l = W; l + W <= L; l += W) running = simd::max(running, simd::load(q + l));
+    q_max = simd::reduce_max(running);
+  }
+  for (; l < L; ++l) q_max = std::max(q_max, q[l]);
+  if (q_max == -std::numeric_limits<T>::infinity()) {
+    std::fill(gamma, gamma + L, T(0));
+    return;
+  }
+  B total(T(0));
+  T tail_total = 0;
+  for (l = 0; l + W <= L; l += W) {
+    const B e = simd::exp(simd::load(q + l) - B(q_max));
+    simd::store(gamma + l, e);
+    total = total + e;
+  }
+  for (; l < L; ++l) {
+    gamma[l] = std::exp(q[l] - q_max);
+    tail_total += gamma[l];
+  }
+  const T beta = simd::reduce_add(total) + tail_total;  // eq. 9, shifted by q_max
+  for (l = 0; l < L; ++l) gamma[l] = normaliser[l] == T(0) ? T(0) : gamma[l] / (beta * normaliser[l]);
+}
+
+/// The update half alone (segment-local states of the two-pass scan).
+template <Real T, int R>
+inline void update_block(T* memory, index_t Dv, index_t d0, const T* c, const T* w, const T* v,
+                         index_t L, bool rescale) noexcept {
+  using B = simd::batch<T>;
+  constexpr index_t W = simd::width<T>;
+  B value[R];
+  for (int r = 0; r < R; ++r) value[r] = simd::load(v + d0 + r * W);
+  for (index_t l = 0; l < L; ++l) {
+    T* row = memory + l * Dv + d0;
+    const B weight(w[l]), scale(rescale ? c[l] : T(1));
+    for (int r = 0; r < R; ++r)
+      simd::store(row + r * W, simd::fma(simd::load(row + r * W), scale, weight * value[r]));
+  }
+}
+
+/// One register block of R vectors of the Dv pass: memory update and (when
+/// `out` is given) read.
+template <Real T, int R>
+inline void update_read_block(T* memory, index_t Dv, index_t d0, const T* c, const T* w,
+                              const T* gamma, const T* v, T* out, index_t L,
+                              bool rescale) noexcept {
+  if (out == nullptr) {
+    update_block<T, R>(memory, Dv, d0, c, w, v, L, rescale);
+    return;
+  }
+  using B = simd::batch<T>;
+  constexpr index_t W = simd::width<T>;
+  B value[R], acc[R];
+  for (int r = 0; r < R; ++r) {
+    value[r] = simd::load(v + d0 + r * W);
+    acc[r] = B(T(0));
+  }
+  for (index_t l = 0; l < L; ++l) {
+    T* row = memory + l * Dv + d0;
+    const B weight(w[l]), read(gamma[l]);
+    if (rescale) {
+      const B scale(c[l]);
+      for (int r = 0; r < R; ++r) {
+        const B m = simd::fma(simd::load(row + r * W), scale, weight * value[r]);
+        simd::store(row + r * W, m);
+        acc[r] = simd::fma(read, m, acc[r]);
+      }
+    } else {
+      for (int r = 0; r < R; ++r) {
+        const B m = simd::fma(weight, value[r], simd::load(row + r * W));
+        simd::store(row + r * W, m);
+        acc[r] = simd::fma(read, m, acc[r]);
+      }
+    }
+  }
+  if (out)
+    for (int r = 0; r < R; ++r) simd::store(out + d0 + r * W, acc[r]);
+}
+
+/// The Dv pass for one token: vtilde_l = c_l vtilde_l + w_l v, out = sum_l gamma_l vtilde_l.
+/// `out` may be null (state update only).
+template <Real T>
+void update_and_read(T* memory, const T* c, const T* w, const T* gamma, const T* v, T* out,
+                     index_t L, index_t Dv, bool rescale) noexcept {
+  constexpr index_t W = simd::width<T>;
+  index_t d = 0;
+  for (; d + 4 * W <= Dv; d += 4 * W)
+    update_read_block<T, 4>(memory, Dv, d, c, w, gamma, v, out, L, rescale);
+  for (; d + W <= Dv; d += W) update_read_block<T, 1>(memory, Dv, d, c, w, gamma, v, out, L, rescale);
+  if (d == Dv) return;
+  for (index_t e = d; e < Dv; ++e) {
+    T acc = 0;
+    for (index_t l = 0; l < L; ++l) {
+      T& m = memory[l * Dv + e];
+      m = rescale ? m * c[l] + w[l] * v[e] : m + w[l] * v[e];
+      acc += gamma[l] * m;
+    }
+    if (out) out[e] = acc;
+  }
+}
+
+/// Scans tokens [t0, t1) of one (b, h) from `carry` at absolute position
+/// `position` (of token t0). With `read` false only the state is advanced.
+template <Stabilizer Stab, Positional Pos, Real T>
+void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
+          const TensorView<const T, 4>& v, const TensorView<T, 4>& out, index_t b, index_t h,
+          index_t t0, index_t t1, LatteCarry<T> carry, const double* theta,
+          std::int64_t position, bool read, LatteScratch<T>& scratch) noexcept {
+  const index_t L = q.extent(3), Dv = v.extent(3);
+  if constexpr (Pos::rotates_values) scratch.rotation.seek(theta, position);
+  for (index_t t = t0; t < t1; ++t) {
+    const T* value = v.row(b, t, h);
+    if constexpr (Pos::rotates_values) {
+      std::copy(value, value + Dv, scratch.rotated.data());
+      scratch.rotation.rotate(scratch.rotated.data(), /*forward=*/false);  // R^{-s} v_s
+      value = scratch.rotated.data();
+    }
+    const bool rescale = absorb_keys<Stab>(k.row(b, t, h), carry, scratch.carry_scale.data(),
+                                           scratch.weight.data(), L);
+    T* o = read ? out.row(b, t, h) : nullptr;
+    if (read) latent_read_weights(q.row(b, t, h), carry.normaliser, scratch.gamma.data(), L);
+    update_and_read(carry.memory, scratch.carry_scale.data(), scratch.weight.data(),
+                    scratch.gamma.data(), value, o, L, Dv, rescale);
+    if constexpr (Pos::rotates_values) {
+      if (read) scratch.rotation.rotate(o, /*forward=*/true);  // R^t
+      scratch.rotation.next();
+    }
+  }
+}
+
+/// carry_into <- the state after the tokens of `carry_into` followed by those of `later`
+/// (both with sums scaled by exp(-their reference)).
+template <Real T>
+void merge_carry(LatteCarry<T> carry_into, LatteCarry<const T> later, index_t L,
+                 index_t Dv) noexcept {
+  constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+  for (index_t l = 0; l < L; ++l) {
+    const T m_a = carry_into.running_max[l], m_b = later.running_max[l];
+    const T m = std::max(m_a, m_b);
+    const T scale_a = m_a == neg_inf ? T(0) : std::exp(m_a - m);
+    const T scale_b = m_b == neg_inf ? T(0) : std::exp(m_b - m);
+    carry_into.running_max[l] = m;
+    carry_into.normaliser[l] = carry_into.normaliser[l] * scale_a + later.normaliser[l] * scale_b;
+    T* mem_a = carry_into.memory + l * Dv;
+    const T* mem_b = later.memory + l * Dv;
+    for (index_t d = 0; d < Dv; ++d) mem_a[d] = mem_a[d] * scale_a + mem_b[d] * scale_b;
+  }
+}
+
+/// Causal Latte over [B, T, H, *], continuing from carry_of(b, h) at `first_position`.
+template <Stabilizer Stab, Positional Pos, Real T, class CarryOf>
+void latte_causal_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
+                          TensorView<const T, 4> v, TensorView<T, 4> out,
+                          const std::vector<double>& angles, std::int64_t first_position,
+                          CarryOf&& carry_of) {
+  const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), L = q.extent(3);
+  const index_t Dv = v.extent(3), pairs = Dv / 2, heads = B * H;
+  if (Tn == 0 || heads == 0) return;
+  const int workers = thread_count();
+  auto theta_of = [&](index_t h) { return angles.empty() ? nullptr : angles.data() + h * pairs; };
+  constexpr index_t min_segment = 256;
+  const index_t segments =
+      heads >= workers ? 1 : std::clamp<index_t>(Tn / min_segment, 1, workers);
+  std::vector<LatteScratch<T>> scratch(static_cast<std::size_t>(workers), LatteScratch<T>(L, Dv));
+
+  if (segments == 1) {
+    parallel_for(heads, workers, [&](index_t i, int worker) {
+      const index_t b = i / H, h = i % H;
+      scan<Stab, Pos>(q, k, v, out, b, h, 0, Tn, carry_of(b, h), theta_of(h), first_position,
+                      true, scratch[worker]);
+    });
+    return;
+  }
+  // Two passes over `segments` time segments, one (b, h) at a time.
+  const index_t carry_size = 2 * L + L * Dv;
+  std::vector<T> storage(static_cast<std::size_t>(2 * segments * carry_size));
+  auto carry_at = [&](index_t slot) {
+    T* base = storage.data() + slot * carry_size;
+    return LatteCarry<T>{base, base + L, base + 2 * L};
+  };
+  auto segment_begin = [&](index_t p) { return p * Tn / segments; };
+  for (index_t i = 0; i < heads; ++i) {
+    const index_t b = i / H, h = i % H;
+    const LatteCarry<T> incoming = carry_of(b, h);
+    // Pass 1: each segment but the last from an empty state (slots 0 .. segments-2).
+    parallel_for(segments - 1, workers, [&](index_t p, int worker) {
+      const LatteCarry<T> local = carry_at(p);
+      reference::latte_reset<Stab>(local, L, Dv);
+      scan<Stab, Pos>(q, k, v, out, b, h, segment_begin(p), segment_begin(p + 1), local,
+                      theta_of(h), first_position + segment_begin(p), false, scratch[worker]);
+    });
+    // Pass 2: the state entering segment p, in slot segments + p.
+    auto copy_carry = [&](LatteCarry<T> to, LatteCarry<T> from) {
+      std::copy(from.running_max, from.running_max + L, to.running_max);
+      std::copy(from.normaliser, from.normaliser + L, to.normaliser);
+      std::copy(from.memory, from.memory + L * Dv, to.memory);
+    };
+    copy_carry(carry_at(segments), incoming);
+    for (index_t p = 1; p < segments; ++p) {
+      copy_carry(carry_at(segments + p), carry_at(segments + p - 1));
+      const LatteCarry<T> local = carry_at(p - 1);
+      merge_carry<T>(carry_at(segments + p), {local.running_max, local.normaliser, local.memory},
+                     L, Dv);
+    }
+    // Pass 3: every segment from its incoming state, writing outputs.
+    parallel_for(segments, workers, [&](index_t p, int worker) {
+      scan<Stab, Pos>(q, k, v, out, b, h, segment_begin(p), segment_begin(p + 1),
+                      carry_at(segments + p), theta_of(h), first_position + segment_begin(p), true,
+                      scratch[worker]);
+    });
+    copy_carry(incoming, carry_at(2 * segments - 1));
+  }
+}
+
+/// One decode step for every (b, h) (eqs. 12, 21, 22); allocation-free.
+template <Stabilizer Stab, Positional Pos, Real T, class CarryOf>
+void latte_causal_step(TensorView<const T, 3> q, TensorView<const T, 3> k,
+                       TensorView<const T, 3> v, TensorView<T, 3> out,
+                       const std::vector<double>& angles, std::int64_t position,
+                       CarryOf&& carry_of, T* scratch /* 3L + Dv */) noexcept {
+  const index_t B = q.extent(0), H = q.extent(1), L = q.extent(2), Dv = v.extent(2);
+  T *c = scratch, *w = scratch + L, *gamma = scratch + 2 * L, *rotated = scratch + 3 * L;
+  for (index_t b = 0; b < B; ++b)
+    for (index_t h = 0; h < H; ++h) {
+      const LatteCarry<T> carry = carry_of(b, h);
+      const T* value = v.row(b, h);
+      const double* theta = angles.empty() ? nullptr : angles.data() + h * (Dv / 2);
+      if constexpr (Pos::rotates_values) {
+        std::copy(value, value + Dv, rotated);
+        Pos::rotate(rotated, Dv, theta, -position);
+        value = rotated;
+      }
+      const bool rescale = absorb_keys<Stab>(k.row(b, h), carry, c, w, L);
+      latent_read_weights(q.row(b, h), carry.normaliser, gamma, L);
+      update_and_read(carry.memory, c, w, gamma, value, out.row(b, h), L, Dv, rescale);
+      if constexpr (Pos::rotates_values) Pos::rotate(out.row(b, h), Dv, theta, position);
+    }
+}
+
+/// Bidirectional Latte (eqs. 5-7; VAPOR eq. 22) in row blocks of `block` tokens.
+template <Stabilizer Stab, Positional Pos, Real T>
+void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
+                                 TensorView<const T, 4> v, TensorView<T, 4> out,
+                                 const std::vector<double>& angles) {
+  using Matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using Vector = Eigen::Matrix<T, 1, Eigen::Dynamic>;
+  using ConstMap = Eigen::Map<const Matrix, Eigen::Unaligned, Eigen::OuterStride<>>;
+  using Map = Eigen::Map<Matrix, Eigen::Unaligned, Eigen::OuterStride<>>;
+  const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), L = q.extent(3);
+  const index_t Dv = v.extent(3), pairs = Dv / 2, heads = B * H;
+  if (Tn == 0 || heads == 0) return;
+  constexpr index_t block = 256;
+  const int workers = thread_count();
+  struct Scratch {
+    Matrix e, values, gamma, memory;
+    Vector shift, normaliser;
+    RotationStepper<T> rotation;
+  };
+  std::vector<Scratch> scratch(static_cast<std::size_t>(workers));
+  for (Scratch& s : scratch) {
+    s.e.resize(block, L);
+    s.values.resize(block, Dv);
+    s.gamma.resize(block, L);
+    s.memory.resize(L, Dv);
+    s.shift.resize(L);
+    s.normaliser.resize(L);
+    s.rotation = RotationStepper<T>(pairs);
+  }
+  parallel_for(heads, workers, [&](index_t i, int worker) {
+    Scratch& s = scratch[worker];
+    const index_t b = i / H, h = i % H;
+    const double* theta = angles.empty() ? nullptr : angles.data() + h * pairs;
+    auto rows = [&](const TensorView<const T, 4>& x, index_t t0, index_t n) {
+      return ConstMap(x.row(b, t0, h), n, x.extent(3), Eigen::OuterStride<>(x.stride(1)));
+    };
+    // p(s|l) = exp(k_{s,l} - shift_l) / alpha_l, shift_l from the column maximum.
+    s.shift.setConstant(-std::numeric_limits<T>::infinity());
+    for (index_t t = 0; t < Tn; ++t)
+      s.shift = s.shift.cwiseMax(Eigen::Map<const Vector>(k.row(b, t, h), L));
+    for (index_t l = 0; l < L; ++l) s.shift[l] = Stab::reference_for(s.shift[l]);
+    s.normaliser.setZero();
+    s.memory.setZero();
+    if constexpr (Pos::rotates_values) s.rotation.seek(theta, 0);
+    for (index_t t0 = 0; t0 < Tn; t0 += block) {
+      const index_t n = std::min(block, Tn - t0);
+      auto e = s.e.topRows(n);
+      for (index_t r = 0; r < n; ++r) {
+        const T* key = k.row(b, t0 + r, h);
+        T* row = e.row(r).data();
+        index_t l = 0;
+        constexpr index_t W = simd::width<T>;
+        for (; l + W <= L; l += W)
+          simd::store(row + l, simd::exp(simd::load(key + l) - simd::load(s.shift.data() + l)));
+        for (; l < L; ++l) row[l] = std::exp(key[l] - s.shift[l]);
+      }
+      s.normaliser += e.colwise().sum();
+      if constexpr (Pos::rotates_values) {
+        auto values = s.values.topRows(n);
+        values = rows(v, t0, n);
+        for (index_t r = 0; r < n; ++r) {
+          s.rotation.rotate(values.row(r).data(), /*forward=*/false);  // R^{-s} v_s
+          s.rotation.next();
+        }
+        s.memory.noalias() += e.transpose() * values;
+      } else {
+        s.memory.noalias() += e.transpose() * rows(v, t0, n);
+      }
+    }
+    if constexpr (Pos::rotates_values) s.rotation.seek(theta, 0);
+    for (index_t t0 = 0; t0 < Tn; t0 += block) {
+      const index_t n = std::min(block, Tn - t0);
+      auto gamma = s.gamma.topRows(n);
+      for (index_t r = 0; r < n; ++r)
+        latent_read_weights(q.row(b, t0 + r, h), s.normaliser.data(), gamma.row(r).data(), L);
+      Map o(out.row(b, t0, h), n, Dv, Eigen::OuterStride<>(out.stride(1)));
+      o.noalias() = gamma * s.memory;
+      if constexpr (Pos::rotates_values)
+        for (index_t r = 0; r < n; ++r) {
+          s.rotation.rotate(out.row(b, t0 + r, h), /*forward=*/true);  // R^t
+          s.rotation.next();
+        }
+    }
+  });
+}
+
+}  // namespace latte::cpu

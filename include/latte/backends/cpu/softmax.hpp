@@ -1,0 +1,168 @@
+#pragma once
+// CPU backend for exact softmax attention: blocked online softmax (the flash
+// algorithm) with Eigen GEMMs for the score and value products, OpenMP over
+// (batch, head, query block), and a vectorised KV-cache decode step.
+//
+// For a query block Q_i and each key block K_j inside its allowed band:
+//   S = scale Q_i K_j^T (masked), m' = max(m, rowmax S), P = exp(S - m'),
+//   l = l exp(m - m') + rowsum P, O = O exp(m - m') + P V_j;  finally O / l.
+// Only blocks that intersect the causal / sliding-window band are visited,
+// so a window costs O(T * w). Workspace is per worker and independent of T.
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include "latte/backends/cpu/parallel.hpp"
+#include "latte/backends/cpu/simd.hpp"
+#include "latte/backends/reference/softmax.hpp"
+#include "latte/core/tensor_view.hpp"
+#include "latte/core/types.hpp"
+#include "latte/policies/window.hpp"
+
+namespace latte::cpu {
+
+template <bool Causal, Window Win, Real T>
+void softmax_forward(TensorView<const T, 4> q, TensorView<const T, 4> k, TensorView<const T, 4> v,
+                     TensorView<T, 4> out, T scale, const Win& window) {
+  using Matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using ConstMap = Eigen::Map<const Matrix, Eigen::Unaligned, Eigen::OuterStride<>>;
+  using Map = Eigen::Map<Matrix, Eigen::Unaligned, Eigen::OuterStride<>>;
+  constexpr index_t block_q = 64, block_k = 64;
+  constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+  const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), Dk = q.extent(3);
+  const index_t Dv = v.extent(3);
+  if (Tn == 0 || B * H == 0) return;
+  const index_t query_blocks = (Tn + block_q - 1) / block_q;
+  const int workers = thread_count();
+  struct Scratch {
+    Matrix scores, acc;
+    std::vector<T> row_max, row_sum, correction;
+  };
+  std::vector<Scratch> scratch(static_cast<std::size_t>(workers));
+  for (Scratch& s : scratch) {
+    s.scores.resize(block_q, block_k);
+    s.acc.resize(block_q, Dv);
+    s.row_max.resize(block_q);
+    s.row_sum.resize(block_q);
+    s.correction.resize(block_q);
+  }
+  auto lowest = [&](index_t t) { return window.lowest_key(t); };
+  auto highest = [&](index_t t) {
+    const index_t hi = window.highest_key(t, Tn);
+    return Causal ? std::min(hi, t) : hi;
+  };
+  parallel_for(B * H * query_blocks, workers, [&](index_t task, int worker) {
+    Scratch& s = scratch[worker];
+    const index_t qb = task % query_blocks, bh = task / query_blocks;
+    const index_t b = bh / H, h = bh % H;
+    const index_t i0 = qb * block_q, nq = std::min(block_q, Tn - i0);
+    const ConstMap Q(q.row(b, i0, h), nq, Dk, Eigen::OuterStride<>(q.stride(1)));
+    auto acc = s.acc.topRows(nq);
+    acc.setZero();
+    std::fill(s.row_max.begin(), s.row_max.end(), neg_inf);
+    std::fill(s.row_sum.begin(), s.row_sum.end(), T(0));
+    // Key range any row of the block may see (lowest/highest are monotone in t).
+    const index_t key_lo = lowest(i0), key_hi = highest(i0 + nq - 1);
+    for (index_t j0 = key_lo - key_lo % block_k; j0 <= key_hi; j0 += block_k) {
+      const index_t j_first = std::max(j0, key_lo);
+      const index_t nk = std::min(j0 + block_k, key_hi + 1) - j_first;
+      if (nk <= 0) continue;
+      const ConstMap K(k.row(b, j_first, h), nk, Dk, Eigen::OuterStride<>(k.stride(1)));
+      const ConstMap V(v.row(b, j_first, h), nk, Dv, Eigen::OuterStride<>(v.stride(1)));
+      auto S = s.scores.topLeftCorner(nq, nk);
+      S.noalias() = (Q * K.transpose()) * scale;
+      for (index_t r = 0; r < nq; ++r) {
+        const index_t t = i0 + r, lo = lowest(t), hi = highest(t);
+        T* row = S.row(r).data();
+        T block_max = neg_inf;
+        for (index_t c = 0; c < nk; ++c) {
+          const index_t key = j_first + c;
+          if (key < lo || key > hi) row[c] = neg_inf;
+          block_max = std::max(block_max, row[c]);
+        }
+        const T m_new = std::max(s.row_max[r], block_max);
+        if (m_new == neg_inf) {  // nothing allowed yet in this row
+          s.correction[r] = T(1);
+          std::fill(row, row + nk, T(0));
+          continue;
+        }
+        T total = 0;
+        index_t c = 0;
+        constexpr index_t W = simd::width<T>;
+        simd::batch<T> lanes(T(0));
+        for (; c + W <= nk; c += W) {
+          const auto p = simd::exp(simd::load(row + c) - simd::batch<T>(m_new));
+          simd::store(row + c, p);
+          lanes = lanes + p;
+        }
+        for (; c < nk; ++c) {
+          row[c] = std::exp(row[c] - m_new);
+          total += row[c];
+        }
+        total += simd::reduce_add(lanes);
+        s.correction[r] = std::exp(s.row_max[r] - m_new);
+        s.row_sum[r] = s.row_sum[r] * s.correction[r] + total;
+        s.row_max[r] = m_new;
+      }
+      for (index_t r = 0; r < nq; ++r) acc.row(r) *= s.correction[r];
+      acc.noalias() += S * V;
+    }
+    Map O(out.row(b, i0, h), nq, Dv, Eigen::OuterStride<>(out.stride(1)));
+    for (index_t r = 0; r < nq; ++r)
+      O.row(r) = s.row_sum[r] > T(0) ? (acc.row(r) / s.row_sum[r]).eval() : acc.row(r).eval();
+  });
+}
+
+/// Dot product of two contiguous rows.
+template <Real T>
+[[nodiscard]] inline T dot(const T* a, const T* b, index_t n) noexcept {
+  constexpr index_t W = simd::width<T>;
+  simd::batch<T> lanes(T(0));
+  index_t i = 0;
+  for (; i + W <= n; i += W) lanes = simd::fma(simd::load(a + i), simd::load(b + i), lanes);
+  T total = simd::reduce_add(lanes);
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
+/// One KV-cache decode step for one (b, h): stores (k, v) at `position`, then
+/// online softmax over the `visible` most recent tokens, oldest first.
+template <Real T>
+void softmax_decode_step(const T* q, const T* k, const T* v, T* out, reference::KVSlots<T> slots,
+                         index_t capacity, index_t Dk, index_t Dv, T scale,
+                         std::int64_t position, index_t visible) noexcept {
+  constexpr index_t W = simd::width<T>;
+  const index_t slot = static_cast<index_t>(position % capacity);
+  std::copy(k, k + Dk, slots.keys + slot * Dk);
+  std::copy(v, v + Dv, slots.values + slot * Dv);
+  std::fill(out, out + Dv, T(0));
+  T m = -std::numeric_limits<T>::infinity(), l = 0;
+  const std::int64_t oldest = position + 1 - visible;
+  for (index_t j = 0; j < visible; ++j) {
+    const index_t at = static_cast<index_t>((oldest + j) % capacity);
+    const T score = scale * dot(q, slots.keys + at * Dk, Dk);
+    const T m_new = std::max(m, score);
+    const T carry_scale = std::exp(m - m_new), weight = std::exp(score - m_new);
+    l = l * carry_scale + weight;
+    const T* value = slots.values + at * Dv;
+    index_t d = 0;
+    if (carry_scale == T(1)) {
+      for (; d + W <= Dv; d += W)
+        simd::store(out + d, simd::fma(simd::batch<T>(weight), simd::load(value + d),
+                                       simd::load(out + d)));
+    } else {
+      for (; d + W <= Dv; d += W)
+        simd::store(out + d, simd::fma(simd::load(out + d), simd::batch<T>(carry_scale),
+                                       simd::batch<T>(weight) * simd::load(value + d)));
+    }
+    for (; d < Dv; ++d) out[d] = out[d] * carry_scale + weight * value[d];
+    m = m_new;
+  }
+  if (l > T(0))
+    for (index_t d = 0; d < Dv; ++d) out[d] /= l;
+}
+
+}  // namespace latte::cpu
