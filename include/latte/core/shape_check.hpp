@@ -38,10 +38,10 @@ void check_distinct_elements(const TensorView<T, N>& view, std::string_view argu
   index_t span = 1;
   for (std::size_t i = 0; i < count; ++i) {
     const auto [stride, extent] = by_stride[i];
-    require(stride >= span, argument,
-            "strides " + format_extents(view.strides()) + " for extents " +
-                format_extents(view.extents()) +
-                " address some elements twice; an output needs distinct elements");
+    if (stride < span)
+      throw Error(argument, "strides " + format_extents(view.strides()) + " for extents " +
+                                format_extents(view.extents()) +
+                                " address some elements twice; an output needs distinct elements");
     span += (extent - 1) * stride;
   }
 }

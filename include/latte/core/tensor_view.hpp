@@ -113,17 +113,19 @@ template <std::size_t N>
 /// data when the view is not empty. Throws latte::Error naming `argument`.
 template <class T, std::size_t N>
 void check_view(const TensorView<T, N>& view, std::string_view argument) {
+  // Messages are built only on failure: step() calls this per token.
   for (std::size_t d = 0; d < N; ++d) {
-    detail::require(view.extent(d) >= 0, argument,
-                    "extents must be non-negative, given " + format_extents(view.extents()));
-    detail::require(view.stride(d) >= 0, argument,
-                    "strides must be non-negative, given " + format_extents(view.strides()));
+    if (view.extent(d) < 0)
+      throw Error(argument, "extents must be non-negative, given " + format_extents(view.extents()));
+    if (view.stride(d) < 0)
+      throw Error(argument, "strides must be non-negative, given " + format_extents(view.strides()));
   }
-  detail::require(view.extent(N - 1) <= 1 || view.stride(N - 1) == 1, argument,
-                  detail::expected_given("stride of the feature (last) dimension", 1,
-                                         view.stride(N - 1)));
-  detail::require(view.empty() || view.data() != nullptr, argument,
-                  "data is null but the view has " + std::to_string(view.size()) + " elements");
+  if (view.extent(N - 1) > 1 && view.stride(N - 1) != 1)
+    throw Error(argument, detail::expected_given("stride of the feature (last) dimension", 1,
+                                                 view.stride(N - 1)));
+  if (!view.empty() && view.data() == nullptr)
+    throw Error(argument,
+                "data is null but the view has " + std::to_string(view.size()) + " elements");
 }
 
 /// True when two views may share memory (conservative: compares address ranges).

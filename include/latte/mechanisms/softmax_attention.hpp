@@ -150,7 +150,10 @@ class SoftmaxAttention {
     const auto seen = static_cast<index_t>(visible);
     const T scale = static_cast<T>(scale_);
     if constexpr (std::is_same_v<E, exec::cpu_t>) {
-      cpu::parallel_for(B * H, cpu::thread_count(), [&](index_t i, int) {
+      // Threads only pay off on long contexts; a short step runs on the calling thread.
+      const double work = double(B * H) * double(seen) * double(Dk + Dv);
+      const int workers = work >= 1 << 18 ? cpu::thread_count() : 1;
+      cpu::parallel_for(B * H, workers, [&](index_t i, int) {
         const index_t b = i / H, h = i % H;
         cpu::softmax_decode_step(queries.row(b, h), keys.row(b, h), values.row(b, h),
                                  out.row(b, h), state.slots(b, h), capacity, Dk, Dv, scale,
@@ -209,20 +212,15 @@ class SoftmaxAttention {
     if (!matches)
       state.require_matches(kind<T>(), State<T>::sizes_for(batch, dims_.heads, dims_.key_dim,
                                                            dims_.value_dim, state.capacity()));
-    if constexpr (std::is_same_v<Win, SlidingWindow>) {
-      detail::require(state.capacity() >= window_.left + 1, "state",
-                      detail::expected_given("KV cache capacity for window.left = " +
-                                                 std::to_string(window_.left),
-                                             ">= " + std::to_string(window_.left + 1),
-                                             state.capacity()));
-    } else {
-      detail::require(state.position() + new_tokens <= state.capacity(), "state",
-                      detail::expected_given("KV cache capacity for " +
-                                                 std::to_string(state.position() + new_tokens) +
-                                                 " tokens",
-                                             ">= " + std::to_string(state.position() + new_tokens),
-                                             state.capacity()));
-    }
+    const std::int64_t needed = std::is_same_v<Win, SlidingWindow>
+                                    ? tokens_visible_at_most(0)
+                                    : state.position() + new_tokens;
+    if (state.capacity() < needed)  // message built only on failure (step calls this per token)
+      throw Error("state", detail::expected_given(
+                               std::is_same_v<Win, SlidingWindow>
+                                   ? std::string("KV cache capacity for the window (left + 1)")
+                                   : "KV cache capacity for " + std::to_string(needed) + " tokens",
+                               ">= " + std::to_string(needed), state.capacity()));
   }
 
   SoftmaxDims dims_;

@@ -245,7 +245,9 @@ void latte_causal_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
   const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), L = q.extent(3);
   const index_t Dv = v.extent(3), pairs = Dv / 2, heads = B * H;
   if (Tn == 0 || heads == 0) return;
-  const int workers = thread_count();
+  // Threads only pay off past ~2^18 multiply-adds; smaller calls stay on this thread.
+  const double work = double(heads) * double(Tn) * double(L) * double(Dv);
+  const int workers = work >= 1 << 18 ? thread_count() : 1;
   auto theta_of = [&](index_t h) { return angles.empty() ? nullptr : angles.data() + h * pairs; };
   constexpr index_t min_segment = 256;
   const index_t segments =

@@ -62,7 +62,13 @@ template <Real T>
 #if XSIMD_VERSION_MAJOR >= 9
   return xsimd::reduce_add(x);
 #else
-  return xsimd::hadd(x);
+  // xsimd 8's hadd trips GCC 12's -Wmaybe-uninitialized inside its AVX-512
+  // shuffles; a store and a short loop is as fast here and warning-free.
+  alignas(64) T lanes[width<T>];
+  x.store_unaligned(lanes);
+  T total = 0;
+  for (std::size_t i = 0; i < width<T>; ++i) total += lanes[i];
+  return total;
 #endif
 }
 

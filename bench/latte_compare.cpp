@@ -1,0 +1,307 @@
+// latte-compare: every mechanism and the exact softmax baseline, side by side,
+// in one run on this machine (exec::cpu, fp32, B=1, H=8, L=64, D=64).
+//
+//   latte-compare [--t 256,1024,...] [--csv] [--time-cap S] [--min-time S]
+//
+// With --csv it prints the header
+//   mechanism,direction,backend,B,T,H,L,D,seconds,tokens_per_s,gflops,extra_bytes
+// and one row per run (an `fma_peak` row first: this machine's measured FMA
+// throughput in the gflops column, so kernels can be stated as a fraction of
+// it). Without --csv it prints a table of times and ratios against the
+// softmax baseline measured in the same run. Peers (PyTorch SDPA, the paper's
+// JAX scan) append rows to the same CSV from bench/peers/.
+//
+// FLOP formulas (multiply-add = 2):
+//   latte causal / bidirectional:  4 * B*T*H*L*D
+//   softmax causal:                2 * B*H*T*(T+1)/2 * (Dk+Dv)
+//   softmax sliding window (w):    2 * B*H*sum_t min(t+1, w+1) * (Dk+Dv)
+//   decode step (per token):       latte 4*B*H*L*D; softmax 2*B*H*context*(Dk+Dv)
+// extra_bytes: the peak heap memory allocated during the measured call
+// (counted by this program's operator new), i.e. the kernel's workspace.
+#include <latte/attention.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <new>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+#if defined(LATTE_WITH_XSIMD)
+#include <xsimd/xsimd.hpp>
+#endif
+
+// ---- heap accounting (the workspace a call allocates) ----------------------
+namespace {
+std::atomic<long long> heap_now{0}, heap_peak{0};
+void note_alloc(std::size_t bytes) {
+  const long long now = heap_now.fetch_add(static_cast<long long>(bytes)) + static_cast<long long>(bytes);
+  long long peak = heap_peak.load();
+  while (now > peak && !heap_peak.compare_exchange_weak(peak, now)) {
+  }
+}
+}  // namespace
+
+void* operator new(std::size_t bytes) {
+  void* p = std::malloc(bytes + 16);
+  if (!p) throw std::bad_alloc();
+  *static_cast<std::size_t*>(p) = bytes;
+  note_alloc(bytes);
+  return static_cast<char*>(p) + 16;
+}
+void operator delete(void* p) noexcept {
+  if (!p) return;
+  char* base = static_cast<char*>(p) - 16;
+  heap_now.fetch_sub(static_cast<long long>(*reinterpret_cast<std::size_t*>(base)));
+  std::free(base);
+}
+void operator delete(void* p, std::size_t) noexcept { operator delete(p); }
+void* operator new[](std::size_t bytes) { return operator new(bytes); }
+void operator delete[](void* p) noexcept { operator delete(p); }
+void operator delete[](void* p, std::size_t) noexcept { operator delete(p); }
+
+namespace {
+
+using latte::index_t;
+using Clock = std::chrono::steady_clock;
+
+struct Options {
+  std::vector<index_t> lengths{256, 1024, 4096, 16384, 65536, 262144, 1048576};
+  bool csv = false;
+  double time_cap = 20.0;  // skip a quadratic run predicted to take longer
+  double min_time = 0.3;   // repeat a run until this much time was spent (min of repeats)
+};
+
+struct Row {
+  std::string mechanism, direction;
+  index_t B, T, H, L, D;
+  double seconds, flops;
+  long long extra_bytes;
+};
+
+/// Best-of-repeats wall time of f() and the peak heap it allocated.
+std::pair<double, long long> measure(const std::function<void()>& f, double min_time) {
+  double best = 1e300, spent = 0;
+  long long extra = 0;
+  for (int run = 0; run < 20 && (run < 2 || spent < min_time); ++run) {
+    const long long before = heap_now.load();
+    heap_peak.store(before);
+    const auto start = Clock::now();
+    f();
+    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    extra = std::max(extra, heap_peak.load() - before);
+    best = std::min(best, seconds);
+    spent += seconds;
+    if (seconds > 2.0) break;  // long runs: one timed repeat is enough
+  }
+  return {best, extra};
+}
+
+/// This machine's FMA throughput with every thread (GFLOP/s).
+double fma_peak_gflops() {
+#if defined(LATTE_WITH_XSIMD)
+  using B = xsimd::batch<float>;
+  constexpr int chains = 12;
+  const long iterations = 20'000'000;
+  double total_flops = 0;
+  const auto start = Clock::now();
+  float sink = 0;
+#pragma omp parallel reduction(+ : total_flops, sink)
+  {
+    B acc[chains];
+    for (int i = 0; i < chains; ++i) acc[i] = B(1e-3f * float(i));
+    const B a(0.999999f), b(1e-7f);
+    for (long it = 0; it < iterations; ++it)
+      for (int i = 0; i < chains; ++i) acc[i] = xsimd::fma(acc[i], a, b);
+    for (int i = 0; i < chains; ++i) sink += latte::cpu::simd::reduce_add(acc[i]);
+    total_flops += 2.0 * iterations * chains * B::size;
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  if (sink == 12345.f) std::printf(" ");
+  return total_flops / seconds / 1e9;
+#else
+  return 0;
+#endif
+}
+
+template <std::size_t N>
+latte::Tensor<float, N> random_tensor(std::mt19937& rng, const std::array<index_t, N>& extents) {
+  latte::Tensor<float, N> x(extents);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (index_t i = 0; i < x.size(); ++i) x.data()[i] = normal(rng);
+  return x;
+}
+
+std::vector<index_t> parse_lengths(const std::string& text) {
+  std::vector<index_t> lengths;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    index_t value = std::stol(item);
+    const char unit = item.empty() ? ' ' : item.back();
+    if (unit == 'K' || unit == 'k') value *= 1024;
+    if (unit == 'M' || unit == 'm') value *= 1024 * 1024;
+    if (value < 1) throw std::invalid_argument("--t: lengths must be >= 1");
+    lengths.push_back(value);
+  }
+  return lengths;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options options;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "latte-compare: %s needs a value\n", flag.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (flag == "--csv") options.csv = true;
+    else if (flag == "--t") options.lengths = parse_lengths(value());
+    else if (flag == "--time-cap") options.time_cap = std::stod(value());
+    else if (flag == "--min-time") options.min_time = std::stod(value());
+    else {
+      std::fprintf(stderr,
+                   "usage: latte-compare [--t 256,1K,64K,...] [--csv] [--time-cap S] "
+                   "[--min-time S]\n");
+      return 2;
+    }
+  }
+  constexpr index_t B = 1, H = 8, L = 64, D = 64, window = 128;
+  std::vector<Row> rows;
+  const double peak = fma_peak_gflops();
+  rows.push_back({"fma_peak", "-", 0, 0, 0, 0, 0, 1.0, peak * 1e9, 0});
+
+  const latte::LatteAttention<latte::Causal> latte_causal({H, L, D});
+  const latte::LatteAttention<latte::Causal, latte::RunningMax, latte::VAPOR> latte_vapor({H, L, D});
+  const latte::LatteAttention<latte::Bidirectional> latte_bidirectional({H, L, D});
+  const latte::SoftmaxAttention<latte::Causal> softmax_causal({H, D, D});
+  const latte::SoftmaxAttention<latte::Causal, latte::SlidingWindow> softmax_window(
+      {H, D, D}, {.left = window});
+  std::mt19937 rng(7);
+  double softmax_previous = 0;
+  index_t softmax_previous_t = 0;
+
+  for (const index_t T : options.lengths) {
+    auto q = random_tensor<4>(rng, {B, T, H, L});
+    auto k = random_tensor<4>(rng, {B, T, H, L});
+    auto v = random_tensor<4>(rng, {B, T, H, D});
+    latte::Tensor<float, 4> out({B, T, H, D});
+    const double latte_flops = 4.0 * B * T * H * L * D;
+    auto run = [&](const char* name, const char* direction, double flops,
+                   const std::function<void()>& f) {
+      const auto [seconds, extra] = measure(f, options.min_time);
+      rows.push_back({name, direction, B, T, H, L, D, seconds, flops, extra});
+      if (!options.csv)
+        std::fprintf(stderr, "  %-22s T=%-8td %10.4f s\n", name, T, seconds);
+      return seconds;
+    };
+    run("latte", "causal", latte_flops,
+        [&] { latte_causal.forward(latte::exec::cpu, q, k, v, out.view()); });
+    run("latte_vapor", "causal", latte_flops,
+        [&] { latte_vapor.forward(latte::exec::cpu, q, k, v, out.view()); });
+    run("latte", "bidirectional", latte_flops,
+        [&] { latte_bidirectional.forward(latte::exec::cpu, q, k, v, out.view()); });
+    double window_terms = 0;
+    for (index_t t = 0; t < T; ++t) window_terms += static_cast<double>(std::min(t + 1, window + 1));
+    run("softmax_window128", "causal", 2.0 * B * H * window_terms * (D + D),
+        [&] { softmax_window.forward(latte::exec::cpu, q, k, v, out.view()); });
+    // The quadratic baseline: skipped when the last length predicts a run past the cap.
+    const double ratio = softmax_previous_t ? double(T) / double(softmax_previous_t) : 0;
+    const double predicted = softmax_previous * ratio * ratio;
+    if (softmax_previous_t == 0 || predicted <= options.time_cap) {
+      softmax_previous = run("softmax", "causal", 2.0 * B * H * (double(T) * (T + 1) / 2) * (D + D),
+                             [&] { softmax_causal.forward(latte::exec::cpu, q, k, v, out.view()); });
+      softmax_previous_t = T;
+    } else if (!options.csv) {
+      std::fprintf(stderr, "  softmax causal T=%td skipped (predicted %.0f s > cap %.0f s)\n", T,
+                   predicted, options.time_cap);
+    }
+    // Decode: one token after a context of T tokens.
+    {
+      auto state = latte_causal.make_state<float>(B);
+      latte_causal.forward(latte::exec::cpu, q, k, v, out.view(), state);
+      auto q1 = random_tensor<3>(rng, {B, H, L}), k1 = random_tensor<3>(rng, {B, H, L});
+      auto v1 = random_tensor<3>(rng, {B, H, D});
+      latte::Tensor<float, 3> o1({B, H, D});
+      const auto saved = state.save();
+      run("latte_decode_step", "causal", 4.0 * B * H * L * D, [&] {
+        latte_causal.step(latte::exec::cpu, state, q1, k1, v1, o1.view());
+      });
+      (void)saved;
+    }
+    if (static_cast<double>(T) * H * 2 * D * sizeof(float) < 4e9) {
+      auto cache = softmax_causal.make_state<float>(B, T + 64);
+      // Fill the cache with T tokens directly through steps would be O(T^2); write them instead.
+      for (index_t b = 0; b < B; ++b)
+        for (index_t h = 0; h < H; ++h) {
+          auto slots = cache.slots(b, h);
+          for (index_t t = 0; t < T; ++t) {
+            std::copy(k.view().row(b, t, h), k.view().row(b, t, h) + D, slots.keys + t * D);
+            std::copy(v.view().row(b, t, h), v.view().row(b, t, h) + D, slots.values + t * D);
+          }
+        }
+      cache.advance(T);
+      auto q1 = random_tensor<3>(rng, {B, H, D}), k1 = random_tensor<3>(rng, {B, H, D});
+      auto v1 = random_tensor<3>(rng, {B, H, D});
+      latte::Tensor<float, 3> o1({B, H, D});
+      int steps = 0;
+      run("softmax_decode_step", "causal", 2.0 * B * H * double(T) * (D + D), [&] {
+        if (++steps > 60) return;  // stay inside the cache's spare capacity
+        softmax_causal.step(latte::exec::cpu, cache, q1, k1, v1, o1.view());
+      });
+    }
+  }
+
+  if (options.csv) {
+    std::printf("mechanism,direction,backend,B,T,H,L,D,seconds,tokens_per_s,gflops,extra_bytes\n");
+    for (const Row& r : rows)
+      std::printf("%s,%s,%s,%td,%td,%td,%td,%td,%.6e,%.6e,%.3f,%lld\n", r.mechanism.c_str(),
+                  r.direction.c_str(), r.mechanism == "fma_peak" ? "machine" : "latte-cpu", r.B,
+                  r.T, r.H, r.L, r.D, r.seconds,
+                  r.seconds > 0 ? double(r.B * r.T) / r.seconds : 0.0, r.flops / r.seconds / 1e9,
+                  r.extra_bytes);
+    return 0;
+  }
+  std::printf("latte-compare: exec::cpu, fp32, B=%td H=%td L=%td D=%td; FMA peak %.1f GFLOP/s\n\n",
+              B, H, L, D, peak);
+  std::printf("%-22s %-14s %9s %12s %10s %9s %12s %14s\n", "mechanism", "direction", "T",
+              "seconds", "GFLOP/s", "of peak", "extra bytes", "vs softmax");
+  for (const Row& r : rows) {
+    if (r.mechanism == "fma_peak") continue;
+    double baseline = 0;
+    for (const Row& s : rows)
+      if (s.mechanism == (r.mechanism.find("decode") != std::string::npos ? "softmax_decode_step"
+                                                                          : "softmax") &&
+          s.T == r.T)
+        baseline = s.seconds;
+    char versus[32] = "-";
+    if (baseline > 0) std::snprintf(versus, sizeof versus, "%.1fx faster", baseline / r.seconds);
+    const double gflops = r.flops / r.seconds / 1e9;
+    std::printf("%-22s %-14s %9td %12.5f %10.1f %8.0f%% %12lld %14s\n", r.mechanism.c_str(),
+                r.direction.c_str(), r.T, r.seconds, gflops, peak > 0 ? 100 * gflops / peak : 0.0,
+                r.extra_bytes, versus);
+  }
+  index_t crossover = 0;
+  for (const Row& r : rows)
+    if (r.mechanism == "latte" && r.direction == "causal")
+      for (const Row& s : rows)
+        if (s.mechanism == "softmax" && s.T == r.T && r.seconds < s.seconds && crossover == 0)
+          crossover = r.T;
+  if (crossover)
+    std::printf("\ncausal Latte first beats causal softmax at T = %td (of the lengths run)\n",
+                crossover);
+  return 0;
+}

@@ -1,0 +1,63 @@
+// Decode steps allocate nothing: this executable counts every operator new.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <new>
+
+#include "support.hpp"
+
+namespace {
+std::atomic<long> allocations{0};
+}
+
+void* operator new(std::size_t bytes) {
+  allocations.fetch_add(1);
+  if (void* p = std::malloc(bytes ? bytes : 1)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+
+namespace {
+using namespace latte;
+using namespace latte::test;
+
+/// Allocations made by `steps` calls of step() after one warm-up call.
+template <class Attention, class E, class State, class In>
+long allocations_in_steps(const Attention& attention, E e, State& state, const In& q,
+                          const In& k, const In& v, Tensor<float, 3>& out, int steps) {
+  attention.step(e, state, q, k, v, out.view());
+  const long before = allocations.load();
+  for (int i = 0; i < steps; ++i) attention.step(e, state, q, k, v, out.view());
+  return allocations.load() - before;
+}
+}  // namespace
+
+TEST_CASE_TEMPLATE("Latte step allocates nothing", E, exec::reference_t, exec::cpu_t) {
+  Rng rng(501);
+  const index_t B = 2, H = 3, L = 17, Dv = 10;
+  const auto q = random_tensor<float, 3>(rng, {B, H, L}, 1.0);
+  const auto k = random_tensor<float, 3>(rng, {B, H, L}, 1.0);
+  const auto v = random_tensor<float, 3>(rng, {B, H, Dv}, 1.0);
+  Tensor<float, 3> out({B, H, Dv});
+  const LatteAttention<Causal, RunningMax, VAPOR> vapor({H, L, Dv});
+  auto state = vapor.make_state<float>(B);
+  CHECK(allocations_in_steps(vapor, E{}, state, q, k, v, out, 50) == 0);
+  const LatteAttention<Causal> plain({H, L, Dv});
+  auto plain_state = plain.make_state<float>(B);
+  CHECK(allocations_in_steps(plain, E{}, plain_state, q, k, v, out, 50) == 0);
+}
+
+TEST_CASE_TEMPLATE("Softmax KV-cache step allocates nothing", E, exec::reference_t, exec::cpu_t) {
+  Rng rng(502);
+  const index_t B = 2, H = 8, D = 16;
+  const auto q = random_tensor<float, 3>(rng, {B, H, D}, 1.0);
+  Tensor<float, 3> out({B, H, D});
+  const SoftmaxAttention<Causal> full({H, D, D});
+  auto cache = full.make_state<float>(B, 100);
+  CHECK(allocations_in_steps(full, E{}, cache, q, q, q, out, 50) == 0);
+  const SoftmaxAttention<Causal, SlidingWindow> windowed({H, D, D}, {.left = 5});
+  auto ring = windowed.make_state<float>(B);
+  CHECK(allocations_in_steps(windowed, E{}, ring, q, q, q, out, 50) == 0);
+}
