@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One comparison, side by side on this machine: latte-compare, then the peers
+# (PyTorch SDPA, the paper's JAX scan) appending to the same CSV, then the plot.
+#   bench/peers/run_all.sh [lengths] [csv]      (defaults: 256..1M, bench/results.csv)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+lengths="${1:-256,1024,4096,16384,65536,262144,1048576}"
+csv="${2:-bench/results.csv}"
+[ -x .venv-peers/bin/python ] || bench/peers/setup_peers.sh
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build -j "$(nproc)" --target latte-compare >/dev/null
+threads="$(nproc)"
+export OMP_NUM_THREADS="$threads"
+build/bench/latte-compare --csv --t "$lengths" > "$csv"
+.venv-peers/bin/python bench/peers/sdpa.py --threads "$threads" --t "$lengths" >> "$csv"
+peer_lengths=$(echo "$lengths" | tr ',' '\n' | awk '$1 <= 65536' | paste -sd, -)
+.venv-peers/bin/python bench/peers/jax_scan.py --t "$peer_lengths" >> "$csv"
+.venv-peers/bin/python bench/plot.py "$csv" docs/scaling.png
+.venv-peers/bin/python bench/summary.py "$csv"

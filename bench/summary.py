@@ -1,0 +1,51 @@
+"""Ratios from one latte-compare CSV (latte and peers measured in the same run)."""
+import csv
+import sys
+from collections import defaultdict
+
+
+def main(path):
+    rows = list(csv.DictReader(open(path)))
+    peak = next((float(r["gflops"]) for r in rows if r["mechanism"] == "fma_peak"), 0.0)
+    seconds = defaultdict(dict)  # (mechanism, direction, backend) -> {T: seconds}
+    extra = defaultdict(dict)
+    gflops = defaultdict(dict)
+    for r in rows:
+        key = (r["mechanism"], r["direction"], r["backend"])
+        seconds[key][int(r["T"])] = float(r["seconds"])
+        extra[key][int(r["T"])] = int(r["extra_bytes"])
+        gflops[key][int(r["T"])] = float(r["gflops"])
+    latte = seconds[("latte", "causal", "latte-cpu")]
+    print(f"FMA peak of this machine: {peak:.1f} GFLOP/s")
+    print(f"{'T':>9} {'latte causal s':>15} {'vs SDPA':>9} {'vs our softmax':>15} "
+          f"{'vs JAX scan':>12} {'% peak':>7} {'bidir % peak':>13}")
+    for T in sorted(latte):
+        def ratio(key):
+            other = seconds[key].get(T)
+            return f"{other / latte[T]:.1f}x" if other else "-"
+        bidir = gflops[("latte", "bidirectional", "latte-cpu")].get(T, 0.0)
+        print(f"{T:>9} {latte[T]:>15.5f} {ratio(('sdpa', 'causal', 'torch')):>9} "
+              f"{ratio(('softmax', 'causal', 'latte-cpu')):>15} "
+              f"{ratio(('jax_scan_core', 'causal', 'jax')):>12} "
+              f"{100 * gflops[('latte', 'causal', 'latte-cpu')][T] / peak:>6.0f}% "
+              f"{100 * bidir / peak:>12.0f}%")
+    sdpa = seconds[("sdpa", "causal", "torch")]
+    crossing = [T for T in sorted(latte) if T in sdpa and latte[T] < sdpa[T]]
+    print(f"crossover vs SDPA causal: T* <= {crossing[0] if crossing else 'not reached'}")
+    step = seconds[("latte_decode_step", "causal", "latte-cpu")]
+    kv = seconds[("softmax_decode_step", "causal", "latte-cpu")]
+    if step:
+        lo, hi = min(step.values()), max(step.values())
+        print(f"decode step: {min(step)}..{max(step)} context, {lo * 1e6:.2f}..{hi * 1e6:.2f} us "
+              f"(spread {100 * (hi - lo) / lo:.0f}% of the fastest)")
+        for T in sorted(kv):
+            print(f"  context {T}: KV-cache softmax step {kv[T] * 1e6:.1f} us = "
+                  f"{kv[T] / step[T]:.0f}x the Latte step")
+    work = extra[("latte", "causal", "latte-cpu")]
+    if work:
+        print("latte causal workspace bytes by T: " +
+              ", ".join(f"{T}: {b}" for T, b in sorted(work.items())))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
