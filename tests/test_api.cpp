@@ -464,3 +464,26 @@ TEST_CASE("version macros agree") {
 }
 
 }  // namespace
+
+TEST_CASE("Calls without an execution tag run on exec::cpu") {
+  Rng rng(9);
+  const auto q = random_tensor<float, 4>(rng, {1, 300, 2, 6}, 1.0);
+  const auto v = random_tensor<float, 4>(rng, {1, 300, 2, 4}, 1.0);
+  const latte::LatteAttention<latte::Causal> attention({2, 6, 4});
+  latte::Tensor<float, 4> by_default(v.extents()), on_cpu(v.extents());
+  attention.forward(q, q, v, by_default.view());
+  attention.forward(latte::exec::cpu, q, q, v, on_cpu.view());
+  CHECK(bit_equal(by_default, on_cpu));
+  auto state = attention.make_state<float>(1);
+  auto state_cpu = attention.make_state<float>(1);
+  attention.forward(q, q, v, by_default.view(), state);
+  attention.forward(latte::exec::cpu, q, q, v, on_cpu.view(), state_cpu);
+  latte::Tensor<float, 3> step_in({1, 2, 6}), value({1, 2, 4}), a({1, 2, 4}), b({1, 2, 4});
+  attention.step(state, step_in, step_in, value, a.view());
+  attention.step(latte::exec::cpu, state_cpu, step_in, step_in, value, b.view());
+  CHECK(bit_equal(a, b));
+  const latte::SoftmaxAttention<latte::Causal> softmax({2, 6, 4});
+  softmax.forward(q, q, v, by_default.view());
+  softmax.forward(latte::exec::cpu, q, q, v, on_cpu.view());
+  CHECK(bit_equal(by_default, on_cpu));
+}

@@ -179,6 +179,25 @@ class LatteAttention {
     state.advance(1);
   }
 
+  // The same calls without an execution tag run on exec::default_t (exec::cpu).
+  template <Real T>
+  void forward(InputView<T> query_logits, InputView<T> key_logits, InputView<T> values,
+               TensorView<T, 4> out) const {
+    forward(exec::default_t{}, query_logits, key_logits, values, out);
+  }
+  template <Real T>
+    requires(Dir::is_causal)
+  void forward(InputView<T> query_logits, InputView<T> key_logits, InputView<T> values, TensorView<T, 4> out,
+               State<T>& state) const {
+    forward(exec::default_t{}, query_logits, key_logits, values, out, state);
+  }
+  template <Real T>
+    requires(Dir::is_causal)
+  void step(State<T>& state, StepInputView<T> query_logits, StepInputView<T> key_logits,
+            StepInputView<T> values, TensorView<T, 3> out) const {
+    step(exec::default_t{}, state, query_logits, key_logits, values, out);
+  }
+
  private:
   template <Real T>
   void validate_sequence(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,

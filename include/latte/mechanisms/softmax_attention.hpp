@@ -169,6 +169,25 @@ class SoftmaxAttention {
     state.advance(1);
   }
 
+  // The same calls without an execution tag run on exec::default_t (exec::cpu).
+  template <Real T>
+  void forward(InputView<T> queries, InputView<T> keys, InputView<T> values,
+               TensorView<T, 4> out) const {
+    forward(exec::default_t{}, queries, keys, values, out);
+  }
+  template <Real T>
+    requires(Dir::is_causal)
+  void forward(InputView<T> queries, InputView<T> keys, InputView<T> values, TensorView<T, 4> out,
+               State<T>& state) const {
+    forward(exec::default_t{}, queries, keys, values, out, state);
+  }
+  template <Real T>
+    requires(Dir::is_causal)
+  void step(State<T>& state, StepInputView<T> queries, StepInputView<T> keys,
+            StepInputView<T> values, TensorView<T, 3> out) const {
+    step(exec::default_t{}, state, queries, keys, values, out);
+  }
+
  private:
   /// The most tokens a query sees: the window's left side + 1, or `context`.
   [[nodiscard]] index_t tokens_visible_at_most(index_t context) const noexcept {
