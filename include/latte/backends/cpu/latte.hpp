@@ -39,9 +39,11 @@ using reference::LatteCarry;
 template <Real T>
 struct LatteScratch {
   LatteScratch(index_t L, index_t Dv)
-      : carry_scale(L), weight(L), gamma(L), rotated(Dv), rotation(Dv / 2) {}
+      : carry_scale(2 * L), weight(2 * L), gamma(2 * L), rotated(2 * Dv), rotation(Dv / 2),
+        rotation_out(Dv / 2) {}
   std::vector<T> carry_scale, weight, gamma, rotated;
-  RotationStepper<T> rotation;
+  RotationStepper<T> rotation;      // R^{-s} on the values entering the memory
+  RotationStepper<T> rotation_out;  // R^{t} on the outputs, one token behind at most
 };
 
 /// The L-wide key stage (eq. 21): m <- max(m, k), c = exp(m_old - m),
@@ -57,9 +59,12 @@ bool absorb_keys(const T* k, LatteCarry<T> carry, T* c, T* w, index_t L) noexcep
     for (; l + W <= L; l += W) {
       const B key = simd::load(k + l), old_max = simd::load(carry.running_max + l);
       const B new_max = simd::max(old_max, key);
-      rescaled = rescaled || simd::any_greater(new_max, old_max);
+      const bool moved = simd::any_greater(new_max, old_max);  // rare once the max settles
+      rescaled = rescaled || moved;
       // Where everything so far is -inf the sums stay empty: c = 1, w = 0.
-      const B scale = simd::replace_where_equal(new_max, neg_inf, B(T(1)), simd::exp(old_max - new_max));
+      const B scale = moved ? simd::replace_where_equal(new_max, neg_inf, B(T(1)),
+                                                        simd::exp(old_max - new_max))
+                            : B(T(1));
       const B weight = simd::replace_where_equal(new_max, neg_inf, B(T(0)), simd::exp(key - new_max));
       simd::store(carry.running_max + l, new_max);
       simd::store(c + l, scale);
@@ -108,7 +113,13 @@ void latent_read_weights(const T* q, const T* normaliser, T* gamma, index_t L) n
     tail_total += gamma[l];
   }
   const T beta = simd::reduce_add(total) + tail_total;  // eq. 9, shifted by q_max
-  for (l = 0; l < L; ++l) gamma[l] = normaliser[l] == T(0) ? T(0) : gamma[l] / (beta * normaliser[l]);
+  const B beta_lanes(beta);
+  for (l = 0; l + W <= L; l += W) {
+    const B alpha = simd::load(normaliser + l);
+    const B g = simd::load(gamma + l) / (beta_lanes * alpha);
+    simd::store(gamma + l, simd::replace_where_equal(alpha, T(0), B(T(0)), g));
+  }
+  for (; l < L; ++l) gamma[l] = normaliser[l] == T(0) ? T(0) : gamma[l] / (beta * normaliser[l]);
 }
 
 /// The update half alone (segment-local states of the two-pass scan).
@@ -188,6 +199,67 @@ void update_and_read(T* memory, const T* c, const T* w, const T* gamma, const T*
   }
 }
 
+/// The Dv pass for two consecutive tokens (t, t+1) over one register block:
+/// each memory row is loaded and stored once for both tokens, halving the
+/// L1 traffic of the scan. c/w/gamma hold the token-t values at [0, L) and
+/// the token-(t+1) values at [L, 2L).
+template <Real T, int R, bool Rescale1, bool Rescale2>
+inline void update_read_pair_block(T* memory, index_t Dv, index_t d0, const T* c, const T* w,
+                                   const T* gamma, const T* v1, const T* v2, T* out1, T* out2,
+                                   index_t L) noexcept {
+  using B = simd::batch<T>;
+  constexpr index_t W = simd::width<T>;
+  B value1[R], value2[R], acc1[R], acc2[R];
+  for (int r = 0; r < R; ++r) {
+    value1[r] = simd::load(v1 + d0 + r * W);
+    value2[r] = simd::load(v2 + d0 + r * W);
+    acc1[r] = B(T(0));
+    acc2[r] = B(T(0));
+  }
+  for (index_t l = 0; l < L; ++l) {
+    T* row = memory + l * Dv + d0;
+    const B w1(w[l]), w2(w[L + l]), g1(gamma[l]), g2(gamma[L + l]);
+    const B c1(c[l]), c2(c[L + l]);
+    for (int r = 0; r < R; ++r) {
+      B m = simd::load(row + r * W);
+      m = Rescale1 ? simd::fma(m, c1, w1 * value1[r]) : simd::fma(w1, value1[r], m);
+      acc1[r] = simd::fma(g1, m, acc1[r]);
+      m = Rescale2 ? simd::fma(m, c2, w2 * value2[r]) : simd::fma(w2, value2[r], m);
+      acc2[r] = simd::fma(g2, m, acc2[r]);
+      simd::store(row + r * W, m);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    simd::store(out1 + d0 + r * W, acc1[r]);
+    simd::store(out2 + d0 + r * W, acc2[r]);
+  }
+}
+
+template <Real T, bool Rescale1, bool Rescale2>
+void update_and_read_pair(T* memory, const T* c, const T* w, const T* gamma, const T* v1,
+                          const T* v2, T* out1, T* out2, index_t L, index_t Dv) noexcept {
+  constexpr index_t W = simd::width<T>;
+  index_t d = 0;
+  for (; d + 4 * W <= Dv; d += 4 * W)
+    update_read_pair_block<T, 4, Rescale1, Rescale2>(memory, Dv, d, c, w, gamma, v1, v2, out1,
+                                                     out2, L);
+  for (; d + W <= Dv; d += W)
+    update_read_pair_block<T, 1, Rescale1, Rescale2>(memory, Dv, d, c, w, gamma, v1, v2, out1,
+                                                     out2, L);
+  for (index_t e = d; e < Dv; ++e) {
+    T acc1 = 0, acc2 = 0;
+    for (index_t l = 0; l < L; ++l) {
+      T& m = memory[l * Dv + e];
+      m = Rescale1 ? m * c[l] + w[l] * v1[e] : m + w[l] * v1[e];
+      acc1 += gamma[l] * m;
+      m = Rescale2 ? m * c[L + l] + w[L + l] * v2[e] : m + w[L + l] * v2[e];
+      acc2 += gamma[L + l] * m;
+    }
+    out1[e] = acc1;
+    out2[e] = acc2;
+  }
+}
+
 /// Scans tokens [t0, t1) of one (b, h) from `carry` at absolute position
 /// `position` (of token t0). With `read` false only the state is advanced.
 template <Stabilizer Stab, Positional Pos, Real T>
@@ -196,24 +268,53 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
           index_t t0, index_t t1, LatteCarry<T> carry, const double* theta,
           std::int64_t position, bool read, LatteScratch<T>& scratch) noexcept {
   const index_t L = q.extent(3), Dv = v.extent(3);
-  if constexpr (Pos::rotates_values) scratch.rotation.seek(theta, position);
-  for (index_t t = t0; t < t1; ++t) {
+  if constexpr (Pos::rotates_values) {
+    scratch.rotation.seek(theta, position);
+    scratch.rotation_out.seek(theta, position);
+  }
+  T *c = scratch.carry_scale.data(), *w = scratch.weight.data(), *gamma = scratch.gamma.data();
+  auto value_of = [&](index_t t, T* rotated) {
     const T* value = v.row(b, t, h);
     if constexpr (Pos::rotates_values) {
-      std::copy(value, value + Dv, scratch.rotated.data());
-      scratch.rotation.rotate(scratch.rotated.data(), /*forward=*/false);  // R^{-s} v_s
-      value = scratch.rotated.data();
-    }
-    const bool rescale = absorb_keys<Stab>(k.row(b, t, h), carry, scratch.carry_scale.data(),
-                                           scratch.weight.data(), L);
-    T* o = read ? out.row(b, t, h) : nullptr;
-    if (read) latent_read_weights(q.row(b, t, h), carry.normaliser, scratch.gamma.data(), L);
-    update_and_read(carry.memory, scratch.carry_scale.data(), scratch.weight.data(),
-                    scratch.gamma.data(), value, o, L, Dv, rescale);
-    if constexpr (Pos::rotates_values) {
-      if (read) scratch.rotation.rotate(o, /*forward=*/true);  // R^t
+      std::copy(value, value + Dv, rotated);
+      scratch.rotation.rotate(rotated, /*forward=*/false);  // R^{-s} v_s
       scratch.rotation.next();
+      return static_cast<const T*>(rotated);
     }
+    return value;
+  };
+  auto rotate_out = [&](T* o) {
+    if constexpr (Pos::rotates_values) {  // R^t, at the output token's position
+      if (o) scratch.rotation_out.rotate(o, /*forward=*/true);
+      scratch.rotation_out.next();
+    }
+  };
+  index_t t = t0;
+  if (read) {
+    // Two tokens per pass over the memory (register blocking in time).
+    for (; t + 1 < t1; t += 2) {
+      const T* v1 = value_of(t, scratch.rotated.data());
+      const T* v2 = value_of(t + 1, scratch.rotated.data() + Dv);
+      const bool r1 = absorb_keys<Stab>(k.row(b, t, h), carry, c, w, L);
+      latent_read_weights(q.row(b, t, h), carry.normaliser, gamma, L);
+      const bool r2 = absorb_keys<Stab>(k.row(b, t + 1, h), carry, c + L, w + L, L);
+      latent_read_weights(q.row(b, t + 1, h), carry.normaliser, gamma + L, L);
+      T *o1 = out.row(b, t, h), *o2 = out.row(b, t + 1, h);
+      if (r1 && r2) update_and_read_pair<T, true, true>(carry.memory, c, w, gamma, v1, v2, o1, o2, L, Dv);
+      else if (r1) update_and_read_pair<T, true, false>(carry.memory, c, w, gamma, v1, v2, o1, o2, L, Dv);
+      else if (r2) update_and_read_pair<T, false, true>(carry.memory, c, w, gamma, v1, v2, o1, o2, L, Dv);
+      else update_and_read_pair<T, false, false>(carry.memory, c, w, gamma, v1, v2, o1, o2, L, Dv);
+      rotate_out(o1);
+      rotate_out(o2);
+    }
+  }
+  for (; t < t1; ++t) {
+    const T* value = value_of(t, scratch.rotated.data());
+    const bool rescale = absorb_keys<Stab>(k.row(b, t, h), carry, c, w, L);
+    T* o = read ? out.row(b, t, h) : nullptr;
+    if (read) latent_read_weights(q.row(b, t, h), carry.normaliser, gamma, L);
+    update_and_read(carry.memory, c, w, gamma, value, o, L, Dv, rescale);
+    rotate_out(o);
   }
 }
 
