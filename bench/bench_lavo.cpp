@@ -1,0 +1,154 @@
+// Google Benchmark suite for Lavo (paper 002), reference backend, fp32, B = 1, H = 8,
+// d = 64, r = 64 bases, window w = 64 (the paper's LM setting: num_bases 64; w = 64
+// extrapolated best in its Fig. 4):
+//
+//   lavo_forward/{causal,bidirectional}/T:{256,1024}
+//   lavo_cross_forward/Tq=Ts:{256,1024}             queries read CODE(source), §3.4
+//   lavo_step/causal/context:{1K,64K,1M}            one decode token after `context`
+//
+// (Linear in T: 4096 costs 4x 1024; add ->Arg(4096) to measure it.)
+// The T values are those of softmax_forward/causal in bench_reference.cpp (same
+// binary), so the ratio to exact softmax attention is read off the same run.
+// items_per_second is tokens/s (queries for cross). The counter "flops" is a rate
+// (FLOP/s) from this model, a multiply and an add counting 2, exp and max ignored,
+// per token and head:
+//   local part (§3.2): 4 * |W(t)| * d, |W(t)| the keys it sees: min(t + 1, w) causal,
+//       min(T - 1, t + w - 1) - max(0, t - w + 1) + 1 bidirectional (a dot product
+//       and a weighted accumulation of d each per key)
+//   compression (eq. 3): 2 * r * d (B f_t)
+//   memory read (eq. 6): 4 * r * d (B q_t, then sum_i p_i H_i b_i)
+//   cross: 2 * r * d per source token, 4 * r * d per query.
+// The decode state is O(w * d + r) per head (state_bytes), whatever the context:
+// lavo_step fills a fresh state with random numbers and moves its position to
+// `context` instead of absorbing `context` tokens (the step's cost does not depend
+// on the values), so a 1M-token context costs nothing to set up.
+// Each benchmark runs for at least 0.1 s (MinTime), keeping the suite at ~2 s of CPU.
+#include <benchmark/benchmark.h>
+
+#include <latte/attention.hpp>
+#include <latte/mechanisms/lavo.hpp>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <random>
+
+namespace {
+
+using latte::index_t;
+constexpr index_t kBatch = 1, kHeads = 8, kDim = 64, kBases = 64, kWindow = 64;
+
+template <std::size_t N>
+latte::Tensor<float, N> random_tensor(const std::array<index_t, N>& extents, unsigned seed) {
+  latte::Tensor<float, N> tensor(extents);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (index_t i = 0; i < tensor.size(); ++i) tensor.data()[i] = normal(rng);
+  return tensor;
+}
+
+template <class Dir>
+latte::Lavo<Dir> make_lavo() {
+  return latte::Lavo<Dir>({.heads = kHeads, .dim = kDim, .bases = kBases, .window = kWindow},
+                          {.basis_seed = 1});
+}
+
+/// Keys the local part of token t sees in a sequence of `length` tokens.
+index_t local_keys(bool causal, index_t t, index_t length) {
+  if (causal) return std::min(t + 1, kWindow);
+  return std::min(length - 1, t + kWindow - 1) - std::max<index_t>(0, t - kWindow + 1) + 1;
+}
+
+void report(benchmark::State& state, index_t tokens, double flops) {
+  state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(tokens));
+  state.counters["flops"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+template <class Dir>
+void lavo_forward(benchmark::State& state) {
+  const index_t T = state.range(0);
+  const auto attention = make_lavo<Dir>();
+  const auto q = random_tensor<4>({kBatch, T, kHeads, kDim}, 1);
+  const auto k = random_tensor<4>({kBatch, T, kHeads, kDim}, 2);
+  const auto v = random_tensor<4>({kBatch, T, kHeads, kDim}, 3);
+  latte::Tensor<float, 4> out({kBatch, T, kHeads, kDim});
+  for (auto _ : state) {
+    attention.forward(latte::exec::reference, q, k, v, out.view());
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  double per_head = 0;
+  for (index_t t = 0; t < T; ++t)
+    per_head += 4.0 * double(local_keys(Dir::is_causal, t, T)) * kDim + 6.0 * kBases * kDim;
+  report(state, kBatch * T, per_head * kBatch * kHeads);
+}
+
+void lavo_cross_forward(benchmark::State& state) {
+  const index_t T = state.range(0);
+  const auto attention = make_lavo<latte::Bidirectional>();
+  const auto q = random_tensor<4>({kBatch, T, kHeads, kDim}, 4);
+  const auto source = random_tensor<4>({kBatch, T, kHeads, kDim}, 5);
+  latte::Tensor<float, 4> out({kBatch, T, kHeads, kDim});
+  for (auto _ : state) {
+    attention.cross_forward(latte::exec::reference, q, source, out.view());
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  report(state, kBatch * T, 6.0 * double(T) * kBases * kDim * kBatch * kHeads);
+}
+
+void lavo_step(benchmark::State& state) {
+  const index_t context = state.range(0);
+  const auto attention = make_lavo<latte::Causal>();
+  auto decode_state = attention.make_state<float>(kBatch);
+  {
+    std::mt19937 rng(6);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (std::size_t field = 0; field < 4; ++field) {  // ring keys, values, window and memory sums
+      const std::size_t count = field < 2 ? std::size_t(kBatch * kHeads * kWindow * kDim)
+                                          : std::size_t(kBatch * kHeads * kBases);
+      float* data = decode_state.field(field);
+      for (std::size_t i = 0; i < count; ++i)
+        data[i] = field == 3 ? float(context) * normal(rng) : normal(rng);
+    }
+    decode_state.advance(context);
+  }
+  const auto q = random_tensor<3>({kBatch, kHeads, kDim}, 7);
+  const auto k = random_tensor<3>({kBatch, kHeads, kDim}, 8);
+  const auto v = random_tensor<3>({kBatch, kHeads, kDim}, 9);
+  latte::Tensor<float, 3> out({kBatch, kHeads, kDim});
+  for (auto _ : state) {
+    attention.step(latte::exec::reference, decode_state, q, k, v, out.view());
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["state_bytes"] = static_cast<double>(decode_state.bytes());
+  report(state, kBatch, (4.0 * kWindow * kDim + 6.0 * kBases * kDim) * kBatch * kHeads);
+}
+
+}  // namespace
+
+BENCHMARK_TEMPLATE(lavo_forward, latte::Causal)
+    ->Name("lavo_forward/causal")
+    ->ArgName("T")
+    ->Arg(256)->Arg(1024)
+    ->MinTime(0.1)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(lavo_forward, latte::Bidirectional)
+    ->Name("lavo_forward/bidirectional")
+    ->ArgName("T")
+    ->Arg(256)->Arg(1024)
+    ->MinTime(0.1)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(lavo_cross_forward)
+    ->Name("lavo_cross_forward")
+    ->ArgName("Tq=Ts")
+    ->Arg(256)->Arg(1024)
+    ->MinTime(0.1)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(lavo_step)
+    ->Name("lavo_step/causal")
+    ->ArgName("context")
+    ->Arg(1 << 10)->Arg(64 << 10)->Arg(1 << 20)
+    ->MinTime(0.1)
+    ->Unit(benchmark::kMicrosecond);

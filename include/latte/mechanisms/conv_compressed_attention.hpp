@@ -1,0 +1,408 @@
+#pragma once
+// latte::ConvCompressedAttention<Direction> — convolutional-compression attention
+// (paper 003 §4, DESIGN §3.5), with approach 2's hierarchy as `levels`:
+//
+//   (1) y^(0) = sliding-window softmax attention over the projected inputs q, k, v;
+//   (2) every complete group of M consecutive tokens of y^(0) is compressed to one
+//       token by a learned convolution (kernel M, stride M, Dv -> Dv, with bias):
+//       c^(1)_j = b^(1) + sum_{i<M} W^(1)_i y^(0)_{jM+i};
+//       approach 2 (levels L > 1): y^(l) = sliding-window attention over c^(l) with
+//       the level's own projections, c^(l+1) = its convolution, up to c^(L);
+//   (3) query t cross-attends, with the op's own projections Wq_x, Wk_x, Wv_x, to the
+//       top-level tokens: keys Wk_x c^(L)_j, values Wv_x c^(L)_j, query Wq_x y^(0)_t,
+//       over j < floor(t / M^L) (Causal: block-causal; the first M^L tokens see none)
+//       or over every j (Bidirectional);
+//   (4) o_t = y^(0)_t + cross_t (the Residual combiner).
+//
+// Inputs are already projected, as for SoftmaxAttention: queries and keys
+// [B, T, H, Dk], values [B, T, H, Dv]; the output is [B, T, H, Dv]. Whatever the
+// op computes internally it projects with parameters it owns (ConvCompressedParams):
+// the convolutions of every level, the window-attention projections of the
+// compressed levels 1..L-1 and the cross-attention projections. Heads are
+// independent (each head has its own weights, as in paper 003's per-head modules).
+// Every softmax uses `scale` (default 1/sqrt(Dk)). Causal decode keeps the window
+// rings, the open groups' partial sums and the compressed tokens (ConvCompressedState).
+// Backend: latte::exec::reference only (exec::cpu / exec::cuda do not compile yet).
+//
+//   latte::ConvCompressedAttention<latte::Causal> attn(
+//       {.heads = 8, .key_dim = 64, .value_dim = 64, .group_size = 64, .levels = 1}, params);
+//   attn.forward(latte::exec::reference, q, k, v, out.view());
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include "latte/backends/reference/conv_compressed.hpp"
+#include "latte/core/shape_check.hpp"
+#include "latte/core/state_storage.hpp"
+#include "latte/core/tensor.hpp"
+#include "latte/core/tensor_view.hpp"
+#include "latte/core/types.hpp"
+#include "latte/mechanisms/conv_compressed_state.hpp"
+#include "latte/policies/direction.hpp"
+#include "latte/policies/execution.hpp"
+#include "latte/policies/window.hpp"
+
+namespace latte {
+
+/// Sizes and hyper-parameters of a convolutional-compression attention.
+struct ConvCompressedDims {
+  index_t heads = 0;
+  index_t key_dim = 0;     ///< Dk: query/key features per head (inputs and internal projections)
+  index_t value_dim = 0;   ///< Dv: value features per head; the convolutions keep Dv
+  index_t group_size = 0;  ///< M: tokens per compressed token (kernel = stride = M)
+  index_t levels = 1;      ///< L: compressions (1 = paper 003's approach 1, > 1 = approach 2)
+  /// Sliding window at every level: query t sees t - window_left <= s <= t + window_right.
+  /// Default left M - 1 (M tokens including t, paper 003's window of size M, so the
+  /// window and the compressed groups before t's group together cover every s <= t);
+  /// default right 0 (Causal, where it must be 0) or M - 1 (Bidirectional).
+  std::optional<index_t> window_left = std::nullopt;
+  std::optional<index_t> window_right = std::nullopt;
+};
+
+/// The op's own weights, fp64 (converted to the compute type once, at construction).
+/// Matrices are [out, in], as torch.nn.Linear / Conv1d store them; entry l of a
+/// per-level list belongs to level l + 1. A torch Conv1d(Dv, Dv, M, stride=M)
+/// weight w[o][d][i] of head h goes to conv_weight[l](h, i, o, d).
+struct ConvCompressedParams {
+  std::vector<Tensor<double, 4>> conv_weight;  ///< L x [H, M, Dv, Dv]: W^(l)_i
+  std::vector<Tensor<double, 2>> conv_bias;    ///< L x [H, Dv]: b^(l)
+  std::vector<Tensor<double, 3>> level_query;  ///< (L-1) x [H, Dk, Dv]: Wq^(l), l = 1..L-1
+  std::vector<Tensor<double, 3>> level_key;    ///< (L-1) x [H, Dk, Dv]: Wk^(l)
+  std::vector<Tensor<double, 3>> level_value;  ///< (L-1) x [H, Dv, Dv]: Wv^(l)
+  Tensor<double, 3> cross_query;               ///< [H, Dk, Dv]: Wq_x, applied to y^(0)_t
+  Tensor<double, 3> cross_key;                 ///< [H, Dk, Dv]: Wk_x, applied to c^(L)_j
+  Tensor<double, 3> cross_value;               ///< [H, Dv, Dv]: Wv_x, applied to c^(L)_j
+
+  /// Zero weights of the shapes `dims` needs, to be filled by the caller.
+  [[nodiscard]] static ConvCompressedParams zeros(const ConvCompressedDims& dims) {
+    detail::check_positive(dims.heads, "dims.heads");
+    detail::check_positive(dims.key_dim, "dims.key_dim");
+    detail::check_positive(dims.value_dim, "dims.value_dim");
+    detail::check_positive(dims.group_size, "dims.group_size");
+    detail::check_positive(dims.levels, "dims.levels");
+    const index_t H = dims.heads, Dk = dims.key_dim, Dv = dims.value_dim;
+    ConvCompressedParams params;
+    for (index_t level = 1; level <= dims.levels; ++level) {
+      params.conv_weight.emplace_back(std::array<index_t, 4>{H, dims.group_size, Dv, Dv});
+      params.conv_bias.emplace_back(std::array<index_t, 2>{H, Dv});
+      if (level == dims.levels) break;
+      params.level_query.emplace_back(std::array<index_t, 3>{H, Dk, Dv});
+      params.level_key.emplace_back(std::array<index_t, 3>{H, Dk, Dv});
+      params.level_value.emplace_back(std::array<index_t, 3>{H, Dv, Dv});
+    }
+    params.cross_query = Tensor<double, 3>({H, Dk, Dv});
+    params.cross_key = Tensor<double, 3>({H, Dk, Dv});
+    params.cross_value = Tensor<double, 3>({H, Dv, Dv});
+    return params;
+  }
+};
+
+template <Direction Dir>
+class ConvCompressedAttention {
+ public:
+  using direction = Dir;
+  template <Real T>
+  using State = ConvCompressedState<T>;
+  template <Real T>
+  using InputView = std::type_identity_t<TensorView<const T, 4>>;
+  template <Real T>
+  using StepInputView = std::type_identity_t<TensorView<const T, 3>>;
+
+  /// `params` must have the shapes ConvCompressedParams::zeros(dims) has, with
+  /// finite entries; `scale` (every softmax) defaults to 1/sqrt(Dk).
+  ConvCompressedAttention(ConvCompressedDims dims, const ConvCompressedParams& params,
+                          std::optional<double> scale = std::nullopt)
+      : dims_(dims) {
+    detail::check_positive(dims.heads, "dims.heads");
+    detail::check_positive(dims.key_dim, "dims.key_dim");
+    detail::check_positive(dims.value_dim, "dims.value_dim");
+    detail::check_positive(dims.group_size, "dims.group_size");
+    detail::check_positive(dims.levels, "dims.levels");
+    window_.left = dims.window_left.value_or(dims.group_size - 1);
+    window_.right = dims.window_right.value_or(Dir::is_causal ? 0 : dims.group_size - 1);
+    detail::require(window_.left >= 0, "dims.window_left",
+                    detail::expected_given("window size to the left", ">= 0", window_.left));
+    detail::require(window_.right >= 0, "dims.window_right",
+                    detail::expected_given("window size to the right", ">= 0", window_.right));
+    detail::require(!Dir::is_causal || window_.right == 0, "dims.window_right",
+                    detail::expected_given("window size to the right under Causal", 0,
+                                           window_.right));
+    dims_.window_left = window_.left;
+    dims_.window_right = window_.right;
+    scale_ = scale.value_or(1.0 / std::sqrt(static_cast<double>(dims.key_dim)));
+    detail::require(std::isfinite(scale_), "scale",
+                    detail::expected_given("value", "a finite number", scale_));
+    validate_params(params);
+    fill_weights(params, weights_float_);
+    fill_weights(params, weights_double_);
+  }
+
+  /// The dims with the window sides resolved.
+  [[nodiscard]] const ConvCompressedDims& dims() const noexcept { return dims_; }
+  [[nodiscard]] const SlidingWindow& window() const noexcept { return window_; }
+  [[nodiscard]] double scale() const noexcept { return scale_; }
+  /// M^L: input tokens per top-level compressed token (saturates at INT64_MAX).
+  [[nodiscard]] std::int64_t tokens_per_compressed_token() const noexcept {
+    return reference::tokens_per_compressed_token(dims_.group_size, dims_.levels);
+  }
+
+  /// "ConvCompressedAttention<causal>/float32": names states and benchmarks.
+  template <Real T>
+  [[nodiscard]] static std::string kind() {
+    return std::string("ConvCompressedAttention<") + Dir::name + ">/" + dtype_name<T>();
+  }
+
+  /// Whole-sequence forward. T = 0 (or B = 0) is a no-op.
+  template <exec::Policy E, Real T>
+  void forward(E, InputView<T> queries, InputView<T> keys, InputView<T> values,
+               TensorView<T, 4> out) const {
+    require_reference<E>();
+    validate_sequence(queries, keys, values, out);
+    reference::conv_compressed_forward<Dir::is_causal>(queries, keys, values, out, weights<T>(),
+                                                       static_cast<T>(scale_), window_);
+  }
+
+  /// A fresh decode state for `batch` sequences that can absorb up to
+  /// `context_capacity` tokens (its compressed store holds
+  /// floor(context_capacity / M^L) tokens per head, allocated now).
+  template <Real T>
+    requires(Dir::is_causal)
+  [[nodiscard]] State<T> make_state(index_t batch, index_t context_capacity) const {
+    detail::check_positive(batch, "batch");
+    detail::check_positive(context_capacity, "context_capacity");
+    return State<T>(kind<T>(), state_shape(batch, context_capacity));
+  }
+
+  /// Restores a state saved with State::save() by an attention of this type and
+  /// dims. The buffer is checked whole before a state is allocated from it.
+  template <Real T>
+    requires(Dir::is_causal)
+  [[nodiscard]] State<T> load_state(std::span<const std::byte> bytes) const {
+    const auto header = StateStorage<T>::read_header(bytes, kind<T>());
+    detail::require(header.sizes.size() == 8, "bytes",
+                    detail::expected_given("saved sizes", 8, header.sizes.size()));
+    const index_t batch = header.sizes.front().value, capacity = header.sizes.back().value;
+    detail::require(batch >= 1, "bytes", detail::expected_given("saved batch", ">= 1", batch));
+    detail::require(capacity >= 1, "bytes",
+                    detail::expected_given("saved context_capacity", ">= 1", capacity));
+    detail::require(header.position <= capacity, "bytes",
+                    detail::expected_given("saved position",
+                                           "<= context_capacity " + std::to_string(capacity),
+                                           header.position));
+    // The field counts of a corrupted size could overflow: bound the sizes by
+    // the buffer before computing them.
+    const ConvCompressedStateShape shape = state_shape(1, capacity);
+    const auto elements = static_cast<index_t>(bytes.size() / sizeof(T));
+    const index_t per_token = dims_.key_dim + dims_.value_dim;
+    detail::require(shape.compressed_capacity() <= elements / per_token, "bytes",
+                    detail::expected_given("saved context_capacity",
+                                           "one that fits the buffer", capacity));
+    const index_t per_head = per_token * (dims_.levels * shape.ring() +
+                                          shape.compressed_capacity()) +
+                             dims_.levels * dims_.value_dim;
+    detail::require(batch <= elements / (dims_.heads * per_head), "bytes",
+                    detail::expected_given("saved batch", "one that fits the buffer", batch));
+    const ConvCompressedStateShape saved = state_shape(batch, capacity);
+    StateStorage<T>::require_layout(header, State<T>::sizes_for(saved), State<T>::fields_for(saved));
+    State<T> state(kind<T>(), saved);
+    state.restore(bytes);
+    return state;
+  }
+
+  /// Forward that continues from `state` and leaves it at the end of the
+  /// sequence, so prefill + step continues exactly. Token by token: O(T * (M * (Dk + Dv)
+  /// + T / M^L * (Dk + Dv) + Dv^2)) per head, like the whole-sequence forward.
+  template <exec::Policy E, Real T>
+    requires(Dir::is_causal)
+  void forward(E, InputView<T> queries, InputView<T> keys, InputView<T> values,
+               TensorView<T, 4> out, State<T>& state) const {
+    require_reference<E>();
+    validate_sequence(queries, keys, values, out);
+    validate_state(state, queries.extent(0), queries.extent(1));
+    const index_t Tn = queries.extent(1);
+    for (index_t t = 0; t < Tn; ++t) {
+      for (index_t b = 0; b < state.batch(); ++b)
+        for (index_t h = 0; h < dims_.heads; ++h)
+          step_head(state, b, h, queries.row(b, t, h), keys.row(b, t, h), values.row(b, t, h),
+                    out.row(b, t, h));
+      state.advance(1);
+    }
+  }
+
+  /// Next-token decode: inputs [B, H, Dk], [B, H, Dk], [B, H, Dv]; out [B, H, Dv].
+  /// O((window + 1) * (Dk + Dv) + position / M^L * (Dk + Dv) + L * Dv^2) per head;
+  /// no allocation.
+  template <exec::Policy E, Real T>
+    requires(Dir::is_causal)
+  void step(E, State<T>& state, StepInputView<T> queries, StepInputView<T> keys,
+            StepInputView<T> values, TensorView<T, 3> out) const {
+    require_reference<E>();
+    const index_t B = state.batch(), H = dims_.heads;
+    validate_state(state, B, 1);
+    detail::check_shape(queries, "queries", {B, H, dims_.key_dim}, "[B, H, Dk]");
+    detail::check_shape(keys, "keys", {B, H, dims_.key_dim}, "[B, H, Dk]");
+    detail::check_shape(values, "values", {B, H, dims_.value_dim}, "[B, H, Dv]");
+    detail::check_shape(out, "out", {B, H, dims_.value_dim}, "[B, H, Dv]");
+    check_outputs_distinct(queries, keys, values, out);
+    for (index_t b = 0; b < B; ++b)
+      for (index_t h = 0; h < H; ++h)
+        step_head(state, b, h, queries.row(b, h), keys.row(b, h), values.row(b, h),
+                  out.row(b, h));
+    state.advance(1);
+  }
+
+ private:
+  /// Only the scalar reference backend exists for this mechanism so far.
+  template <class E>
+  static void require_reference() {
+    static_assert(std::is_same_v<E, exec::reference_t>,
+                  "ConvCompressedAttention runs on latte::exec::reference in this version of "
+                  "latte (no exec::cpu or exec::cuda kernel yet)");
+  }
+
+  template <Real T>
+  [[nodiscard]] const reference::ConvCompressedWeights<T>& weights() const noexcept {
+    if constexpr (std::is_same_v<T, float>) return weights_float_;
+    else return weights_double_;
+  }
+
+  [[nodiscard]] ConvCompressedStateShape state_shape(index_t batch, index_t capacity) const {
+    return {.batch = batch,
+            .heads = dims_.heads,
+            .key_dim = dims_.key_dim,
+            .value_dim = dims_.value_dim,
+            .group_size = dims_.group_size,
+            .levels = dims_.levels,
+            .window_left = window_.left,
+            .context_capacity = capacity};
+  }
+
+  template <Real T>
+  void step_head(State<T>& state, index_t b, index_t h, const T* q, const T* k, const T* v,
+                 T* out) const {
+    reference::conv_compressed_step(q, k, v, out, state.carry(b, h), weights<T>(), h,
+                                    static_cast<T>(scale_), window_.left, state.shape().ring(),
+                                    state.position(), state.scratch());
+  }
+
+  // -- parameters ------------------------------------------------------------
+
+  template <std::size_t N>
+  static void check_param(const Tensor<double, N>& tensor, const std::string& name,
+                          const std::array<index_t, N>& expected, std::string_view layout) {
+    detail::check_shape(tensor.cview(), name, expected, layout);
+    for (index_t i = 0; i < tensor.size(); ++i)
+      if (!std::isfinite(tensor.data()[i]))
+        throw Error(name, "every weight must be finite (flat index " + std::to_string(i) +
+                              " is " + std::to_string(tensor.data()[i]) + ")");
+  }
+
+  template <class List>
+  static void check_count(const List& list, std::string_view name, index_t expected,
+                          std::string_view what) {
+    detail::require(static_cast<index_t>(list.size()) == expected, name,
+                    detail::expected_given(what, expected, list.size()));
+  }
+
+  void validate_params(const ConvCompressedParams& p) const {
+    const index_t H = dims_.heads, Dk = dims_.key_dim, Dv = dims_.value_dim, L = dims_.levels;
+    check_count(p.conv_weight, "params.conv_weight", L, "number of tensors (one per level)");
+    check_count(p.conv_bias, "params.conv_bias", L, "number of tensors (one per level)");
+    const char* below_top = "number of tensors (one per level below the top, L - 1)";
+    check_count(p.level_query, "params.level_query", L - 1, below_top);
+    check_count(p.level_key, "params.level_key", L - 1, below_top);
+    check_count(p.level_value, "params.level_value", L - 1, below_top);
+    auto at = [](const char* name, index_t i) {
+      return std::string(name) + "[" + std::to_string(i) + "]";
+    };
+    for (index_t l = 0; l < L; ++l) {
+      check_param<4>(p.conv_weight[l], at("params.conv_weight", l),
+                     {H, dims_.group_size, Dv, Dv}, "[H, M, Dv, Dv]");
+      check_param<2>(p.conv_bias[l], at("params.conv_bias", l), {H, Dv}, "[H, Dv]");
+    }
+    for (index_t l = 0; l + 1 < L; ++l) {
+      check_param<3>(p.level_query[l], at("params.level_query", l), {H, Dk, Dv}, "[H, Dk, Dv]");
+      check_param<3>(p.level_key[l], at("params.level_key", l), {H, Dk, Dv}, "[H, Dk, Dv]");
+      check_param<3>(p.level_value[l], at("params.level_value", l), {H, Dv, Dv}, "[H, Dv, Dv]");
+    }
+    check_param<3>(p.cross_query, "params.cross_query", {H, Dk, Dv}, "[H, Dk, Dv]");
+    check_param<3>(p.cross_key, "params.cross_key", {H, Dk, Dv}, "[H, Dk, Dv]");
+    check_param<3>(p.cross_value, "params.cross_value", {H, Dv, Dv}, "[H, Dv, Dv]");
+  }
+
+  template <Real T>
+  void fill_weights(const ConvCompressedParams& p, reference::ConvCompressedWeights<T>& w) const {
+    w.heads = dims_.heads;
+    w.key_dim = dims_.key_dim;
+    w.value_dim = dims_.value_dim;
+    w.group_size = dims_.group_size;
+    w.levels = dims_.levels;
+    auto append = [](std::vector<T>& flat, const auto& tensor) {
+      for (index_t i = 0; i < tensor.size(); ++i) flat.push_back(static_cast<T>(tensor.data()[i]));
+    };
+    for (const auto& tensor : p.conv_weight) append(w.conv_weight, tensor);
+    for (const auto& tensor : p.conv_bias) append(w.conv_bias, tensor);
+    for (const auto& tensor : p.level_query) append(w.level_query, tensor);
+    for (const auto& tensor : p.level_key) append(w.level_key, tensor);
+    for (const auto& tensor : p.level_value) append(w.level_value, tensor);
+    append(w.cross_query, p.cross_query);
+    append(w.cross_key, p.cross_key);
+    append(w.cross_value, p.cross_value);
+  }
+
+  // -- validation ------------------------------------------------------------
+
+  template <Real T>
+  void validate_sequence(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
+                         const TensorView<const T, 4>& v, const TensorView<T, 4>& out) const {
+    check_view(q, "queries");
+    const index_t B = q.extent(0), Tn = q.extent(1), H = dims_.heads;
+    detail::check_shape(q, "queries", {B, Tn, H, dims_.key_dim}, "[B, T, H, Dk]");
+    detail::check_shape(k, "keys", {B, Tn, H, dims_.key_dim}, "[B, T, H, Dk]");
+    detail::check_shape(v, "values", {B, Tn, H, dims_.value_dim}, "[B, T, H, Dv]");
+    detail::check_shape(out, "out", {B, Tn, H, dims_.value_dim}, "[B, T, H, Dv]");
+    check_outputs_distinct(q, k, v, out);
+  }
+
+  template <class Q, class K, class V, class O>
+  static void check_outputs_distinct(const Q& q, const K& k, const V& v, const O& out) {
+    detail::check_distinct_elements(out, "out");
+    detail::check_no_overlap(out, "out", q, "queries");
+    detail::check_no_overlap(out, "out", k, "keys");
+    detail::check_no_overlap(out, "out", v, "values");
+  }
+
+  /// Allocation-free on success (step calls it per token).
+  template <Real T>
+  void validate_state(const State<T>& state, index_t batch, index_t new_tokens) const {
+    const ConvCompressedStateShape& s = state.shape();
+    const bool matches = state.kind() == kinds_.template get<T>() && s.batch == batch &&
+                         s.heads == dims_.heads && s.key_dim == dims_.key_dim &&
+                         s.value_dim == dims_.value_dim && s.group_size == dims_.group_size &&
+                         s.levels == dims_.levels && s.window_left == window_.left;
+    if (!matches)
+      state.require_matches(kind<T>(),
+                            State<T>::sizes_for(state_shape(batch, s.context_capacity)));
+    detail::require(state.position() + new_tokens <= s.context_capacity, "state",
+                    detail::expected_given("context_capacity for " +
+                                               std::to_string(state.position() + new_tokens) +
+                                               " tokens",
+                                           ">= " + std::to_string(state.position() + new_tokens),
+                                           s.context_capacity));
+  }
+
+  ConvCompressedDims dims_;
+  SlidingWindow window_{};
+  double scale_ = 1.0;
+  detail::KindNames kinds_{kind<float>(), kind<double>()};
+  reference::ConvCompressedWeights<float> weights_float_;
+  reference::ConvCompressedWeights<double> weights_double_;
+};
+
+}  // namespace latte
