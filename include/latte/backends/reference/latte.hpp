@@ -55,6 +55,20 @@ void latte_read(const T* q, const T* normaliser, const T* memory, index_t L, ind
   }
 }
 
+/// Absorbs one token into the carry: key logits k_t [L] and the value as the
+/// memory stores it (v_t, or R^{-t} v_t under VAPOR) [Dv]
+/// (paper 000 eq. 12, stabilised as eq. 21).
+template <Stabilizer Stab, Real T>
+void latte_absorb(const T* k, const T* value, LatteCarry<T> carry, index_t L,
+                  index_t Dv) noexcept {
+  for (index_t l = 0; l < L; ++l) {
+    const Absorb<T> a = Stab::absorb(carry.running_max[l], k[l]);  // eq. 21
+    carry.normaliser[l] = carry.normaliser[l] * a.carry_scale + a.weight;
+    T* vtilde = carry.memory + l * Dv;
+    for (index_t d = 0; d < Dv; ++d) vtilde[d] = vtilde[d] * a.carry_scale + a.weight * value[d];
+  }
+}
+
 /// One causal step at absolute position `position` (paper 000 eqs. 12 and 21,
 /// VAPOR eq. 22). `rotated` is Dv scratch values.
 template <Stabilizer Stab, Positional Pos, Real T>
@@ -67,12 +81,7 @@ void latte_causal_step(const T* q, const T* k, const T* v, T* out, LatteCarry<T>
     Pos::rotate(rotated, Dv, theta, -position);  // R^{-s} v_s
     value = rotated;
   }
-  for (index_t l = 0; l < L; ++l) {
-    const Absorb<T> a = Stab::absorb(carry.running_max[l], k[l]);  // eq. 21
-    carry.normaliser[l] = carry.normaliser[l] * a.carry_scale + a.weight;
-    T* vtilde = carry.memory + l * Dv;
-    for (index_t d = 0; d < Dv; ++d) vtilde[d] = vtilde[d] * a.carry_scale + a.weight * value[d];
-  }
+  latte_absorb<Stab>(k, value, carry, L, Dv);
   latte_read(q, carry.normaliser, carry.memory, L, Dv, out);
   if constexpr (Pos::rotates_values) Pos::rotate(out, Dv, theta, position);  // R^t
 }

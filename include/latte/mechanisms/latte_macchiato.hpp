@@ -1,0 +1,384 @@
+#pragma once
+// latte::LatteMacchiato<Direction, Stabilizer, LatentPos, WindowPos> — Latte Macchiato
+// (paper 000 §2.3 Definition 3, paper 001 §4.1): a latent state l = 0 allocated to
+// local softmax attention, mixed with Latte's latent states l = 1..L by one softmax
+// over L + 1 query logits, so the weights over s stay normalised:
+//   p(l|t) = softmax_{l=0..L}(q_t),
+//   o_t = p(0|t) sum_{s in W(t)} p0(s|t) v_s + sum_{l=1..L} p(l|t) sum_s p(s|l,t) v_s   (eq. 13)
+//   p0(s|t) = exp(scale q'_t . k'_s) / sum_{s' in W(t)} exp(scale q'_t . k'_s')       (eq. 16)
+// W(t) = {t - w <= s <= t} (Causal; w + 1 tokens), {|t - s| <= w} (Bidirectional),
+// p(s|l,t) as in LatteAttention (causal prefix or whole sequence).
+//
+// Inputs are already projected, [B, T, H, *]:
+//   query_logits   [.., L + 1]  column 0 is the local state's logit, 1..L the latents'
+//   key_logits     [.., L]      Latte's key latent logits
+//   window_queries [.., Dk]     q'_t of the local softmax (RoPE-rotated with WindowPos = RoPE)
+//   window_keys    [.., Dk]     k'_s
+//   values         [.., Dv]     shared by both parts; out [.., Dv]
+// Cost O(T * (L * Dv + w * (Dk + Dv))); causal decode O(L * Dv + w * (Dk + Dv)) per head
+// with a state of that size (Latte's carry + a ring of the last w + 1 keys / values).
+//
+// Decided here (the papers are silent): `scale` defaults to 1/sqrt(Dk) (paper 000
+// eq. 2 omits it "for presentation clarity"; scale = 1 is eq. 16 verbatim); a latent
+// whose keys so far are all -inf contributes nothing and a query whose L + 1 logits
+// are all -inf reads zero (LatteAttention's conventions); VAPOR, the latent states'
+// positional encoding, acts on the latent states only by default — see VaporScope.
+//
+//   latte::LatteMacchiato<latte::Causal, latte::RunningMax, latte::NoPositional, latte::RoPE>
+//       attn({.heads = 8, .latents = 64, .key_dim = 64, .value_dim = 64, .window = 128});
+//   attn.forward(latte::exec::reference, q, k, window_q, window_k, v, out.view());
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include "latte/backends/reference/latte.hpp"
+#include "latte/backends/reference/macchiato.hpp"
+#include "latte/core/error.hpp"
+#include "latte/core/shape_check.hpp"
+#include "latte/core/state_storage.hpp"
+#include "latte/core/tensor_view.hpp"
+#include "latte/core/types.hpp"
+#include "latte/mechanisms/macchiato_state.hpp"
+#include "latte/policies/direction.hpp"
+#include "latte/policies/execution.hpp"
+#include "latte/policies/positional.hpp"
+#include "latte/policies/stabilizer.hpp"
+
+namespace latte {
+
+/// Sizes fixed by a Latte Macchiato layer's weights.
+struct MacchiatoDims {
+  index_t heads = 0;
+  index_t latents = 0;    ///< L: latent states per head (the query logits have L + 1)
+  index_t key_dim = 0;    ///< Dk: window query / key features per head
+  index_t value_dim = 0;  ///< Dv: value features per head
+  index_t window = 0;     ///< w >= 1: causal t - w <= s <= t, bidirectional |t - s| <= w
+};
+
+/// Which part of the mixture VAPOR (LatentPos = VAPOR) rotates.
+enum class VaporScope {
+  /// The default: only the latent states 1..L read R^{t-s} v_s; the local
+  /// state reads v_s and takes its positions from WindowPos (RoPE). Paper 000
+  /// introduces VAPOR for the latent states, where relative q/k encodings are
+  /// meaningless, and uses RoPE for the window (§4.1); pre-trained window
+  /// weights (§4.5) expect plain values.
+  latent_states,
+  /// Eq. 22 applied to Macchiato's whole p(s|t): every state reads R^{t-s} v_s,
+  /// o_t = sum_s p(s|t) R^{t-s} v_s.
+  all_states,
+};
+
+[[nodiscard]] constexpr const char* vapor_scope_name(VaporScope scope) noexcept {
+  return scope == VaporScope::all_states ? "all_states" : "latent_states";
+}
+
+/// Parameters that are not sizes.
+struct MacchiatoOptions {
+  /// The window's score scale; default 1/sqrt(Dk). Must be finite.
+  std::optional<double> scale;
+  /// Only meaningful with LatentPos = VAPOR.
+  VaporScope vapor_scope = VaporScope::latent_states;
+};
+
+template <Direction Dir, Stabilizer Stab = RunningMax, Positional LatentPos = NoPositional,
+          Positional WindowPos = NoPositional>
+class LatteMacchiato {
+  static_assert(!LatentPos::rotates_queries_keys,
+                "LatteMacchiato: LatentPos acts on the latent states, which have logits, not "
+                "query/key vectors; use NoPositional or VAPOR there and put RoPE in WindowPos");
+  static_assert(!WindowPos::rotates_values,
+                "LatteMacchiato: WindowPos rotates the window's queries and keys; use "
+                "NoPositional or RoPE there and put VAPOR in LatentPos");
+
+ public:
+  using direction = Dir;
+  using stabilizer = Stab;
+  using latent_positional = LatentPos;
+  using window_positional = WindowPos;
+  template <Real T>
+  using State = MacchiatoState<T>;
+  template <Real T>
+  using InputView = std::type_identity_t<TensorView<const T, 4>>;
+  template <Real T>
+  using StepInputView = std::type_identity_t<TensorView<const T, 3>>;
+
+  /// `latent_positional` carries VAPOR's angles [H, Dv/2], `window_positional`
+  /// RoPE's angles [H, Dk/2] (each defaults to the RoPE schedule, base 10000).
+  explicit LatteMacchiato(MacchiatoDims dims, MacchiatoOptions options = {},
+                          typename LatentPos::Params latent_positional = {},
+                          typename WindowPos::Params window_positional = {})
+      : dims_(dims), options_(options) {
+    detail::check_positive(dims.heads, "dims.heads");
+    detail::check_positive(dims.latents, "dims.latents");
+    detail::check_positive(dims.key_dim, "dims.key_dim");
+    detail::check_positive(dims.value_dim, "dims.value_dim");
+    detail::require(dims.window >= 1, "dims.window",
+                    detail::expected_given("window size w (tokens on each allowed side)", ">= 1",
+                                           dims.window));
+    scale_ = options.scale.value_or(1.0 / std::sqrt(static_cast<double>(dims.key_dim)));
+    detail::require(std::isfinite(scale_), "options.scale",
+                    detail::expected_given("value", "a finite number", scale_));
+    latent_angles_ = resolve_named<LatentPos>(latent_positional, dims.value_dim,
+                                              "latent_positional");
+    key_angles_ = resolve_named<WindowPos>(window_positional, dims.key_dim, "window_positional");
+    kinds_ = {kind<float>(), kind<double>()};
+  }
+
+  [[nodiscard]] const MacchiatoDims& dims() const noexcept { return dims_; }
+  [[nodiscard]] double scale() const noexcept { return scale_; }
+  [[nodiscard]] VaporScope vapor_scope() const noexcept { return options_.vapor_scope; }
+
+  /// "LatteMacchiato<causal,running_max,vapor[latent_states],rope>/float32": names
+  /// states (a state made under one VaporScope is refused by the other).
+  template <Real T>
+  [[nodiscard]] std::string kind() const {
+    std::string latent = LatentPos::name;
+    if constexpr (LatentPos::rotates_values)
+      latent += std::string("[") + vapor_scope_name(options_.vapor_scope) + "]";
+    return std::string("LatteMacchiato<") + Dir::name + "," + Stab::name + "," + latent + "," +
+           WindowPos::name + ">/" + dtype_name<T>();
+  }
+
+  /// Whole-sequence forward. T = 0 (or B = 0) is a no-op.
+  template <exec::Policy E, Real T>
+  void forward(E, InputView<T> query_logits, InputView<T> key_logits,
+               InputView<T> window_queries, InputView<T> window_keys, InputView<T> values,
+               TensorView<T, 4> out) const {
+    static_assert(std::is_same_v<E, exec::reference_t>,
+                  "LatteMacchiato runs on latte::exec::reference only in this version");
+    validate_sequence(query_logits, key_logits, window_queries, window_keys, values, out);
+    if constexpr (Dir::is_causal) {
+      const index_t B = query_logits.extent(0), Tn = query_logits.extent(1), H = dims_.heads;
+      const index_t L = dims_.latents, Dk = dims_.key_dim, Dv = dims_.value_dim;
+      if (B == 0 || Tn == 0) return;
+      // One head's carry, a ring of min(w + 1, T) slots (token t in slot t % capacity) and scratch.
+      const index_t capacity = std::min<index_t>(dims_.window + 1, Tn);
+      std::vector<T> workspace(static_cast<std::size_t>(
+          2 * L + L * Dv + capacity * (Dk + Dv) + reference::MacchiatoScratch<T>::size(Dk, Dv)));
+      T* base = workspace.data();
+      const reference::LatteCarry<T> carry{base, base + L, base + 2 * L};
+      const reference::KVSlots<T> ring{base + 2 * L + L * Dv,
+                                       base + 2 * L + L * Dv + capacity * Dk};
+      const auto scratch = reference::MacchiatoScratch<T>::carve(
+          base + 2 * L + L * Dv + capacity * (Dk + Dv), Dk, Dv);
+      for (index_t b = 0; b < B; ++b)
+        for (index_t h = 0; h < H; ++h) {
+          reference::latte_reset<Stab>(carry, L, Dv);
+          for (index_t t = 0; t < Tn; ++t)
+            causal_step_kernel(query_logits, key_logits, window_queries, window_keys, values, out,
+                               b, t, h, carry, ring, capacity, std::min(t + 1, capacity), t,
+                               scratch);
+        }
+    } else {
+      reference::macchiato_bidirectional_forward<Stab, LatentPos, WindowPos>(
+          query_logits, key_logits, window_queries, window_keys, values, out,
+          static_cast<T>(scale_), dims_.window, latent_angles_, key_angles_,
+          options_.vapor_scope == VaporScope::all_states);
+    }
+  }
+
+  /// A fresh decode state for `batch` sequences whose first token sits at
+  /// absolute position `first_position` (RoPE and VAPOR rotate by positions).
+  template <Real T>
+    requires(Dir::is_causal)
+  [[nodiscard]] State<T> make_state(index_t batch, std::int64_t first_position = 0) const {
+    detail::check_positive(batch, "batch");
+    detail::require(first_position >= 0, "first_position",
+                    detail::expected_given("value", ">= 0", first_position));
+    // The ring's fill count (0..w + 1) is stored as a T and must stay exact.
+    constexpr index_t exact_up_to = index_t{1} << std::numeric_limits<T>::digits;
+    if (dims_.window + 1 > exact_up_to)
+      throw Error("dims.window",
+                  detail::expected_given(std::string("window size for a ") + dtype_name<T>() +
+                                             " decode state",
+                                         "<= " + std::to_string(exact_up_to - 1), dims_.window));
+    const MacchiatoDims& d = dims_;
+    State<T> state(kind<T>(), batch, d.heads, d.latents, d.key_dim, d.value_dim, d.window,
+                   first_position);
+    for (index_t b = 0; b < batch; ++b)
+      for (index_t h = 0; h < d.heads; ++h)
+        reference::latte_reset<Stab>(state.carry(b, h), d.latents, d.value_dim);
+    state.set_window_fill(0);
+    return state;
+  }
+
+  /// Restores a state saved with State::save() by an attention of this type.
+  /// The buffer is checked whole before a state is allocated from it.
+  template <Real T>
+    requires(Dir::is_causal)
+  [[nodiscard]] State<T> load_state(std::span<const std::byte> bytes) const {
+    const auto header = StateStorage<T>::read_header(bytes, kind<T>());
+    const index_t batch = header.sizes.empty() ? 0 : header.sizes.front().value;
+    detail::require(batch >= 1, "bytes", detail::expected_given("saved batch", ">= 1", batch));
+    const MacchiatoDims& d = dims_;
+    StateStorage<T>::require_layout(
+        header, State<T>::sizes_for(batch, d.heads, d.latents, d.key_dim, d.value_dim, d.window),
+        State<T>::fields_for(batch, d.heads, d.latents, d.key_dim, d.value_dim, d.window));
+    State<T> state = make_state<T>(batch);
+    state.restore(bytes);
+    if (state.window_fill() < 0)
+      throw Error("bytes", detail::expected_given(
+                               "saved window_fill",
+                               "an integer in [0, " + std::to_string(d.window + 1) + "]",
+                               *state.field(5)));
+    return state;
+  }
+
+  /// Forward that continues from `state` and leaves it at the end of the
+  /// sequence, so prefill + step continues exactly.
+  template <exec::Policy E, Real T>
+    requires(Dir::is_causal)
+  void forward(E, InputView<T> query_logits, InputView<T> key_logits,
+               InputView<T> window_queries, InputView<T> window_keys, InputView<T> values,
+               TensorView<T, 4> out, State<T>& state) const {
+    static_assert(std::is_same_v<E, exec::reference_t>,
+                  "LatteMacchiato runs on latte::exec::reference only in this version");
+    validate_sequence(query_logits, key_logits, window_queries, window_keys, values, out);
+    validate_state(state, query_logits.extent(0));
+    const index_t B = query_logits.extent(0), Tn = query_logits.extent(1);
+    const index_t capacity = state.capacity(), fill = state.window_fill();
+    const std::int64_t first = state.position();
+    for (index_t b = 0; b < B; ++b)
+      for (index_t h = 0; h < dims_.heads; ++h)
+        for (index_t t = 0; t < Tn; ++t)
+          causal_step_kernel(query_logits, key_logits, window_queries, window_keys, values, out,
+                             b, t, h, state.carry(b, h), state.ring(b, h), capacity,
+                             std::min(fill + t + 1, capacity), first + t, state.scratch());
+    state.set_window_fill(std::min(fill + Tn, capacity));
+    state.advance(Tn);
+  }
+
+  /// Next-token decode: inputs [B, H, L + 1], [B, H, L], [B, H, Dk], [B, H, Dk],
+  /// [B, H, Dv]; out [B, H, Dv]. O(L * Dv + w * (Dk + Dv)) per head, independent
+  /// of the tokens already absorbed; no allocation.
+  template <exec::Policy E, Real T>
+    requires(Dir::is_causal)
+  void step(E, State<T>& state, StepInputView<T> query_logits, StepInputView<T> key_logits,
+            StepInputView<T> window_queries, StepInputView<T> window_keys,
+            StepInputView<T> values, TensorView<T, 3> out) const {
+    static_assert(std::is_same_v<E, exec::reference_t>,
+                  "LatteMacchiato runs on latte::exec::reference only in this version");
+    const index_t B = state.batch(), H = dims_.heads, L = dims_.latents;
+    const index_t Dk = dims_.key_dim, Dv = dims_.value_dim;
+    validate_state(state, B);
+    detail::check_shape(query_logits, "query_logits", {B, H, L + 1}, "[B, H, L+1]");
+    detail::check_shape(key_logits, "key_logits", {B, H, L}, "[B, H, L]");
+    detail::check_shape(window_queries, "window_queries", {B, H, Dk}, "[B, H, Dk]");
+    detail::check_shape(window_keys, "window_keys", {B, H, Dk}, "[B, H, Dk]");
+    detail::check_shape(values, "values", {B, H, Dv}, "[B, H, Dv]");
+    detail::check_shape(out, "out", {B, H, Dv}, "[B, H, Dv]");
+    check_outputs_distinct(query_logits, key_logits, window_queries, window_keys, values, out);
+    const index_t capacity = state.capacity(), fill = state.window_fill();
+    const std::int64_t position = state.position();
+    for (index_t b = 0; b < B; ++b)
+      for (index_t h = 0; h < H; ++h)
+        reference::macchiato_causal_step<Stab, LatentPos, WindowPos>(
+            query_logits.row(b, h), key_logits.row(b, h), window_queries.row(b, h),
+            window_keys.row(b, h), values.row(b, h), out.row(b, h), state.carry(b, h),
+            state.ring(b, h), capacity, std::min(fill + 1, capacity), sizes(),
+            static_cast<T>(scale_), angles_of(h), position, state.scratch());
+    state.set_window_fill(std::min(fill + 1, capacity));
+    state.advance(1);
+  }
+
+ private:
+  [[nodiscard]] reference::MacchiatoSizes sizes() const noexcept {
+    return {dims_.latents, dims_.key_dim, dims_.value_dim};
+  }
+
+  [[nodiscard]] reference::MacchiatoAngles angles_of(index_t h) const noexcept {
+    const index_t value_pairs = dims_.value_dim / 2, key_pairs = dims_.key_dim / 2;
+    return {latent_angles_.empty() ? nullptr : latent_angles_.data() + h * value_pairs,
+            key_angles_.empty() ? nullptr : key_angles_.data() + h * key_pairs,
+            options_.vapor_scope == VaporScope::all_states};
+  }
+
+  /// Token t of (b, h) through the causal step kernel, at absolute `position`.
+  template <Real T>
+  void causal_step_kernel(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
+                          const TensorView<const T, 4>& wq, const TensorView<const T, 4>& wk,
+                          const TensorView<const T, 4>& v, const TensorView<T, 4>& out, index_t b,
+                          index_t t, index_t h, reference::LatteCarry<T> carry,
+                          reference::KVSlots<T> ring, index_t capacity, index_t visible,
+                          std::int64_t position, reference::MacchiatoScratch<T> scratch) const {
+    reference::macchiato_causal_step<Stab, LatentPos, WindowPos>(
+        q.row(b, t, h), k.row(b, t, h), wq.row(b, t, h), wk.row(b, t, h), v.row(b, t, h),
+        out.row(b, t, h), carry, ring, capacity, visible, sizes(), static_cast<T>(scale_),
+        angles_of(h), position, scratch);
+  }
+
+  /// A positional policy's angle table; its errors are renamed
+  /// "<which>.angles" / "<which>.base" so the two tables are told apart.
+  template <Positional Pos>
+  [[nodiscard]] std::vector<double> resolve_named(const typename Pos::Params& params, index_t dim,
+                                                  std::string_view which) const {
+    try {
+      return Pos::resolve_angles(params, dims_.heads, dim);
+    } catch (const Error& error) {
+      const std::string prefix = "latte: argument '" + error.argument() + "': ";
+      std::string what = error.what();
+      if (what.rfind(prefix, 0) == 0) what.erase(0, prefix.size());
+      throw Error(std::string(which) + "." + error.argument(), what);
+    }
+  }
+
+  template <Real T>
+  void validate_sequence(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
+                         const TensorView<const T, 4>& wq, const TensorView<const T, 4>& wk,
+                         const TensorView<const T, 4>& v, const TensorView<T, 4>& out) const {
+    check_view(q, "query_logits");
+    const index_t B = q.extent(0), Tn = q.extent(1), H = dims_.heads;
+    const index_t L = dims_.latents, Dk = dims_.key_dim, Dv = dims_.value_dim;
+    detail::check_shape(q, "query_logits", {B, Tn, H, L + 1}, "[B, T, H, L+1]");
+    detail::check_shape(k, "key_logits", {B, Tn, H, L}, "[B, T, H, L]");
+    detail::check_shape(wq, "window_queries", {B, Tn, H, Dk}, "[B, T, H, Dk]");
+    detail::check_shape(wk, "window_keys", {B, Tn, H, Dk}, "[B, T, H, Dk]");
+    detail::check_shape(v, "values", {B, Tn, H, Dv}, "[B, T, H, Dv]");
+    detail::check_shape(out, "out", {B, Tn, H, Dv}, "[B, T, H, Dv]");
+    check_outputs_distinct(q, k, wq, wk, v, out);
+  }
+
+  template <class Q, class K, class WQ, class WK, class V, class O>
+  static void check_outputs_distinct(const Q& q, const K& k, const WQ& wq, const WK& wk,
+                                     const V& v, const O& out) {
+    detail::check_distinct_elements(out, "out");
+    detail::check_no_overlap(out, "out", q, "query_logits");
+    detail::check_no_overlap(out, "out", k, "key_logits");
+    detail::check_no_overlap(out, "out", wq, "window_queries");
+    detail::check_no_overlap(out, "out", wk, "window_keys");
+    detail::check_no_overlap(out, "out", v, "values");
+  }
+
+  /// Allocation-free on success (step calls it per token).
+  template <Real T>
+  void validate_state(const State<T>& state, index_t batch) const {
+    const MacchiatoDims& d = dims_;
+    const bool matches = state.kind() == kinds_.template get<T>() && state.batch() == batch &&
+                         state.heads() == d.heads && state.latents() == d.latents &&
+                         state.key_dim() == d.key_dim && state.value_dim() == d.value_dim &&
+                         state.window() == d.window;
+    if (!matches)
+      state.require_matches(kind<T>(), State<T>::sizes_for(batch, d.heads, d.latents, d.key_dim,
+                                                           d.value_dim, d.window));
+    if (state.window_fill() < 0)
+      throw Error("state", detail::expected_given(
+                               "window_fill",
+                               "an integer in [0, " + std::to_string(d.window + 1) + "]",
+                               *state.field(5)));
+  }
+
+  MacchiatoDims dims_;
+  MacchiatoOptions options_;
+  double scale_ = 1.0;
+  std::vector<double> latent_angles_;  // [H * (Dv/2)] for VAPOR, empty otherwise
+  std::vector<double> key_angles_;     // [H * (Dk/2)] for RoPE, empty otherwise
+  detail::KindNames kinds_;
+};
+
+}  // namespace latte

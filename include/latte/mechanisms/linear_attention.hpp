@@ -1,0 +1,545 @@
+#pragma once
+// latte::LinearAttention<Direction, FeatureMap, Reweight, Positional> — the
+// linear-attention family (paper 001 §3.1 eq. 4; paper 004):
+//
+//   o_t = sum_s w_ts v_s / N(sum_s w'_ts)   over s <= t (Causal) or all s,
+//   w_ts = phi(q_t) . R^{s-t} phi(k_s) * cos(pi/2 (P_q,t - P_k,s))
+//
+// with the feature map phi (policies/feature_map.hpp), optional cosine
+// re-weighting with proportions P from positions (cosFormer) or learned LeaP
+// modules (policies/reweight.hpp), optional RoPE rotations R on phi(q), phi(k)
+// (paper 004 App. A.6) and the normaliser N (policies/normaliser.hpp).
+// O(T * E * Dv) time; causal decode keeps S = sum_s e(k_s) v_s^T and
+// z = sum_s e'(k_s) per head (LinearState<T>), independent of the context.
+//
+// Inputs are already projected: queries and keys [B, T, H, Dk], values
+// [B, T, H, Dv]; the output is [B, T, H, Dv]. Bidirectional attentions also
+// offer cross_forward over a separate source sequence [B, S, H, *].
+//
+//   latte::LinearAttention<latte::Causal, latte::EluPlusOne> attention({.heads = 8,
+//       .key_dim = 64, .value_dim = 64});
+//   attention.forward(latte::exec::reference, q, k, v, out.view());
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "latte/backends/reference/linear.hpp"
+#include "latte/core/shape_check.hpp"
+#include "latte/core/state_storage.hpp"
+#include "latte/core/tensor_view.hpp"
+#include "latte/core/types.hpp"
+#include "latte/mechanisms/linear_state.hpp"
+#include "latte/policies/direction.hpp"
+#include "latte/policies/execution.hpp"
+#include "latte/policies/feature_map.hpp"
+#include "latte/policies/normaliser.hpp"
+#include "latte/policies/positional.hpp"
+#include "latte/policies/reweight.hpp"
+
+namespace latte {
+
+/// Sizes fixed by a linear-attention layer's weights.
+struct LinearDims {
+  index_t heads = 0;
+  index_t key_dim = 0;    ///< Dk: query/key features per head (before phi)
+  index_t value_dim = 0;  ///< Dv: value features per head
+};
+
+/// Runtime parameters of a linear attention.
+template <Reweight Rw, Positional Pos>
+struct LinearOptions {
+  /// Default: the paper's own (additive 1e-6; cosFormer clamp_min 1e-6; LeaP clamp_min 0.1).
+  Normaliser normaliser = Rw::default_normaliser();
+  /// cosFormer: {.length = M}; LeaP: {.query_module, .key_module, .leap_factor}.
+  typename Rw::Params reweight = {};
+  /// RoPE: angles [H, F/2] (default: RoPE schedule base^(-2i/F), base 10000).
+  typename Pos::Params positional = {};
+  /// Under RoPE: normalise by the un-rotated (default) or the rotated scores.
+  RopeDenominator rope_denominator = RopeDenominator::unrotated;
+};
+
+template <Direction Dir, FeatureMap Map, Reweight Rw = NoReweight, Positional Pos = NoPositional>
+class LinearAttention {
+  static_assert(!Pos::rotates_values,
+                "VAPOR rotates values; linear attention takes NoPositional or RoPE");
+
+ public:
+  using direction = Dir;
+  using feature_map = Map;
+  using reweight = Rw;
+  using positional = Pos;
+  using Options = LinearOptions<Rw, Pos>;
+  template <Real T>
+  using State = LinearState<T>;
+  template <Real T>
+  using InputView = std::type_identity_t<TensorView<const T, 4>>;
+  template <Real T>
+  using StepInputView = std::type_identity_t<TensorView<const T, 3>>;
+  template <Real T>
+  using Proportions = std::type_identity_t<SequenceProportions<T>>;
+  template <Real T>
+  using StepProportionViews = std::type_identity_t<StepProportions<T>>;
+
+  static constexpr bool learned_proportions = Rw::source == ProportionSource::learned;
+  static constexpr bool position_proportions = Rw::source == ProportionSource::position;
+
+  explicit LinearAttention(LinearDims dims, Options options = {})
+      : dims_(dims), options_(std::move(options)) {
+    detail::check_positive(dims.heads, "dims.heads");
+    detail::check_positive(dims.key_dim, "dims.key_dim");
+    detail::check_positive(dims.value_dim, "dims.value_dim");
+    feature_dim_ = detail::feature_dim_of<Map>(dims.key_dim);
+    detail::require(feature_dim_ >= 1, "feature_map",
+                    detail::expected_given(std::string(Map::name) + " feature_dim(Dk)", ">= 1",
+                                           feature_dim_));
+    options_.normaliser.validate();
+    if constexpr (position_proportions) {
+      if (options_.reweight.length)
+        detail::require(*options_.reweight.length >= 1, "length",
+                        detail::expected_given("cosFormer length M", ">= 1",
+                                               *options_.reweight.length));
+    }
+    if constexpr (learned_proportions) validate_leap();
+    angles_ = Pos::resolve_angles(options_.positional, dims.heads, feature_dim_);
+    detail::require(Pos::rotates_queries_keys ||
+                        options_.rope_denominator == RopeDenominator::unrotated,
+                    "rope_denominator",
+                    detail::expected_given(std::string("denominator without RoPE (positional ") +
+                                               Pos::name + ")",
+                                           "unrotated", name_of(options_.rope_denominator)));
+  }
+
+  [[nodiscard]] const LinearDims& dims() const noexcept { return dims_; }
+  [[nodiscard]] const Options& options() const noexcept { return options_; }
+  /// F: features of phi(x) per head.
+  [[nodiscard]] index_t feature_dim() const noexcept { return feature_dim_; }
+  /// E = streams * F: size of the expanded features the state is made of.
+  [[nodiscard]] index_t expanded_dim() const noexcept { return Rw::streams * feature_dim_; }
+
+  /// "LinearAttention<causal,relu,cosformer,no_positional>/float32".
+  template <Real T>
+  [[nodiscard]] static std::string kind() {
+    return std::string("LinearAttention<") + Dir::name + "," + Map::name + "," + Rw::name + "," +
+           Pos::name + ">/" + dtype_name<T>();
+  }
+
+  // ------------------------------------------------------------ forward --
+
+  /// Whole-sequence self-attention. T = 0 (or B = 0) is a no-op.
+  template <exec::Policy E, Real T>
+  void forward(E, InputView<T> queries, InputView<T> keys, InputView<T> values,
+               TensorView<T, 4> out) const {
+    require_reference<E>();
+    validate_sequence(queries, keys, values, out);
+    run_forward<T>(queries, keys, values, out, nullptr, nullptr);
+  }
+
+  /// As above, with precomputed proportions P_q, P_k [B, T, H] in [0, 1] (LeaP).
+  template <exec::Policy E, Real T>
+    requires(learned_proportions)
+  void forward(E, InputView<T> queries, InputView<T> keys, InputView<T> values,
+               Proportions<T> proportions, TensorView<T, 4> out) const {
+    require_reference<E>();
+    validate_sequence(queries, keys, values, out);
+    validate_proportions(proportions, queries.extent(1), keys.extent(1), out);
+    run_forward<T>(queries, keys, values, out, &proportions, nullptr);
+  }
+
+  /// Cross-attention: queries [B, T, H, Dk] over a source of keys [B, S, H, Dk]
+  /// and values [B, S, H, Dv], every source token visible (S may differ from T).
+  template <exec::Policy E, Real T>
+    requires(!Dir::is_causal)
+  void cross_forward(E, InputView<T> queries, InputView<T> keys, InputView<T> values,
+                     TensorView<T, 4> out) const {
+    require_reference<E>();
+    validate_cross(queries, keys, values, out);
+    run_bidirectional<T>(queries, keys, values, out, nullptr);
+  }
+
+  /// Cross-attention with precomputed proportions P_q [B, T, H] and P_k [B, S, H] (LeaP).
+  template <exec::Policy E, Real T>
+    requires(!Dir::is_causal && learned_proportions)
+  void cross_forward(E, InputView<T> queries, InputView<T> keys, InputView<T> values,
+                     Proportions<T> proportions, TensorView<T, 4> out) const {
+    require_reference<E>();
+    validate_cross(queries, keys, values, out);
+    validate_proportions(proportions, queries.extent(1), keys.extent(1), out);
+    run_bidirectional<T>(queries, keys, values, out, &proportions);
+  }
+
+  // ------------------------------------------------------------- decode --
+
+  /// A fresh decode state for `batch` sequences whose first token sits at
+  /// absolute position `first_position` (RoPE and cosFormer use positions).
+  /// cosFormer needs Options::reweight.length (M) for decode.
+  template <Real T>
+    requires(Dir::is_causal)
+  [[nodiscard]] State<T> make_state(index_t batch, std::int64_t first_position = 0) const {
+    detail::check_positive(batch, "batch");
+    detail::require(first_position >= 0, "first_position",
+                    detail::expected_given("value", ">= 0", first_position));
+    if constexpr (position_proportions) {
+      detail::require(options_.reweight.length.has_value(), "length",
+                      "cosFormer decode needs the length M (Options::reweight.length): expected "
+                      "M >= every position + 1 the state will reach, given none");
+      detail::require(first_position < *options_.reweight.length, "first_position",
+                      detail::expected_given("first position for cosFormer length M = " +
+                                                 std::to_string(*options_.reweight.length),
+                                             "< " + std::to_string(*options_.reweight.length),
+                                             first_position));
+    }
+    return State<T>(kind<T>(), sizes_for(batch), first_position);
+  }
+
+  /// Restores a state saved with State::save() by an attention of this type
+  /// and configuration. The buffer is checked whole before a state is allocated.
+  template <Real T>
+    requires(Dir::is_causal)
+  [[nodiscard]] State<T> load_state(std::span<const std::byte> bytes) const {
+    const auto header = StateStorage<T>::read_header(bytes, kind<T>());
+    const index_t batch = header.sizes.empty() ? 0 : header.sizes.front().value;
+    detail::require(batch >= 1, "bytes", detail::expected_given("saved batch", ">= 1", batch));
+    const auto sizes = sizes_for(batch);
+    StateStorage<T>::require_layout(header, sizes, State<T>::fields_for(sizes));
+    State<T> state = make_state<T>(batch);
+    state.restore(bytes);
+    return state;
+  }
+
+  /// Forward that continues from `state` and leaves it at the end of the
+  /// sequence, so prefill + step continues exactly.
+  template <exec::Policy E, Real T>
+    requires(Dir::is_causal)
+  void forward(E, InputView<T> queries, InputView<T> keys, InputView<T> values,
+               TensorView<T, 4> out, State<T>& state) const {
+    require_reference<E>();
+    validate_sequence(queries, keys, values, out);
+    validate_state(state, queries.extent(0), queries.extent(1));
+    run_forward<T>(queries, keys, values, out, nullptr, &state);
+    state.advance(queries.extent(1));
+  }
+
+  /// As above, with precomputed proportions [B, T, H] (LeaP).
+  template <exec::Policy E, Real T>
+    requires(Dir::is_causal && learned_proportions)
+  void forward(E, InputView<T> queries, InputView<T> keys, InputView<T> values,
+               Proportions<T> proportions, TensorView<T, 4> out, State<T>& state) const {
+    require_reference<E>();
+    validate_sequence(queries, keys, values, out);
+    validate_proportions(proportions, queries.extent(1), keys.extent(1), out);
+    validate_state(state, queries.extent(0), queries.extent(1));
+    run_forward<T>(queries, keys, values, out, &proportions, &state);
+    state.advance(queries.extent(1));
+  }
+
+  /// Next-token decode: queries, keys [B, H, Dk], values [B, H, Dv]; out [B, H, Dv].
+  /// O(E * Dv) per head, independent of the tokens already absorbed; no allocation.
+  template <exec::Policy E, Real T>
+    requires(Dir::is_causal)
+  void step(E, State<T>& state, StepInputView<T> queries, StepInputView<T> keys,
+            StepInputView<T> values, TensorView<T, 3> out) const {
+    require_reference<E>();
+    validate_step(state, queries, keys, values, out);
+    require_modules();
+    run_step<T>(state, queries, keys, values, out, nullptr);
+  }
+
+  /// As above, with this token's proportions P_q, P_k [B, H] in [0, 1] (LeaP).
+  template <exec::Policy E, Real T>
+    requires(Dir::is_causal && learned_proportions)
+  void step(E, State<T>& state, StepInputView<T> queries, StepInputView<T> keys,
+            StepInputView<T> values, StepProportionViews<T> proportions,
+            TensorView<T, 3> out) const {
+    require_reference<E>();
+    validate_step(state, queries, keys, values, out);
+    const index_t B = state.batch(), H = dims_.heads;
+    check_proportion_values(proportions.queries, "query_proportions", {B, H}, "[B, H]", out);
+    check_proportion_values(proportions.keys, "key_proportions", {B, H}, "[B, H]", out);
+    run_step<T>(state, queries, keys, values, out, &proportions);
+  }
+
+ private:
+  template <class E>
+  static void require_reference() {
+    static_assert(std::is_same_v<E, exec::reference_t>,
+                  "LinearAttention runs on latte::exec::reference in this version of latte");
+  }
+
+  [[nodiscard]] reference::LinearSpec spec() const noexcept {
+    return {dims_.key_dim,   feature_dim_, Rw::streams, dims_.value_dim, &angles_,
+            options_.rope_denominator == RopeDenominator::rotated, options_.normaliser};
+  }
+
+  /// The named sizes of a state for `batch` sequences.
+  [[nodiscard]] std::vector<StateSize> sizes_for(index_t batch) const {
+    std::vector<StateSize> sizes{{"batch", batch},
+                                 {"heads", dims_.heads},
+                                 {"feature_dim", feature_dim_},
+                                 {"streams", Rw::streams},
+                                 {"value_dim", dims_.value_dim}};
+    if constexpr (position_proportions)
+      sizes.push_back({"length", options_.reweight.length.value_or(0)});
+    if constexpr (Pos::rotates_queries_keys)
+      sizes.push_back({"rotated_denominator",
+                       options_.rope_denominator == RopeDenominator::rotated ? 1 : 0});
+    return sizes;
+  }
+
+  // --------------------------------------------------------- validation --
+
+  void validate_leap() const {
+    const auto& params = options_.reweight;
+    detail::require(params.leap_factor >= 1 && feature_dim_ % params.leap_factor == 0,
+                    "leap_factor",
+                    detail::expected_given("LeaP step-down factor (a divisor of the feature "
+                                           "dim " + std::to_string(feature_dim_) + ")",
+                                           "a divisor of " + std::to_string(feature_dim_),
+                                           params.leap_factor));
+    detail::require(params.query_module.has_value() == params.key_module.has_value(),
+                    params.query_module ? "key_module" : "query_module",
+                    "expected both LeaP modules (queries and keys) or neither, given one");
+    const index_t hidden = feature_dim_ / params.leap_factor;
+    if (params.query_module) params.query_module->validate("query_module", feature_dim_, hidden);
+    if (params.key_module) params.key_module->validate("key_module", feature_dim_, hidden);
+  }
+
+  /// LeaP without modules needs proportions in every call.
+  void require_modules() const {
+    if constexpr (learned_proportions)
+      detail::require(options_.reweight.query_module.has_value(), "proportions",
+                      "this LeaPformer has no LeaP modules: expected precomputed proportions, "
+                      "given none");
+  }
+
+  /// cosFormer's M for a call that uses positions [0, needed), defaulting to
+  /// `fallback` when no length was given.
+  /// Allocation-free unless it throws (step calls it per token).
+  [[nodiscard]] index_t cosformer_length(index_t needed, index_t fallback) const {
+    const index_t length = options_.reweight.length.value_or(fallback);
+    if (length < needed)
+      throw Error("length", detail::expected_given("cosFormer length M (P = (i + 1) / M must stay "
+                                                   "<= 1 for the " + std::to_string(needed) +
+                                                   " positions used)",
+                                                   ">= " + std::to_string(needed), length));
+    return length;
+  }
+
+  template <Real T>
+  void validate_sequence(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
+                         const TensorView<const T, 4>& v, const TensorView<T, 4>& out) const {
+    check_view(q, "queries");
+    const index_t B = q.extent(0), Tn = q.extent(1), H = dims_.heads;
+    detail::check_shape(q, "queries", {B, Tn, H, dims_.key_dim}, "[B, T, H, Dk]");
+    detail::check_shape(k, "keys", {B, Tn, H, dims_.key_dim}, "[B, T, H, Dk]");
+    detail::check_shape(v, "values", {B, Tn, H, dims_.value_dim}, "[B, T, H, Dv]");
+    detail::check_shape(out, "out", {B, Tn, H, dims_.value_dim}, "[B, T, H, Dv]");
+    check_outputs_distinct(q, k, v, out);
+  }
+
+  template <Real T>
+  void validate_cross(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
+                      const TensorView<const T, 4>& v, const TensorView<T, 4>& out) const {
+    check_view(q, "queries");
+    check_view(k, "keys");
+    const index_t B = q.extent(0), Tn = q.extent(1), Sn = k.extent(1), H = dims_.heads;
+    detail::check_shape(q, "queries", {B, Tn, H, dims_.key_dim}, "[B, T, H, Dk]");
+    detail::check_shape(k, "keys", {B, Sn, H, dims_.key_dim}, "[B, S, H, Dk]");
+    detail::check_shape(v, "values", {B, Sn, H, dims_.value_dim}, "[B, S, H, Dv]");
+    detail::check_shape(out, "out", {B, Tn, H, dims_.value_dim}, "[B, T, H, Dv]");
+    check_outputs_distinct(q, k, v, out);
+  }
+
+  template <class Q, class K, class V, class O>
+  static void check_outputs_distinct(const Q& q, const K& k, const V& v, const O& out) {
+    detail::check_distinct_elements(out, "out");
+    detail::check_no_overlap(out, "out", q, "queries");
+    detail::check_no_overlap(out, "out", k, "keys");
+    detail::check_no_overlap(out, "out", v, "values");
+  }
+
+  /// Shape, and every value finite and in [0, 1] (paper 004 eq. 8); `out`
+  /// must not share memory with the proportions.
+  template <Real T, std::size_t N, class O>
+  static void check_proportion_values(const TensorView<const T, N>& proportions,
+                                      const char* argument, const std::array<index_t, N>& expected,
+                                      const char* layout, const O& out) {
+    detail::check_shape(proportions, argument, expected, layout);
+    detail::check_no_overlap(out, "out", proportions, argument);
+    if (proportions.empty()) return;
+    std::array<index_t, N> at{};
+    for (;;) {
+      const T p = std::apply([&](auto... i) { return proportions(i...); }, at);
+      if (!(p >= T(0) && p <= T(1)))  // also rejects NaN
+        throw Error(argument, detail::expected_given("proportion at " + format_extents(at),
+                                                     "a value in [0, 1]", p));
+      std::size_t d = N;  // odometer over the extents
+      while (d-- > 0) {
+        if (++at[d] < proportions.extent(d)) break;
+        at[d] = 0;
+        if (d == 0) return;
+      }
+    }
+  }
+
+  template <Real T>
+  void validate_proportions(const SequenceProportions<T>& proportions, index_t query_length,
+                            index_t key_length, const TensorView<T, 4>& out) const {
+    const index_t B = out.extent(0), H = dims_.heads;
+    check_proportion_values<T, 3>(proportions.queries, "query_proportions",
+                                  {B, query_length, H}, "[B, T, H]", out);
+    check_proportion_values<T, 3>(proportions.keys, "key_proportions", {B, key_length, H},
+                                  key_length == query_length ? "[B, T, H]" : "[B, S, H]", out);
+  }
+
+  /// Allocation-free on success (step calls it per token).
+  template <Real T>
+  void validate_state(const State<T>& state, index_t batch, index_t new_tokens) const {
+    bool matches = state.kind() == kinds_.template get<T>() && state.batch() == batch &&
+                   state.heads() == dims_.heads && state.feature_dim() == feature_dim_ &&
+                   state.streams() == Rw::streams && state.value_dim() == dims_.value_dim;
+    if constexpr (position_proportions)
+      matches = matches && state.length() == options_.reweight.length.value_or(0);
+    if constexpr (Pos::rotates_queries_keys)
+      matches = matches && state.size_of("rotated_denominator") ==
+                               (options_.rope_denominator == RopeDenominator::rotated ? 1 : 0);
+    if (!matches) state.require_matches(kind<T>(), sizes_for(batch));
+    if constexpr (position_proportions)
+      (void)cosformer_length(static_cast<index_t>(state.position() + new_tokens), 0);
+  }
+
+  template <Real T>
+  void validate_step(State<T>& state, const TensorView<const T, 3>& q,
+                     const TensorView<const T, 3>& k, const TensorView<const T, 3>& v,
+                     const TensorView<T, 3>& out) const {
+    const index_t B = state.batch(), H = dims_.heads;
+    validate_state(state, B, 1);
+    detail::check_shape(q, "queries", {B, H, dims_.key_dim}, "[B, H, Dk]");
+    detail::check_shape(k, "keys", {B, H, dims_.key_dim}, "[B, H, Dk]");
+    detail::check_shape(v, "values", {B, H, dims_.value_dim}, "[B, H, Dv]");
+    detail::check_shape(out, "out", {B, H, dims_.value_dim}, "[B, H, Dv]");
+    check_outputs_distinct(q, k, v, out);
+  }
+
+  // ------------------------------------------------------------ running --
+
+  /// The proportion of one token: from its position (cosFormer), from the LeaP
+  /// module on phi, or read from the given tensor at (b, t, h).
+  template <Real T>
+  [[nodiscard]] auto sequence_proportions(const SequenceProportions<T>* given,
+                                          index_t length) const {
+    using reference::Side;
+    if constexpr (position_proportions) {
+      (void)given;
+      return [length](Side, index_t, index_t, index_t, std::int64_t position, const T*) {
+        return CosFormerReweight::proportion(position, length);
+      };
+    } else if constexpr (learned_proportions) {
+      (void)length;
+      return [this, given](Side side, index_t b, index_t t, index_t h, std::int64_t,
+                           const T* phi) {
+        if (given)
+          return Proportion::of(side == Side::query ? given->queries(b, t, h)
+                                                    : given->keys(b, t, h));
+        return side == Side::query ? options_.reweight.query_module->evaluate(phi)
+                                   : options_.reweight.key_module->evaluate(phi);
+      };
+    } else {
+      (void)given, (void)length;
+      return [](Side, index_t, index_t, index_t, std::int64_t, const T*) {
+        return Proportion{};  // NoReweight: never asked
+      };
+    }
+  }
+
+  template <Real T>
+  void run_forward(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
+                   const TensorView<const T, 4>& v, const TensorView<T, 4>& out,
+                   const SequenceProportions<T>* given, State<T>* state) const {
+    if (!given) require_modules();
+    if constexpr (Dir::is_causal) {
+      const reference::LinearSpec call = spec();
+      index_t length = 0;
+      if constexpr (position_proportions)
+        length = state ? state->length() : cosformer_length(q.extent(1), q.extent(1));
+      if (state) {
+        reference::linear_causal_forward<Map, Rw, Pos>(
+            q, k, v, out, call, state->position(), sequence_proportions<T>(given, length),
+            [&](index_t b, index_t h) { return state->carry(b, h); });
+        return;
+      }
+      const index_t E = call.expanded_dim(), Dv = dims_.value_dim;
+      std::vector<T> carry_storage(static_cast<std::size_t>(E * Dv + E));
+      reference::linear_causal_forward<Map, Rw, Pos>(
+          q, k, v, out, call, 0, sequence_proportions<T>(given, length), [&](index_t, index_t) {
+            const reference::LinearCarry<T> carry{carry_storage.data(),
+                                                  carry_storage.data() + E * Dv};
+            reference::linear_reset(carry, E, Dv);
+            return carry;
+          });
+    } else {
+      (void)state;
+      run_bidirectional<T>(q, k, v, out, given);
+    }
+  }
+
+  template <Real T>
+  void run_bidirectional(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
+                         const TensorView<const T, 4>& v, const TensorView<T, 4>& out,
+                         const SequenceProportions<T>* given) const {
+    if (!given) require_modules();
+    index_t length = 0;
+    if constexpr (position_proportions) {
+      const index_t longest = std::max(q.extent(1), k.extent(1));
+      length = cosformer_length(longest, longest);
+    }
+    reference::linear_bidirectional_forward<Map, Rw, Pos>(q, k, v, out, spec(),
+                                                          sequence_proportions<T>(given, length));
+  }
+
+  template <Real T>
+  void run_step(State<T>& state, const TensorView<const T, 3>& q, const TensorView<const T, 3>& k,
+                const TensorView<const T, 3>& v, const TensorView<T, 3>& out,
+                const StepProportions<T>* given) const {
+    const reference::LinearSpec call = spec();
+    const std::int64_t position = state.position();
+    const index_t length = state.length();
+    for (index_t b = 0; b < state.batch(); ++b)
+      for (index_t h = 0; h < dims_.heads; ++h) {
+        auto proportion_of = [&](reference::Side side, const T* phi) -> Proportion {
+          if constexpr (position_proportions) {
+            (void)side, (void)phi;
+            return CosFormerReweight::proportion(position, length);
+          } else if constexpr (learned_proportions) {
+            if (given)
+              return Proportion::of(side == reference::Side::query ? given->queries(b, h)
+                                                                   : given->keys(b, h));
+            return side == reference::Side::query ? options_.reweight.query_module->evaluate(phi)
+                                                  : options_.reweight.key_module->evaluate(phi);
+          } else {
+            (void)side, (void)phi;
+            return Proportion{};
+          }
+        };
+        reference::linear_causal_token<Map, Rw, Pos>(q.row(b, h), k.row(b, h), v.row(b, h),
+                                                     out.row(b, h), state.carry(b, h), call,
+                                                     call.theta(h), position, proportion_of,
+                                                     state.scratch());
+      }
+    state.advance(1);
+  }
+
+  LinearDims dims_;
+  Options options_;
+  index_t feature_dim_ = 0;
+  detail::KindNames kinds_{kind<float>(), kind<double>()};
+  std::vector<double> angles_;  // [H * (F/2)] for RoPE, empty otherwise
+};
+
+}  // namespace latte

@@ -1,0 +1,67 @@
+#pragma once
+// LinearState<T>: the O(E * Dv) per-head decode state of causal linear attention.
+//
+// Per (batch, head): the memory S = sum_s e(k_s) v_s^T [E x Dv] and the
+// normaliser z = sum_s e'(k_s) [E] (paper 001 eq. 4), E = streams * F
+// (two streams, sin and cos, with cosFormer / LeaP re-weighting), plus the
+// absolute position of the next token. Sizes: batch, heads, feature_dim (F),
+// streams, value_dim, and, where the configuration has them, length (cosFormer's
+// M) and rotated_denominator (RoPE). One state belongs to one batch of
+// sequences and one attention type; step it from one thread at a time.
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "latte/backends/reference/linear.hpp"
+#include "latte/core/state_storage.hpp"
+#include "latte/core/types.hpp"
+
+namespace latte {
+
+template <Real T>
+class LinearState : public StateStorage<T> {
+ public:
+  LinearState() = default;
+
+  /// Prefer LinearAttention::make_state, which sets `kind` and the sizes.
+  LinearState(std::string kind, std::vector<StateSize> sizes, std::int64_t first_position)
+      : StateStorage<T>(std::move(kind), sizes, fields_for(sizes), first_position) {
+    const index_t F = this->size_of("feature_dim");
+    scratch_.resize(static_cast<std::size_t>(F + 2 * expanded_dim()));
+  }
+
+  /// The fields of a state with `sizes`: memory [B * H * E * Dv], normaliser [B * H * E].
+  static std::vector<StateField> fields_for(const std::vector<StateSize>& sizes) {
+    auto size = [&](const char* name) {
+      for (const StateSize& s : sizes)
+        if (s.name == name) return static_cast<std::size_t>(s.value);
+      return std::size_t{0};
+    };
+    const std::size_t heads = size("batch") * size("heads");
+    const std::size_t expanded = size("streams") * size("feature_dim");
+    return {{"memory", heads * expanded * size("value_dim")}, {"normaliser", heads * expanded}};
+  }
+
+  [[nodiscard]] index_t heads() const noexcept { return this->size_of("heads"); }
+  [[nodiscard]] index_t feature_dim() const noexcept { return this->size_of("feature_dim"); }
+  [[nodiscard]] index_t streams() const noexcept { return this->size_of("streams"); }
+  [[nodiscard]] index_t value_dim() const noexcept { return this->size_of("value_dim"); }
+  /// E = streams * F.
+  [[nodiscard]] index_t expanded_dim() const noexcept { return streams() * feature_dim(); }
+  /// cosFormer's M (0 when the configuration has none).
+  [[nodiscard]] index_t length() const noexcept { return this->size_of("length"); }
+
+  /// The carry of one (batch, head), for the backends.
+  [[nodiscard]] reference::LinearCarry<T> carry(index_t b, index_t h) noexcept {
+    const index_t head = b * heads() + h, E = expanded_dim();
+    return {this->field(0) + head * E * value_dim(), this->field(1) + head * E};
+  }
+  /// F + 2E values of scratch for a step (not part of the saved state).
+  [[nodiscard]] T* scratch() noexcept { return scratch_.data(); }
+
+ private:
+  std::vector<T> scratch_;
+};
+
+}  // namespace latte

@@ -1,0 +1,99 @@
+#pragma once
+// MacchiatoState<T>: the decode state of causal Latte Macchiato.
+//
+// Per (batch, head): Latte's carry — the running maximum m [L], the normaliser
+// alpha [L] and the latent memory vtilde [L x Dv], scaled by exp(-m) (paper 000
+// App. B.2) — and a ring of the window's last w + 1 keys [Dk] and values [Dv],
+// token s in slot s % (w + 1), stored as the window reads them (R^s k_s under
+// RoPE; R^{-s} v_s when VAPOR acts on the window too). One count for the whole
+// state, `window_fill` (0..w + 1), says how many ring slots hold tokens, so a
+// state that starts at position p > 0 does not read slots it never wrote.
+// Size O(L * Dv + w * (Dk + Dv)) per head, constant in the context.
+// One state belongs to one batch of sequences and one attention type; step it
+// from one thread at a time. Saved bytes are StateStorage's format.
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "latte/backends/reference/latte.hpp"
+#include "latte/backends/reference/macchiato.hpp"
+#include "latte/backends/reference/softmax.hpp"
+#include "latte/core/state_storage.hpp"
+#include "latte/core/types.hpp"
+
+namespace latte {
+
+template <Real T>
+class MacchiatoState : public StateStorage<T> {
+ public:
+  MacchiatoState() = default;
+
+  /// Prefer LatteMacchiato::make_state, which sets `kind` and the sizes.
+  MacchiatoState(std::string kind, index_t batch, index_t heads, index_t latents, index_t key_dim,
+                 index_t value_dim, index_t window, std::int64_t first_position)
+      : StateStorage<T>(std::move(kind), sizes_for(batch, heads, latents, key_dim, value_dim, window),
+                        fields_for(batch, heads, latents, key_dim, value_dim, window),
+                        first_position),
+        scratch_(static_cast<std::size_t>(
+            reference::MacchiatoScratch<T>::size(key_dim, value_dim))) {}
+
+  static std::vector<StateSize> sizes_for(index_t batch, index_t heads, index_t latents,
+                                          index_t key_dim, index_t value_dim, index_t window) {
+    return {{"batch", batch},         {"heads", heads},         {"latents", latents},
+            {"key_dim", key_dim},     {"value_dim", value_dim}, {"window", window}};
+  }
+  static std::vector<StateField> fields_for(index_t batch, index_t heads, index_t latents,
+                                            index_t key_dim, index_t value_dim, index_t window) {
+    const auto per_latent = static_cast<std::size_t>(batch * heads * latents);
+    const auto slots = static_cast<std::size_t>(batch * heads * (window + 1));
+    return {{"running_max", per_latent},
+            {"normaliser", per_latent},
+            {"memory", per_latent * static_cast<std::size_t>(value_dim)},
+            {"window_keys", slots * static_cast<std::size_t>(key_dim)},
+            {"window_values", slots * static_cast<std::size_t>(value_dim)},
+            {"window_fill", 1}};
+  }
+
+  [[nodiscard]] index_t heads() const noexcept { return this->size_of("heads"); }
+  [[nodiscard]] index_t latents() const noexcept { return this->size_of("latents"); }
+  [[nodiscard]] index_t key_dim() const noexcept { return this->size_of("key_dim"); }
+  [[nodiscard]] index_t value_dim() const noexcept { return this->size_of("value_dim"); }
+  [[nodiscard]] index_t window() const noexcept { return this->size_of("window"); }
+  /// Ring slots per (batch, head): w + 1.
+  [[nodiscard]] index_t capacity() const noexcept { return window() + 1; }
+
+  /// Latte's carry of one (batch, head), for the backends.
+  [[nodiscard]] reference::LatteCarry<T> carry(index_t b, index_t h) noexcept {
+    const index_t head = b * heads() + h, L = latents();
+    return {this->field(0) + head * L, this->field(1) + head * L,
+            this->field(2) + head * L * value_dim()};
+  }
+  /// The window ring of one (batch, head): keys [w + 1, Dk], values [w + 1, Dv].
+  [[nodiscard]] reference::KVSlots<T> ring(index_t b, index_t h) noexcept {
+    const index_t head = b * heads() + h;
+    return {this->field(3) + head * capacity() * key_dim(),
+            this->field(4) + head * capacity() * value_dim()};
+  }
+
+  /// Ring slots holding tokens (0..w + 1), or -1 when the saved count is not
+  /// such an integer (a corrupted state; the attention rejects it).
+  [[nodiscard]] index_t window_fill() const noexcept {
+    const T fill = *this->field(5);
+    if (!(fill >= T(0) && fill <= static_cast<T>(capacity()) && std::floor(fill) == fill))
+      return -1;
+    return static_cast<index_t>(fill);
+  }
+  void set_window_fill(index_t fill) noexcept { *this->field(5) = static_cast<T>(fill); }
+
+  /// Scratch for a step, 2 Dk + 2 Dv values (not part of the saved state).
+  [[nodiscard]] reference::MacchiatoScratch<T> scratch() noexcept {
+    return reference::MacchiatoScratch<T>::carve(scratch_.data(), key_dim(), value_dim());
+  }
+
+ private:
+  std::vector<T> scratch_;
+};
+
+}  // namespace latte
