@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# Installs the system packages latte builds against, when missing (Debian/Ubuntu):
-# a C++20 compiler with OpenMP, CMake >= 3.25, Eigen 3.4, xsimd, doctest and
-# Google Benchmark. Nothing is downloaded at configure time.
+# Installs what latte builds and tests against, when missing (Debian/Ubuntu):
+# - system packages: a C++20 compiler with OpenMP, CMake >= 3.25, Ninja (for
+#   CMakePresets.json), Eigen 3.4, xsimd, doctest, Google Benchmark, and Python 3
+#   with venv;
+# - Conan 2 from PyPI into .venv/ (git-ignored), for the package_conan_create test.
+# Nothing is downloaded at configure or build time.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 
-packages=(g++ make cmake libeigen3-dev libxsimd-dev doctest-dev libbenchmark-dev)
+packages=(g++ make cmake ninja-build libeigen3-dev libxsimd-dev doctest-dev libbenchmark-dev
+          python3 python3-venv)
 missing=()
 for package in "${packages[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed"; then
@@ -20,4 +25,17 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
 else
   echo "latte setup: all system packages present"
+fi
+
+# Conan 2 in a virtual environment of its own. A failure here is not fatal for
+# building latte, but the package_conan_create test then fails, saying why.
+conan_requirement='conan>=2.2,<3'
+if .venv/bin/conan --version 2>/dev/null | grep -q 'version 2\.'; then
+  echo "latte setup: $(.venv/bin/conan --version) present in .venv/"
+elif python3 -m venv --clear .venv &&
+     .venv/bin/python -m pip install --quiet --disable-pip-version-check "$conan_requirement"; then
+  echo "latte setup: installed $(.venv/bin/conan --version) into .venv/"
+else
+  echo "latte setup: WARNING: could not install $conan_requirement into .venv/;" \
+       "the package_conan_create test will fail until it is installed" >&2
 fi

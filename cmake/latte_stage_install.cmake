@@ -1,0 +1,26 @@
+# cmake -D BUILD_DIR=<build> -D PREFIX=<prefix> [-D CONFIG=<config>] -P latte_stage_install.cmake
+# Installs a configured latte build tree into an empty staging prefix (CTest: package_install).
+foreach(variable IN ITEMS BUILD_DIR PREFIX)
+  if(NOT ${variable})
+    message(FATAL_ERROR "latte_stage_install.cmake: -D ${variable}=... is required")
+  endif()
+endforeach()
+file(REMOVE_RECURSE "${PREFIX}")
+set(config_args "")
+if(CONFIG)
+  set(config_args --config "${CONFIG}")
+endif()
+execute_process(
+  COMMAND "${CMAKE_COMMAND}" --install "${BUILD_DIR}" --prefix "${PREFIX}" ${config_args}
+  RESULT_VARIABLE result)
+if(NOT result EQUAL 0)
+  message(FATAL_ERROR "cmake --install ${BUILD_DIR} --prefix ${PREFIX} failed: ${result}")
+endif()
+foreach(installed IN ITEMS include/latte/attention.hpp include/latte/version.hpp)
+  if(NOT EXISTS "${PREFIX}/${installed}")
+    message(FATAL_ERROR "the staged installation lacks ${installed}")
+  endif()
+endforeach()
+file(GLOB config_files "${PREFIX}/share/latte/cmake/*.cmake")
+list(LENGTH config_files count)
+message(STATUS "staged latte in ${PREFIX}: ${count} CMake package files")
