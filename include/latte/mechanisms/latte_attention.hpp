@@ -51,6 +51,9 @@ class LatteAttention {
   template <Real T>
   using StepInputView = std::type_identity_t<TensorView<const T, 3>>;
 
+  static_assert(!Pos::rotates_queries_keys,
+                "Latte has no queries/keys to rotate (latent logits): use VAPOR for positions");
+
   /// `positional` carries VAPOR's angles [H, Dv/2] (default: RoPE schedule, base 10000).
   explicit LatteAttention(LatteDims dims, typename Pos::Params positional = {}) : dims_(dims) {
     detail::check_positive(dims.heads, "dims.heads");

@@ -34,6 +34,10 @@ struct SoftmaxDims {
 
 template <Direction Dir, Window Win = NoWindow>
 class SoftmaxAttention {
+  // Decode (KV cache) knows these two windows; a user-defined window works in forward only.
+  static constexpr bool decodes_window =
+      std::is_same_v<Win, NoWindow> || std::is_same_v<Win, SlidingWindow>;
+
  public:
   using direction = Dir;
   using window_type = Win;
@@ -84,7 +88,7 @@ class SoftmaxAttention {
   /// left + 1 and `capacity` is ignored; without a window it is the longest
   /// context the cache can hold.
   template <Real T>
-    requires(Dir::is_causal)
+    requires(Dir::is_causal && decodes_window)
   [[nodiscard]] State<T> make_state(index_t batch, index_t capacity = 0) const {
     detail::check_positive(batch, "batch");
     if constexpr (std::is_same_v<Win, SlidingWindow>) capacity = window_.left + 1;
