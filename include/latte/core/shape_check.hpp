@@ -55,6 +55,25 @@ void check_no_overlap(const TensorView<O, N>& output, std::string_view output_na
                                "'; outputs must not share memory with inputs");
 }
 
+/// An input view paired with the argument name errors should use.
+template <class V>
+struct NamedInput {
+  const V& view;
+  std::string_view name;
+};
+template <class V>
+[[nodiscard]] NamedInput<V> named(const V& view, std::string_view name) noexcept {
+  return {view, name};
+}
+
+/// `out` must address distinct elements and share no memory with any input.
+template <class O, std::size_t N, class... Inputs>
+void check_output(const TensorView<O, N>& out, std::string_view out_name,
+                  const NamedInput<Inputs>&... inputs) {
+  check_distinct_elements(out, out_name);
+  (check_no_overlap(out, out_name, inputs.view, inputs.name), ...);
+}
+
 /// A size parameter must be at least one.
 inline void check_positive(index_t value, std::string_view argument) {
   require(value >= 1, argument, expected_given("value", ">= 1", value));

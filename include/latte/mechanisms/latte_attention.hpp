@@ -216,10 +216,8 @@ class LatteAttention {
 
   template <class Q, class K, class V, class O>
   static void check_outputs_distinct(const Q& q, const K& k, const V& v, const O& out) {
-    detail::check_distinct_elements(out, "out");
-    detail::check_no_overlap(out, "out", q, "query_logits");
-    detail::check_no_overlap(out, "out", k, "key_logits");
-    detail::check_no_overlap(out, "out", v, "values");
+    detail::check_output(out, "out", detail::named(q, "query_logits"),
+                         detail::named(k, "key_logits"), detail::named(v, "values"));
   }
 
   /// Allocation-free on success (step calls it per token).

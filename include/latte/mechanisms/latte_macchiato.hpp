@@ -347,12 +347,9 @@ class LatteMacchiato {
   template <class Q, class K, class WQ, class WK, class V, class O>
   static void check_outputs_distinct(const Q& q, const K& k, const WQ& wq, const WK& wk,
                                      const V& v, const O& out) {
-    detail::check_distinct_elements(out, "out");
-    detail::check_no_overlap(out, "out", q, "query_logits");
-    detail::check_no_overlap(out, "out", k, "key_logits");
-    detail::check_no_overlap(out, "out", wq, "window_queries");
-    detail::check_no_overlap(out, "out", wk, "window_keys");
-    detail::check_no_overlap(out, "out", v, "values");
+    detail::check_output(out, "out", detail::named(q, "query_logits"),
+                         detail::named(k, "key_logits"), detail::named(wq, "window_queries"),
+                         detail::named(wk, "window_keys"), detail::named(v, "values"));
   }
 
   /// Allocation-free on success (step calls it per token).

@@ -322,10 +322,8 @@ class Lavo {
 
   template <class Q, class K, class V, class O>
   static void check_outputs_distinct(const Q& q, const K& k, const V& v, const O& out) {
-    detail::check_distinct_elements(out, "out");
-    detail::check_no_overlap(out, "out", q, "queries");
-    detail::check_no_overlap(out, "out", k, "keys");
-    detail::check_no_overlap(out, "out", v, "values");
+    detail::check_output(out, "out", detail::named(q, "queries"), detail::named(k, "keys"),
+                         detail::named(v, "values"));
   }
 
   /// Allocation-free on success (step calls it per token).
