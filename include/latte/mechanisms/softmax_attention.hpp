@@ -91,7 +91,7 @@ class SoftmaxAttention {
     requires(Dir::is_causal && decodes_window)
   [[nodiscard]] State<T> make_state(index_t batch, index_t capacity = 0) const {
     detail::check_positive(batch, "batch");
-    if constexpr (std::is_same_v<Win, SlidingWindow>) capacity = window_.left + 1;
+    capacity = tokens_visible_at_most(capacity);
     detail::check_positive(capacity, "capacity");
     return State<T>(kind<T>(), batch, dims_.heads, dims_.key_dim, dims_.value_dim, capacity);
   }
@@ -147,9 +147,9 @@ class SoftmaxAttention {
     detail::check_shape(out, "out", {B, H, dims_.value_dim}, "[B, H, Dv]");
     check_outputs_distinct(queries, keys, values, out);
     const std::int64_t position = state.position();
-    std::int64_t visible = position + 1;  // every token so far, or the window
-    if constexpr (std::is_same_v<Win, SlidingWindow>)
-      visible = std::min<std::int64_t>(visible, window_.left + 1);
+    // Every token so far, or the window's most recent ones.
+    const std::int64_t visible =
+        std::min<std::int64_t>(position + 1, tokens_visible_at_most(position + 1));
     const index_t capacity = state.capacity(), Dk = dims_.key_dim, Dv = dims_.value_dim;
     const auto seen = static_cast<index_t>(visible);
     const T scale = static_cast<T>(scale_);
@@ -233,9 +233,7 @@ class SoftmaxAttention {
     if (!matches)
       state.require_matches(kind<T>(), State<T>::sizes_for(batch, dims_.heads, dims_.key_dim,
                                                            dims_.value_dim, state.capacity()));
-    const std::int64_t needed = std::is_same_v<Win, SlidingWindow>
-                                    ? tokens_visible_at_most(0)
-                                    : state.position() + new_tokens;
+    const std::int64_t needed = tokens_visible_at_most(state.position() + new_tokens);
     if (state.capacity() < needed)  // message built only on failure (step calls this per token)
       throw Error("state", detail::expected_given(
                                std::is_same_v<Win, SlidingWindow>
