@@ -5,8 +5,11 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <random>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "latte/attention.hpp"
@@ -32,6 +35,22 @@ Tensor<T, N> uniform_tensor(Rng& rng, const std::array<index_t, N>& extents, dou
   std::uniform_real_distribution<double> uniform(low, high);
   for (index_t i = 0; i < tensor.size(); ++i) tensor.data()[i] = static_cast<T>(uniform(rng));
   return tensor;
+}
+
+/// How many random cases a loop of `full` cases runs: `full`, unless the environment
+/// variable LATTE_TEST_CASE_SCALE holds a positive factor (0.1 → a tenth, at least one
+/// case). Sanitizer builds (scripts/sanitize.sh) run 5-20x slower and use it to stay
+/// within CI time; the seeds are unchanged, so a scaled run checks a prefix of the
+/// full run's cases.
+inline int case_count(int full) {
+  const char* text = std::getenv("LATTE_TEST_CASE_SCALE");
+  if (text == nullptr || *text == '\0') return full;
+  char* end = nullptr;
+  const double scale = std::strtod(text, &end);
+  if (end == text || *end != '\0' || !(scale > 0) || !std::isfinite(scale))
+    throw std::invalid_argument("LATTE_TEST_CASE_SCALE: expected a positive number, given \"" +
+                                std::string(text) + "\"");
+  return std::max(1, static_cast<int>(std::lround(full * scale)));
 }
 
 /// T in {1, 2, primes up to 257, 1000}.

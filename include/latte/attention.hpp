@@ -7,6 +7,7 @@
 #include "latte/core/tensor.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
+#include "latte/layers/layers.hpp"
 #include "latte/mechanisms/conv_compressed_attention.hpp"
 #include "latte/mechanisms/cosformer.hpp"
 #include "latte/mechanisms/latte_attention.hpp"

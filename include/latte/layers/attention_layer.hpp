@@ -1,0 +1,313 @@
+#pragma once
+// latte::AttentionLayer<Attention, Mixer, Scalar> — what a model author drops in
+// place of multi-head attention (DESIGN §2 "Ops vs layers"): it owns the weights,
+// projects with Eigen GEMMs and runs one attention mechanism over H heads,
+//
+//   y = Mixer(x)                                  (papers 000 §2.4 / 001 §4.1; y = x without one)
+//   a_i = (from_mixer_i ? y : x) W_i               one projection per mechanism input
+//   o = Attention(a_0, a_1, ...)                   [B, T, H, Dv]
+//   out = o W_o                                    [B, T, model_dim]
+//
+// with x, out [B, T, model_dim], W_i [model_dim, H * width_i] and W_o
+// [H * Dv, model_dim] (row vector times matrix, as in PyTorch's x @ W.T with
+// W.T stored). Which inputs exist, their widths and which read the mixer come
+// from LayerInputs<Attention> (layers/layer_inputs.hpp).
+//
+// Causal layers decode: make_state(batch, ...) holds the mechanism's state, the
+// mixer's state and the step's scratch, so prefill (forward with a state) followed
+// by steps continues exactly. States are per sequence batch; a const layer may be
+// shared by threads.
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <utility>
+
+#include <Eigen/Core>
+
+#include "latte/core/error.hpp"
+#include "latte/core/shape_check.hpp"
+#include "latte/core/tensor.hpp"
+#include "latte/core/tensor_view.hpp"
+#include "latte/core/types.hpp"
+#include "latte/layers/layer_inputs.hpp"
+#include "latte/layers/token_mixer.hpp"
+#include "latte/policies/execution.hpp"
+
+namespace latte {
+
+template <class Attention, TokenMixer Mixer = NoMixer, Real Scalar = float>
+class AttentionLayer {
+  using Inputs = LayerInputs<Attention>;
+  static constexpr std::size_t input_count = Inputs::count;
+
+ public:
+  using attention_type = Attention;
+  using mixer_type = Mixer;
+  using scalar_type = Scalar;
+  /// Row-major weight matrix [in, out].
+  using Matrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+  struct Weights {
+    /// One per mechanism input, in LayerInputs order: [model_dim, H * width_i].
+    std::array<Matrix, input_count> projections;
+    /// [H * Dv, model_dim].
+    Matrix output;
+    typename Mixer::template Weights<Scalar> mixer{};
+  };
+
+  /// Decode state of a causal layer for `batch` sequences.
+  struct State {
+    typename Attention::template State<Scalar> attention;
+    typename Mixer::template State<Scalar> mixer;
+    index_t batch = 0;
+    // Step scratch, so that a step does not allocate for its activations.
+    Tensor<Scalar, 2> mixed;                             ///< y_t [B, model_dim]
+    std::array<Tensor<Scalar, 3>, input_count> projected;  ///< a_i [B, H, width_i]
+    Tensor<Scalar, 3> attended;                          ///< o_t [B, H, Dv]
+  };
+
+  AttentionLayer(Attention attention, index_t model_dim, Weights weights)
+      : attention_(std::move(attention)), model_dim_(model_dim), weights_(std::move(weights)) {
+    detail::check_positive(model_dim, "model_dim");
+    const auto inputs = Inputs::inputs(attention_);
+    const index_t H = Inputs::heads(attention_);
+    for (std::size_t i = 0; i < input_count; ++i)
+      check_matrix(weights_.projections[i], "weights.projections[" + std::string(inputs[i].name) + "]",
+                   model_dim_, H * inputs[i].width);
+    check_matrix(weights_.output, "weights.output", H * Inputs::value_dim(attention_), model_dim_);
+    if constexpr (Mixer::mixes) Mixer::validate(weights_.mixer, model_dim_);
+  }
+
+  /// Glorot-uniform projections from `seed` (mixer weights passed in): a start
+  /// for examples and tests, not a training recipe.
+  [[nodiscard]] static Weights random_weights(const Attention& attention, index_t model_dim,
+                                              std::uint64_t seed,
+                                              typename Mixer::template Weights<Scalar> mixer = {}) {
+    detail::check_positive(model_dim, "model_dim");
+    std::mt19937_64 rng(seed);
+    const auto glorot = [&rng](index_t rows, index_t cols) {
+      const double limit = std::sqrt(6.0 / static_cast<double>(rows + cols));
+      std::uniform_real_distribution<double> uniform(-limit, limit);
+      Matrix m(rows, cols);
+      for (index_t i = 0; i < m.size(); ++i) m.data()[i] = static_cast<Scalar>(uniform(rng));
+      return m;
+    };
+    Weights weights;
+    const auto inputs = Inputs::inputs(attention);
+    const index_t H = Inputs::heads(attention);
+    for (std::size_t i = 0; i < input_count; ++i)
+      weights.projections[i] = glorot(model_dim, H * inputs[i].width);
+    weights.output = glorot(H * Inputs::value_dim(attention), model_dim);
+    weights.mixer = std::move(mixer);
+    return weights;
+  }
+
+  [[nodiscard]] const Attention& attention() const noexcept { return attention_; }
+  [[nodiscard]] const Weights& weights() const noexcept { return weights_; }
+  [[nodiscard]] index_t model_dim() const noexcept { return model_dim_; }
+  /// The mechanism's inputs this layer projects, in order.
+  [[nodiscard]] std::array<LayerInput, input_count> inputs() const { return Inputs::inputs(attention_); }
+
+  // ------------------------------------------------------------ forward --
+
+  /// out = layer(x) over whole sequences; x, out [B, T, model_dim]. B = 0 or T = 0 is a no-op.
+  template <exec::Policy E>
+  void forward(E e, TensorView<const Scalar, 3> x, TensorView<Scalar, 3> out) const {
+    validate_sequence(x, out);
+    run(e, x, out, nullptr);
+  }
+
+  /// Prefill: as above, starting from `state` and leaving it after the last token.
+  template <exec::Policy E>
+    requires Attention::direction::is_causal
+  void forward(E e, TensorView<const Scalar, 3> x, TensorView<Scalar, 3> out, State& state) const {
+    validate_sequence(x, out);
+    validate_state(state, x.extent(0));
+    // All or nothing: the mechanism checks its own state inside its forward; if it
+    // refuses, the mixer's state must not have advanced either.
+    auto mixer_before = state.mixer;
+    try {
+      run(e, x, out, &state);
+    } catch (...) {
+      state.mixer = std::move(mixer_before);
+      throw;
+    }
+  }
+
+  /// Decode state for `batch` sequences; `args` go to the mechanism's make_state
+  /// (e.g. the first position, or a KV-cache / context capacity).
+  template <class... Args>
+    requires Attention::direction::is_causal
+  [[nodiscard]] State make_state(index_t batch, Args&&... args) const {
+    detail::require(batch >= 0, "batch", detail::expected_given("batch", ">= 0", batch));
+    const auto inputs = Inputs::inputs(attention_);
+    const index_t H = Inputs::heads(attention_);
+    State state{attention_.template make_state<Scalar>(batch, std::forward<Args>(args)...),
+                Mixer::make_state(weights_.mixer, batch),
+                batch,
+                Tensor<Scalar, 2>({batch, Mixer::mixes ? model_dim_ : 0}),
+                {},
+                Tensor<Scalar, 3>({batch, H, Inputs::value_dim(attention_)})};
+    for (std::size_t i = 0; i < input_count; ++i)
+      state.projected[i] = Tensor<Scalar, 3>({batch, H, inputs[i].width});
+    return state;
+  }
+
+  /// One token per sequence: x_t, out_t [B, model_dim].
+  template <exec::Policy E>
+    requires Attention::direction::is_causal
+  void step(E e, State& state, TensorView<const Scalar, 2> x_t, TensorView<Scalar, 2> out_t) const {
+    validate_state(state, state.batch);
+    detail::check_shape(x_t, "x_t", {state.batch, model_dim_}, "[B, model_dim]");
+    detail::check_shape(out_t, "out_t", {state.batch, model_dim_}, "[B, model_dim]");
+    detail::check_output(out_t, "out_t", detail::named(x_t, "x_t"));
+    if (state.batch == 0) return;
+    const index_t B = state.batch;
+    const auto inputs = Inputs::inputs(attention_);
+    const ConstRows x(x_t.data(), B, model_dim_, Eigen::OuterStride<>(x_t.stride(0)));
+    const ConstRows y(state.mixed.data(), B, model_dim_, Eigen::OuterStride<>(model_dim_));
+    // The mechanism's step validates its state before touching it; mixing first
+    // would advance the mixer on a refused call, so keep a copy like forward does.
+    auto mixer_before = state.mixer;
+    try {
+      if constexpr (Mixer::mixes) Mixer::step(weights_.mixer, state.mixer, x_t, state.mixed.view());
+      for (std::size_t i = 0; i < input_count; ++i) {
+        Tensor<Scalar, 3>& a = state.projected[i];
+        Rows rows(a.data(), B, a.extent(1) * a.extent(2), Eigen::OuterStride<>(a.extent(1) * a.extent(2)));
+        if (Mixer::mixes && inputs[i].from_mixer)
+          rows.noalias() = y * weights_.projections[i];
+        else
+          rows.noalias() = x * weights_.projections[i];
+      }
+      call_step(e, state, std::make_index_sequence<input_count>{});
+    } catch (...) {
+      state.mixer = std::move(mixer_before);
+      throw;
+    }
+    Rows out(out_t.data(), B, model_dim_, Eigen::OuterStride<>(out_t.stride(0)));
+    const index_t width = state.attended.extent(1) * state.attended.extent(2);
+    out.noalias() = ConstRows(state.attended.data(), B, width, Eigen::OuterStride<>(width)) *
+                    weights_.output;
+  }
+
+  // Tag-less overloads run the mechanism's default backend (exec::cpu where it has one).
+  void forward(TensorView<const Scalar, 3> x, TensorView<Scalar, 3> out) const {
+    forward(default_exec{}, x, out);
+  }
+  void forward(TensorView<const Scalar, 3> x, TensorView<Scalar, 3> out, State& state) const
+    requires Attention::direction::is_causal
+  {
+    forward(default_exec{}, x, out, state);
+  }
+  void step(State& state, TensorView<const Scalar, 2> x_t, TensorView<Scalar, 2> out_t) const
+    requires Attention::direction::is_causal
+  {
+    step(default_exec{}, state, x_t, out_t);
+  }
+
+ private:
+  using default_exec = typename Inputs::default_exec;
+  using Rows = Eigen::Map<Matrix, Eigen::Unaligned, Eigen::OuterStride<>>;
+  using ConstRows = Eigen::Map<const Matrix, Eigen::Unaligned, Eigen::OuterStride<>>;
+
+  static void check_matrix(const Matrix& m, const std::string& argument, index_t rows,
+                           index_t cols) {
+    if (m.rows() == rows && m.cols() == cols) return;
+    throw Error(argument, detail::expected_given("shape [in, out]",
+                                                 format_extents(std::array<index_t, 2>{rows, cols}),
+                                                 format_extents(std::array<index_t, 2>{
+                                                     static_cast<index_t>(m.rows()),
+                                                     static_cast<index_t>(m.cols())})));
+  }
+
+  void validate_sequence(const TensorView<const Scalar, 3>& x, const TensorView<Scalar, 3>& out) const {
+    check_view(x, "x");
+    detail::require(x.extent(2) == model_dim_, "x",
+                    detail::expected_given("shape [B, T, model_dim]",
+                                           format_extents(std::array<index_t, 3>{
+                                               x.extent(0), x.extent(1), model_dim_}),
+                                           format_extents(x.extents())));
+    detail::check_shape(out, "out", x.extents(), "[B, T, model_dim]");
+    detail::check_output(out, "out", detail::named(x, "x"));
+  }
+
+  void validate_state(const State& state, index_t batch) const {
+    detail::require(state.batch == batch, "state",
+                    detail::expected_given("batch", batch, state.batch));
+    const auto inputs = Inputs::inputs(attention_);
+    const index_t H = Inputs::heads(attention_);
+    bool scratch_ok = state.attended.extents() == std::array<index_t, 3>{batch, H, Inputs::value_dim(attention_)} &&
+                      state.mixed.extents() == std::array<index_t, 2>{batch, Mixer::mixes ? model_dim_ : 0};
+    for (std::size_t i = 0; i < input_count; ++i)
+      scratch_ok = scratch_ok &&
+                   state.projected[i].extents() == std::array<index_t, 3>{batch, H, inputs[i].width};
+    detail::require(scratch_ok, "state",
+                    "was not made by this layer's make_state (its scratch has other shapes)");
+    if constexpr (requires { state.mixer.batch(); })
+      detail::require(state.mixer.batch() == batch, "state",
+                      detail::expected_given("mixer state batch", batch, state.mixer.batch()));
+  }
+
+  /// The shared body of forward: mix, project, attend, project out.
+  template <exec::Policy E>
+  void run(E e, TensorView<const Scalar, 3> x, TensorView<Scalar, 3> out, State* state) const {
+    const index_t B = x.extent(0), Tn = x.extent(1), H = Inputs::heads(attention_);
+    if (B == 0 || Tn == 0) return;
+    const auto inputs = Inputs::inputs(attention_);
+    Tensor<Scalar, 3> mixed({B, Mixer::mixes ? Tn : 0, Mixer::mixes ? model_dim_ : 0});
+    if constexpr (Mixer::mixes)
+      Mixer::forward(weights_.mixer, x, mixed.view(), state != nullptr ? &state->mixer : nullptr);
+    std::array<Tensor<Scalar, 4>, input_count> projected;
+    for (std::size_t i = 0; i < input_count; ++i) {
+      const bool from_mixer = Mixer::mixes && inputs[i].from_mixer;
+      projected[i] = Tensor<Scalar, 4>({B, Tn, H, inputs[i].width});
+      const index_t width = H * inputs[i].width;
+      for (index_t b = 0; b < B; ++b) {
+        Rows rows(projected[i].view().row(b, index_t{0}, index_t{0}), Tn, width,
+                  Eigen::OuterStride<>(width));
+        if (from_mixer)
+          rows.noalias() = ConstRows(mixed.view().row(b, index_t{0}), Tn, model_dim_,
+                                     Eigen::OuterStride<>(model_dim_)) *
+                           weights_.projections[i];
+        else
+          rows.noalias() = ConstRows(x.row(b, index_t{0}), Tn, model_dim_,
+                                     Eigen::OuterStride<>(x.stride(1))) *
+                           weights_.projections[i];
+      }
+    }
+    const index_t Dv = Inputs::value_dim(attention_);
+    Tensor<Scalar, 4> attended({B, Tn, H, Dv});
+    call_forward(e, projected, attended, state, std::make_index_sequence<input_count>{});
+    for (index_t b = 0; b < B; ++b) {
+      Rows rows(out.row(b, index_t{0}), Tn, model_dim_, Eigen::OuterStride<>(out.stride(1)));
+      rows.noalias() = ConstRows(attended.view().row(b, index_t{0}, index_t{0}), Tn, H * Dv,
+                                 Eigen::OuterStride<>(H * Dv)) *
+                       weights_.output;
+    }
+  }
+
+  template <exec::Policy E, std::size_t... I>
+  void call_forward(E e, const std::array<Tensor<Scalar, 4>, input_count>& projected,
+                    Tensor<Scalar, 4>& attended, State* state, std::index_sequence<I...>) const {
+    if constexpr (Attention::direction::is_causal) {
+      if (state != nullptr) {
+        attention_.forward(e, projected[I].cview()..., attended.view(), state->attention);
+        return;
+      }
+    }
+    attention_.forward(e, projected[I].cview()..., attended.view());
+  }
+
+  template <exec::Policy E, std::size_t... I>
+  void call_step(E e, State& state, std::index_sequence<I...>) const {
+    attention_.step(e, state.attention, state.projected[I].cview()..., state.attended.view());
+  }
+
+  Attention attention_;
+  index_t model_dim_;
+  Weights weights_;
+};
+
+}  // namespace latte

@@ -1,0 +1,59 @@
+#pragma once
+// The token-mixer axis of a layer (papers 000 §2.4, 001 §4.1): a causal map
+// y = mixer(x) over the model features that feeds the query/key (latent-logit)
+// projections, so p(l|t) and p(s|l,t) see more than one token.
+//
+// A mixer is a policy struct with static hooks over its own weights and state:
+//   Weights<T>                  owned by the layer; validate(weights, channels)
+//   State<T>                    per sequence: make_state(weights, batch)
+//   forward(weights, x, y, state*)  x, y: [B, T, C]; with a state, starts from its
+//                                   history and leaves it after the last token
+//   step(weights, state, x_t, y_t)  x_t, y_t: [B, C]; O(C) per token
+// Mixers are causal: y_t depends on x_s for s <= t only (also under Bidirectional
+// attention, as in the papers' bidirectional models).
+#include <concepts>
+
+#include "latte/core/tensor_view.hpp"
+#include "latte/core/types.hpp"
+
+namespace latte {
+
+template <class M>
+concept TokenMixer =
+    requires {
+      { M::name } -> std::convertible_to<const char*>;
+      { M::mixes } -> std::convertible_to<bool>;
+      typename M::template Weights<float>;
+      typename M::template State<float>;
+    } &&
+    requires(const typename M::template Weights<float>& weights,
+             typename M::template State<float>& state, TensorView<const float, 3> x,
+             TensorView<float, 3> y, TensorView<const float, 2> x_t, TensorView<float, 2> y_t,
+             index_t count) {
+      M::validate(weights, count);
+      { M::make_state(weights, count) } -> std::same_as<typename M::template State<float>>;
+      M::forward(weights, x, y, &state);
+      M::step(weights, state, x_t, y_t);
+    };
+
+/// No mixer: the query/key projections read x itself (y = x, nothing is computed).
+struct NoMixer {
+  static constexpr const char* name = "no_mixer";
+  static constexpr bool mixes = false;
+  template <Real T>
+  struct Weights {};
+  template <Real T>
+  struct State {};
+  template <Real T>
+  static void validate(const Weights<T>&, index_t) {}
+  template <Real T>
+  [[nodiscard]] static State<T> make_state(const Weights<T>&, index_t) {
+    return {};
+  }
+  template <Real T>
+  static void forward(const Weights<T>&, TensorView<const T, 3>, TensorView<T, 3>, State<T>*) {}
+  template <Real T>
+  static void step(const Weights<T>&, State<T>&, TensorView<const T, 2>, TensorView<T, 2>) {}
+};
+
+}  // namespace latte
