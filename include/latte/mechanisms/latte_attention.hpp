@@ -28,6 +28,9 @@
 #include "latte/policies/execution.hpp"
 #include "latte/policies/positional.hpp"
 #include "latte/policies/stabilizer.hpp"
+#if LATTE_CUDA_KERNELS
+#include "latte/backends/cuda/latte.cuh"
+#endif
 
 namespace latte {
 
@@ -71,13 +74,22 @@ class LatteAttention {
            ">/" + dtype_name<T>();
   }
 
-  /// Whole-sequence forward. T = 0 (or B = 0) is a no-op.
+  /// Whole-sequence forward. T = 0 (or B = 0) is a no-op. With exec::cuda the
+  /// views address device memory and the work is queued on the tag's stream.
   template <exec::Policy E, Real T>
-  void forward(E, InputView<T> query_logits, InputView<T> key_logits, InputView<T> values,
+  void forward(E e, InputView<T> query_logits, InputView<T> key_logits, InputView<T> values,
                TensorView<T, 4> out) const {
-    static_assert(exec::implemented<E>, "this execution backend is not implemented yet");
+    static_assert(!exec::cuda_unavailable<E>,
+                  "latte::exec::cuda needs this file compiled by nvcc with LATTE_WITH_CUDA "
+                  "(the CUDA kernels are .cuh templates that exist in CUDA translation units only)");
+    static_assert(exec::implemented<E> || exec::cuda_unavailable<E>,
+                  "this execution backend is not implemented yet");
     validate_sequence(query_logits, key_logits, values, out);
-    if constexpr (Dir::is_causal) {
+    if constexpr (std::is_same_v<E, exec::cuda_t>) {
+#if LATTE_CUDA_KERNELS
+      forward_cuda(e, query_logits, key_logits, values, out);
+#endif
+    } else if constexpr (Dir::is_causal) {
       const index_t L = dims_.latents, Dv = dims_.value_dim;
       std::vector<T> carries(static_cast<std::size_t>(query_logits.extent(0) * dims_.heads *
                                                       (2 * L + L * Dv)));
@@ -99,7 +111,19 @@ class LatteAttention {
       reference::latte_bidirectional_forward<Stab, Pos>(query_logits, key_logits, values, out,
                                                         angles_);
     }
+    (void)e;
   }
+
+#if LATTE_CUDA_KERNELS
+  /// exec::cuda with fp16 or bf16 inputs and output; every sum is fp32.
+  template <cuda::HalfElement T>
+  void forward(exec::cuda_t e, std::type_identity_t<TensorView<const T, 4>> query_logits,
+               std::type_identity_t<TensorView<const T, 4>> key_logits,
+               std::type_identity_t<TensorView<const T, 4>> values, TensorView<T, 4> out) const {
+    validate_sequence(query_logits, key_logits, values, out);
+    forward_cuda(e, query_logits, key_logits, values, out);
+  }
+#endif
 
   /// A fresh decode state for `batch` sequences whose first token sits at
   /// absolute position `first_position` (VAPOR rotates by positions).
@@ -139,6 +163,10 @@ class LatteAttention {
     requires(Dir::is_causal)
   void forward(E, InputView<T> query_logits, InputView<T> key_logits, InputView<T> values,
                TensorView<T, 4> out, State<T>& state) const {
+    static_assert(!std::is_same_v<E, exec::cuda_t>,
+                  "LatteState lives in host memory: decode on exec::cuda runs through "
+                  "latte::cuda::latte_step / latte_forward with a LatteDeviceCarry "
+                  "(backends/cuda/latte.cuh)");
     static_assert(exec::implemented<E>, "this execution backend is not implemented yet");
     validate_sequence(query_logits, key_logits, values, out);
     validate_state(state, query_logits.extent(0));
@@ -158,6 +186,10 @@ class LatteAttention {
     requires(Dir::is_causal)
   void step(E, State<T>& state, StepInputView<T> query_logits, StepInputView<T> key_logits,
             StepInputView<T> values, TensorView<T, 3> out) const {
+    static_assert(!std::is_same_v<E, exec::cuda_t>,
+                  "LatteState lives in host memory: decode on exec::cuda runs through "
+                  "latte::cuda::latte_step / latte_forward with a LatteDeviceCarry "
+                  "(backends/cuda/latte.cuh)");
     static_assert(exec::implemented<E>, "this execution backend is not implemented yet");
     const index_t B = state.batch(), H = dims_.heads, L = dims_.latents, Dv = dims_.value_dim;
     validate_state(state, state.batch());
@@ -202,7 +234,20 @@ class LatteAttention {
   }
 
  private:
-  template <Real T>
+#if LATTE_CUDA_KERNELS
+  template <class T>
+  void forward_cuda(exec::cuda_t e, TensorView<const T, 4> q, TensorView<const T, 4> k,
+                    TensorView<const T, 4> v, TensorView<T, 4> out) const {
+    static_assert(cuda::DeviceElement<T>,
+                  "exec::cuda takes float, __half or __nv_bfloat16 inputs (not double)");
+    static_assert(std::is_same_v<Stab, RunningMax>,
+                  "exec::cuda implements Latte with the RunningMax stabiliser only");
+    if constexpr (cuda::DeviceElement<T> && std::is_same_v<Stab, RunningMax>)
+      cuda::latte_forward<Dir::is_causal, Pos>(cuda::stream_of(e.stream), q, k, v, out, angles_);
+  }
+#endif
+
+  template <class T>
   void validate_sequence(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
                          const TensorView<const T, 4>& v, const TensorView<T, 4>& out) const {
     check_view(q, "query_logits");

@@ -23,6 +23,9 @@
 #include "latte/policies/direction.hpp"
 #include "latte/policies/execution.hpp"
 #include "latte/policies/window.hpp"
+#if LATTE_CUDA_KERNELS
+#include "latte/backends/cuda/softmax.cuh"
+#endif
 
 namespace latte {
 
@@ -70,19 +73,40 @@ class SoftmaxAttention {
     return std::string("SoftmaxAttention<") + Dir::name + "," + Win::name + ">/" + dtype_name<T>();
   }
 
-  /// Whole-sequence forward. T = 0 (or B = 0) is a no-op.
+  /// Whole-sequence forward. T = 0 (or B = 0) is a no-op. With exec::cuda the
+  /// views address device memory and the work is queued on the tag's stream.
   template <exec::Policy E, Real T>
-  void forward(E, InputView<T> queries, InputView<T> keys, InputView<T> values,
+  void forward(E e, InputView<T> queries, InputView<T> keys, InputView<T> values,
                TensorView<T, 4> out) const {
-    static_assert(exec::implemented<E>, "this execution backend is not implemented yet");
+    static_assert(!exec::cuda_unavailable<E>,
+                  "latte::exec::cuda needs this file compiled by nvcc with LATTE_WITH_CUDA "
+                  "(the CUDA kernels are .cuh templates that exist in CUDA translation units only)");
+    static_assert(exec::implemented<E> || exec::cuda_unavailable<E>,
+                  "this execution backend is not implemented yet");
     validate_sequence(queries, keys, values, out);
-    if constexpr (std::is_same_v<E, exec::cpu_t>)
+    (void)e;
+    if constexpr (std::is_same_v<E, exec::cuda_t>) {
+#if LATTE_CUDA_KERNELS
+      forward_cuda(e, queries, keys, values, out);
+#endif
+    } else if constexpr (std::is_same_v<E, exec::cpu_t>)
       cpu::softmax_forward<Dir::is_causal>(queries, keys, values, out, static_cast<T>(scale_),
                                            window_);
     else
       reference::softmax_forward<Dir::is_causal>(queries, keys, values, out,
                                                  static_cast<T>(scale_), window_);
   }
+
+#if LATTE_CUDA_KERNELS
+  /// exec::cuda with fp16 or bf16 inputs and output; every sum is fp32.
+  template <cuda::HalfElement T>
+  void forward(exec::cuda_t e, std::type_identity_t<TensorView<const T, 4>> queries,
+               std::type_identity_t<TensorView<const T, 4>> keys,
+               std::type_identity_t<TensorView<const T, 4>> values, TensorView<T, 4> out) const {
+    validate_sequence(queries, keys, values, out);
+    forward_cuda(e, queries, keys, values, out);
+  }
+#endif
 
   /// A KV cache for `batch` sequences. With SlidingWindow the capacity is
   /// left + 1 and `capacity` is ignored; without a window it is the longest
@@ -124,6 +148,9 @@ class SoftmaxAttention {
     requires(Dir::is_causal)
   void forward(E e, InputView<T> queries, InputView<T> keys, InputView<T> values,
                TensorView<T, 4> out, State<T>& state) const {
+    static_assert(!std::is_same_v<E, exec::cuda_t>,
+                  "KVCache lives in host memory: decode on exec::cuda runs through "
+                  "latte::cuda::softmax_step with a KVDeviceCache (backends/cuda/softmax.cuh)");
     validate_sequence(queries, keys, values, out);
     validate_state(state, queries.extent(0), queries.extent(1));
     for (index_t t = 0; t < queries.extent(1); ++t) {
@@ -138,6 +165,9 @@ class SoftmaxAttention {
     requires(Dir::is_causal)
   void step(E, State<T>& state, StepInputView<T> queries, StepInputView<T> keys,
             StepInputView<T> values, TensorView<T, 3> out) const {
+    static_assert(!std::is_same_v<E, exec::cuda_t>,
+                  "KVCache lives in host memory: decode on exec::cuda runs through "
+                  "latte::cuda::softmax_step with a KVDeviceCache (backends/cuda/softmax.cuh)");
     static_assert(exec::implemented<E>, "this execution backend is not implemented yet");
     const index_t B = state.batch(), H = dims_.heads;
     validate_state(state, B, 1);
@@ -193,6 +223,21 @@ class SoftmaxAttention {
   }
 
  private:
+#if LATTE_CUDA_KERNELS
+  template <class T>
+  void forward_cuda(exec::cuda_t e, TensorView<const T, 4> q, TensorView<const T, 4> k,
+                    TensorView<const T, 4> v, TensorView<T, 4> out) const {
+    static_assert(cuda::DeviceElement<T>,
+                  "exec::cuda takes float, __half or __nv_bfloat16 inputs (not double)");
+    static_assert(std::is_same_v<Win, NoWindow> || std::is_same_v<Win, SlidingWindow>,
+                  "exec::cuda softmax takes NoWindow or SlidingWindow");
+    if constexpr (cuda::DeviceElement<T> &&
+                  (std::is_same_v<Win, NoWindow> || std::is_same_v<Win, SlidingWindow>))
+      cuda::softmax_forward<Dir::is_causal>(cuda::stream_of(e.stream), q, k, v, out,
+                                            static_cast<float>(scale_), window_);
+  }
+#endif
+
   /// The most tokens a query sees: the window's left side + 1, or `context`.
   [[nodiscard]] index_t tokens_visible_at_most(index_t context) const noexcept {
     if constexpr (std::is_same_v<Win, SlidingWindow>) return window_.left + 1;
@@ -206,7 +251,7 @@ class SoftmaxAttention {
                             {view.stride(0), view.stride(2), view.stride(3)});
   }
 
-  template <Real T>
+  template <class T>
   void validate_sequence(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
                          const TensorView<const T, 4>& v, const TensorView<T, 4>& out) const {
     check_view(q, "queries");
