@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include <Eigen/Core>
@@ -115,6 +116,7 @@ class AttentionLayer {
   /// out = layer(x) over whole sequences; x, out [B, T, model_dim]. B = 0 or T = 0 is a no-op.
   template <exec::Policy E>
   void forward(E e, TensorView<const Scalar, 3> x, TensorView<Scalar, 3> out) const {
+    static_assert(host_backend<E>, "layers hold their weights in host memory; exec::cuda layers are not implemented");
     validate_sequence(x, out);
     run(e, x, out, nullptr);
   }
@@ -123,6 +125,7 @@ class AttentionLayer {
   template <exec::Policy E>
     requires Attention::direction::is_causal
   void forward(E e, TensorView<const Scalar, 3> x, TensorView<Scalar, 3> out, State& state) const {
+    static_assert(host_backend<E>, "layers hold their weights in host memory; exec::cuda layers are not implemented");
     validate_sequence(x, out);
     validate_state(state, x.extent(0));
     // All or nothing: the mechanism checks its own state inside its forward; if it
@@ -159,6 +162,7 @@ class AttentionLayer {
   template <exec::Policy E>
     requires Attention::direction::is_causal
   void step(E e, State& state, TensorView<const Scalar, 2> x_t, TensorView<Scalar, 2> out_t) const {
+    static_assert(host_backend<E>, "layers hold their weights in host memory; exec::cuda layers are not implemented");
     validate_state(state, state.batch);
     detail::check_shape(x_t, "x_t", {state.batch, model_dim_}, "[B, model_dim]");
     detail::check_shape(out_t, "out_t", {state.batch, model_dim_}, "[B, model_dim]");
@@ -208,6 +212,8 @@ class AttentionLayer {
   }
 
  private:
+  template <class E>
+  static constexpr bool host_backend = !std::is_same_v<E, exec::cuda_t>;
   using default_exec = typename Inputs::default_exec;
   using Rows = Eigen::Map<Matrix, Eigen::Unaligned, Eigen::OuterStride<>>;
   using ConstRows = Eigen::Map<const Matrix, Eigen::Unaligned, Eigen::OuterStride<>>;
