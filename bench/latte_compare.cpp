@@ -16,6 +16,8 @@
 //   softmax causal:                2 * B*H*T*(T+1)/2 * (Dk+Dv)
 //   softmax sliding window (w):    2 * B*H*sum_t min(t+1, w+1) * (Dk+Dv)
 //   decode step (per token):       latte 4*B*H*L*D; softmax 2*B*H*context*(Dk+Dv)
+//   linear causal (elu+1, cosFormer): B*T*H*(4*E*D + 3*E), E = expanded features
+//                                  (Dk for elu+1, 2*Dk for cosFormer; the L column)
 // extra_bytes: the peak heap memory allocated during the measured call
 // (counted by this program's operator new), i.e. the kernel's workspace.
 #include <latte/attention.hpp>
@@ -188,6 +190,8 @@ int main(int argc, char** argv) {
   const latte::LatteAttention<latte::Causal, latte::RunningMax, latte::VAPOR> latte_vapor({H, L, D});
   const latte::LatteAttention<latte::Bidirectional> latte_bidirectional({H, L, D});
   const latte::SoftmaxAttention<latte::Causal> softmax_causal({H, D, D});
+  const latte::LinearAttention<latte::Causal, latte::EluPlusOne> linear_causal({H, L, D});
+  const latte::CosFormer<latte::Causal> cosformer_causal({H, L, D});  // M = T
   const latte::SoftmaxAttention<latte::Causal, latte::SlidingWindow> softmax_window(
       {H, D, D}, {.left = window});
   std::mt19937 rng(7);
@@ -218,6 +222,16 @@ int main(int argc, char** argv) {
     for (index_t t = 0; t < T; ++t) window_terms += static_cast<double>(std::min(t + 1, window + 1));
     run("softmax_window128", "causal", 2.0 * B * H * window_terms * (D + D),
         [&] { softmax_window.forward(latte::exec::cpu, q, k, v, out.view()); });
+    // The linear-attention family (q, k as [B, T, H, Dk] with Dk = L): E = L, and 2L for cosFormer.
+    auto linear_run = [&](const char* name, index_t E, const std::function<void()>& f) {
+      const auto [seconds, extra] = measure(f, options.min_time);
+      rows.push_back({name, "causal", B, T, H, E, D, seconds,
+                      double(B) * T * H * (4.0 * E * D + 3.0 * E), extra});
+      if (!options.csv) std::fprintf(stderr, "  %-22s T=%-8td %10.4f s\n", name, T, seconds);
+    };
+    linear_run("linear_elu", L, [&] { linear_causal.forward(latte::exec::cpu, q, k, v, out.view()); });
+    linear_run("cosformer", 2 * L,
+               [&] { cosformer_causal.forward(latte::exec::cpu, q, k, v, out.view()); });
     // The quadratic baseline: skipped when the last length predicts a run past the cap.
     const double ratio = softmax_previous_t ? double(T) / double(softmax_previous_t) : 0;
     const double predicted = softmax_previous * ratio * ratio;

@@ -1,6 +1,6 @@
-// cosFormer and LeaPformer (paper 004 eqs. 6-10), reference backend, against the
-// explicit T x S oracle on >= 200 random shapes per mechanism x direction
-// (causal, bidirectional, cross) x dtype. The oracle forms cos(pi/2 (P_q - P_k))
+// cosFormer and LeaPformer (paper 004 eqs. 6-10), on exec::reference and on
+// exec::cpu, each against the explicit T x S oracle on >= 200 random shapes per
+// mechanism x direction (causal, bidirectional, cross) x dtype. The oracle forms cos(pi/2 (P_q - P_k))
 // directly; the library uses the sin/cos stream decomposition.
 //   cosFormer: half the cases with the default M (T, or max(S, T) for cross),
 //              half with a larger given M.
@@ -10,13 +10,13 @@
 // Plus compositions with RoPE (cosFormer + RoPE, LeaP + RoPE).
 #include <doctest/doctest.h>
 
-#include "linear_support.hpp"
+#include "linear_backends.hpp"
 
 namespace {
 using namespace latte;
 using namespace latte::test;
 
-constexpr int kCases = 200;
+const int kCases = case_count(200);
 constexpr double kBudget = 1e6;
 
 /// Proportions in [0, 1] with some exact endpoints.
@@ -51,10 +51,11 @@ auto cosformer_case(Rng& rng, int c, std::string& about, bool cross) {
     options.reweight.length = length;
   }
   const A attention({.heads = s.heads, .key_dim = Dk, .value_dim = Dv}, options);
-  Tensor<T, 4> out({s.batch, s.time, s.heads, Dv});
-  if constexpr (Dir::is_causal) attention.forward(exec::reference, q, k, v, out.view());
-  else if (cross) attention.cross_forward(exec::reference, q, k, v, out.view());
-  else attention.forward(exec::reference, q, k, v, out.view());
+  auto [out, out_cpu] = on_both_backends<T>({s.batch, s.time, s.heads, Dv}, [&](auto e, auto o) {
+    if constexpr (Dir::is_causal) attention.forward(e, q, k, v, o);
+    else if (cross) attention.cross_forward(e, q, k, v, o);
+    else attention.forward(e, q, k, v, o);
+  });
   LinearOracleSpec spec{
       .causal = Dir::is_causal,
       .feature = oracle_relu,
@@ -65,7 +66,7 @@ auto cosformer_case(Rng& rng, int c, std::string& about, bool cross) {
   set_oracle_normaliser(spec, options.normaliser);
   about = describe(s, cross ? S : -1) + " M=" + std::to_string(length) +
           (options.reweight.length ? " (given)" : " (default)");
-  return std::pair{std::move(out), linear_oracle(spec, q, k, v)};
+  return BackendOutputs<T>{std::move(out), std::move(out_cpu), linear_oracle(spec, q, k, v)};
 }
 
 template <class T, class Dir, class Pos>
@@ -83,22 +84,27 @@ auto leap_case(Rng& rng, int c, std::string& about, bool cross) {
   options.reweight.query_module = random_leap_module(rng, Dk, options.reweight.leap_factor);
   options.reweight.key_module = random_leap_module(rng, Dk, options.reweight.leap_factor);
   const A attention({.heads = s.heads, .key_dim = Dk, .value_dim = Dv}, options);
-  Tensor<T, 4> out({s.batch, s.time, s.heads, Dv});
+  const std::array<index_t, 4> extents{s.batch, s.time, s.heads, Dv};
+  std::pair<Tensor<T, 4>, Tensor<T, 4>> outputs;
   LinearOracleSpec spec{.causal = Dir::is_causal, .feature = oracle_relu};
   const bool given = c % 2 == 1;
   if (given) {
     const auto pq = random_proportions<T>(rng, {s.batch, s.time, s.heads});
     const auto pk = random_proportions<T>(rng, {s.batch, S, s.heads});
     const SequenceProportions<T> proportions{pq, pk};
-    if constexpr (Dir::is_causal) attention.forward(exec::reference, q, k, v, proportions, out.view());
-    else if (cross) attention.cross_forward(exec::reference, q, k, v, proportions, out.view());
-    else attention.forward(exec::reference, q, k, v, proportions, out.view());
+    outputs = on_both_backends<T>(extents, [&](auto e, auto o) {
+      if constexpr (Dir::is_causal) attention.forward(e, q, k, v, proportions, o);
+      else if (cross) attention.cross_forward(e, q, k, v, proportions, o);
+      else attention.forward(e, q, k, v, proportions, o);
+    });
     spec.query_proportions = oracle_given_proportions(pq);
     spec.key_proportions = oracle_given_proportions(pk);
   } else {
-    if constexpr (Dir::is_causal) attention.forward(exec::reference, q, k, v, out.view());
-    else if (cross) attention.cross_forward(exec::reference, q, k, v, out.view());
-    else attention.forward(exec::reference, q, k, v, out.view());
+    outputs = on_both_backends<T>(extents, [&](auto e, auto o) {
+      if constexpr (Dir::is_causal) attention.forward(e, q, k, v, o);
+      else if (cross) attention.cross_forward(e, q, k, v, o);
+      else attention.forward(e, q, k, v, o);
+    });
     spec.query_proportions = oracle_leap_proportions(q, *options.reweight.query_module, oracle_relu);
     spec.key_proportions = oracle_leap_proportions(k, *options.reweight.key_module, oracle_relu);
   }
@@ -108,13 +114,14 @@ auto leap_case(Rng& rng, int c, std::string& about, bool cross) {
   about = describe(s, cross ? S : -1) + " leap_factor=" +
           std::to_string(options.reweight.leap_factor) +
           (given ? " given proportions" : " LeaP modules");
-  return std::pair{std::move(out), linear_oracle(spec, q, k, v)};
+  return BackendOutputs<T>{std::move(outputs.first), std::move(outputs.second),
+                           linear_oracle(spec, q, k, v)};
 }
 
 template <class T, class Dir, class Pos = NoPositional>
 void cosformer_cases(std::uint64_t seed, bool cross = false, int cases = kCases) {
   using A = LinearAttention<Dir, Relu, CosFormerReweight, Pos>;
-  run_oracle_cases<T>(type_label<A>(), cross ? "cross" : Dir::name, seed, cases,
+  run_backend_cases<T>(type_label<A>(), cross ? "cross" : Dir::name, seed, cases,
                       [cross](Rng& rng, int c, std::string& about) {
                         return cosformer_case<T, Dir, Pos>(rng, c, about, cross);
                       });
@@ -123,7 +130,7 @@ void cosformer_cases(std::uint64_t seed, bool cross = false, int cases = kCases)
 template <class T, class Dir, class Pos = NoPositional>
 void leap_cases(std::uint64_t seed, bool cross = false, int cases = kCases) {
   using A = LinearAttention<Dir, Relu, LeaPReweight, Pos>;
-  run_oracle_cases<T>(type_label<A>(), cross ? "cross" : Dir::name, seed, cases,
+  run_backend_cases<T>(type_label<A>(), cross ? "cross" : Dir::name, seed, cases,
                       [cross](Rng& rng, int c, std::string& about) {
                         return leap_case<T, Dir, Pos>(rng, c, about, cross);
                       });

@@ -18,7 +18,10 @@
 //
 //   latte::LinearAttention<latte::Causal, latte::EluPlusOne> attention({.heads = 8,
 //       .key_dim = 64, .value_dim = 64});
-//   attention.forward(latte::exec::reference, q, k, v, out.view());
+//   attention.forward(latte::exec::cpu, q, k, v, out.view());  // or exec::reference
+//
+// Every call also exists without the execution tag, running on exec::default_t
+// (exec::cpu).
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -30,6 +33,7 @@
 #include <utility>
 #include <vector>
 
+#include "latte/backends/cpu/linear.hpp"
 #include "latte/backends/reference/linear.hpp"
 #include "latte/core/shape_check.hpp"
 #include "latte/core/state_storage.hpp"
@@ -136,9 +140,9 @@ class LinearAttention {
   template <exec::Policy E, Real T>
   void forward(E, InputView<T> queries, InputView<T> keys, InputView<T> values,
                TensorView<T, 4> out) const {
-    require_reference<E>();
+    require_implemented<E>();
     validate_sequence(queries, keys, values, out);
-    run_forward<T>(queries, keys, values, out, nullptr, nullptr);
+    run_forward<E, T>(queries, keys, values, out, nullptr, nullptr);
   }
 
   /// As above, with precomputed proportions P_q, P_k [B, T, H] in [0, 1] (LeaP).
@@ -146,10 +150,10 @@ class LinearAttention {
     requires(learned_proportions)
   void forward(E, InputView<T> queries, InputView<T> keys, InputView<T> values,
                Proportions<T> proportions, TensorView<T, 4> out) const {
-    require_reference<E>();
+    require_implemented<E>();
     validate_sequence(queries, keys, values, out);
     validate_proportions(proportions, queries.extent(1), keys.extent(1), out);
-    run_forward<T>(queries, keys, values, out, &proportions, nullptr);
+    run_forward<E, T>(queries, keys, values, out, &proportions, nullptr);
   }
 
   /// Cross-attention: queries [B, T, H, Dk] over a source of keys [B, S, H, Dk]
@@ -158,9 +162,9 @@ class LinearAttention {
     requires(!Dir::is_causal)
   void cross_forward(E, InputView<T> queries, InputView<T> keys, InputView<T> values,
                      TensorView<T, 4> out) const {
-    require_reference<E>();
+    require_implemented<E>();
     validate_cross(queries, keys, values, out);
-    run_bidirectional<T>(queries, keys, values, out, nullptr);
+    run_bidirectional<E, T>(queries, keys, values, out, nullptr);
   }
 
   /// Cross-attention with precomputed proportions P_q [B, T, H] and P_k [B, S, H] (LeaP).
@@ -168,10 +172,10 @@ class LinearAttention {
     requires(!Dir::is_causal && learned_proportions)
   void cross_forward(E, InputView<T> queries, InputView<T> keys, InputView<T> values,
                      Proportions<T> proportions, TensorView<T, 4> out) const {
-    require_reference<E>();
+    require_implemented<E>();
     validate_cross(queries, keys, values, out);
     validate_proportions(proportions, queries.extent(1), keys.extent(1), out);
-    run_bidirectional<T>(queries, keys, values, out, &proportions);
+    run_bidirectional<E, T>(queries, keys, values, out, &proportions);
   }
 
   // ------------------------------------------------------------- decode --
@@ -219,10 +223,10 @@ class LinearAttention {
     requires(Dir::is_causal)
   void forward(E, InputView<T> queries, InputView<T> keys, InputView<T> values,
                TensorView<T, 4> out, State<T>& state) const {
-    require_reference<E>();
+    require_implemented<E>();
     validate_sequence(queries, keys, values, out);
     validate_state(state, queries.extent(0), queries.extent(1));
-    run_forward<T>(queries, keys, values, out, nullptr, &state);
+    run_forward<E, T>(queries, keys, values, out, nullptr, &state);
     state.advance(queries.extent(1));
   }
 
@@ -231,11 +235,11 @@ class LinearAttention {
     requires(Dir::is_causal && learned_proportions)
   void forward(E, InputView<T> queries, InputView<T> keys, InputView<T> values,
                Proportions<T> proportions, TensorView<T, 4> out, State<T>& state) const {
-    require_reference<E>();
+    require_implemented<E>();
     validate_sequence(queries, keys, values, out);
     validate_proportions(proportions, queries.extent(1), keys.extent(1), out);
     validate_state(state, queries.extent(0), queries.extent(1));
-    run_forward<T>(queries, keys, values, out, &proportions, &state);
+    run_forward<E, T>(queries, keys, values, out, &proportions, &state);
     state.advance(queries.extent(1));
   }
 
@@ -245,10 +249,10 @@ class LinearAttention {
     requires(Dir::is_causal)
   void step(E, State<T>& state, StepInputView<T> queries, StepInputView<T> keys,
             StepInputView<T> values, TensorView<T, 3> out) const {
-    require_reference<E>();
+    require_implemented<E>();
     validate_step(state, queries, keys, values, out);
     require_modules();
-    run_step<T>(state, queries, keys, values, out, nullptr);
+    run_step<E, T>(state, queries, keys, values, out, nullptr);
   }
 
   /// As above, with this token's proportions P_q, P_k [B, H] in [0, 1] (LeaP).
@@ -257,19 +261,70 @@ class LinearAttention {
   void step(E, State<T>& state, StepInputView<T> queries, StepInputView<T> keys,
             StepInputView<T> values, StepProportionViews<T> proportions,
             TensorView<T, 3> out) const {
-    require_reference<E>();
+    require_implemented<E>();
     validate_step(state, queries, keys, values, out);
     const index_t B = state.batch(), H = dims_.heads;
     check_proportion_values(proportions.queries, "query_proportions", {B, H}, "[B, H]", out);
     check_proportion_values(proportions.keys, "key_proportions", {B, H}, "[B, H]", out);
-    run_step<T>(state, queries, keys, values, out, &proportions);
+    run_step<E, T>(state, queries, keys, values, out, &proportions);
+  }
+
+  // The same calls without an execution tag run on exec::default_t (exec::cpu).
+  template <Real T>
+  void forward(InputView<T> queries, InputView<T> keys, InputView<T> values,
+               TensorView<T, 4> out) const {
+    forward(exec::default_t{}, queries, keys, values, out);
+  }
+  template <Real T>
+    requires(learned_proportions)
+  void forward(InputView<T> queries, InputView<T> keys, InputView<T> values,
+               Proportions<T> proportions, TensorView<T, 4> out) const {
+    forward(exec::default_t{}, queries, keys, values, proportions, out);
+  }
+  template <Real T>
+    requires(!Dir::is_causal)
+  void cross_forward(InputView<T> queries, InputView<T> keys, InputView<T> values,
+                     TensorView<T, 4> out) const {
+    cross_forward(exec::default_t{}, queries, keys, values, out);
+  }
+  template <Real T>
+    requires(!Dir::is_causal && learned_proportions)
+  void cross_forward(InputView<T> queries, InputView<T> keys, InputView<T> values,
+                     Proportions<T> proportions, TensorView<T, 4> out) const {
+    cross_forward(exec::default_t{}, queries, keys, values, proportions, out);
+  }
+  template <Real T>
+    requires(Dir::is_causal)
+  void forward(InputView<T> queries, InputView<T> keys, InputView<T> values,
+               TensorView<T, 4> out, State<T>& state) const {
+    forward(exec::default_t{}, queries, keys, values, out, state);
+  }
+  template <Real T>
+    requires(Dir::is_causal && learned_proportions)
+  void forward(InputView<T> queries, InputView<T> keys, InputView<T> values,
+               Proportions<T> proportions, TensorView<T, 4> out, State<T>& state) const {
+    forward(exec::default_t{}, queries, keys, values, proportions, out, state);
+  }
+  template <Real T>
+    requires(Dir::is_causal)
+  void step(State<T>& state, StepInputView<T> queries, StepInputView<T> keys,
+            StepInputView<T> values, TensorView<T, 3> out) const {
+    step(exec::default_t{}, state, queries, keys, values, out);
+  }
+  template <Real T>
+    requires(Dir::is_causal && learned_proportions)
+  void step(State<T>& state, StepInputView<T> queries, StepInputView<T> keys,
+            StepInputView<T> values, StepProportionViews<T> proportions,
+            TensorView<T, 3> out) const {
+    step(exec::default_t{}, state, queries, keys, values, proportions, out);
   }
 
  private:
   template <class E>
-  static void require_reference() {
-    static_assert(std::is_same_v<E, exec::reference_t>,
-                  "LinearAttention runs on latte::exec::reference in this version of latte");
+  static void require_implemented() {
+    static_assert(!std::is_same_v<E, exec::cuda_t>,
+                  "LinearAttention has no exec::cuda kernel yet; use exec::cpu or exec::reference");
+    static_assert(exec::implemented<E>, "this execution backend is not implemented yet");
   }
 
   [[nodiscard]] reference::LinearSpec spec() const noexcept {
@@ -456,7 +511,7 @@ class LinearAttention {
     }
   }
 
-  template <Real T>
+  template <class E, Real T>
   void run_forward(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
                    const TensorView<const T, 4>& v, const TensorView<T, 4>& out,
                    const SequenceProportions<T>* given, State<T>* state) const {
@@ -467,27 +522,44 @@ class LinearAttention {
       if constexpr (position_proportions)
         length = state ? state->length() : cosformer_length(q.extent(1), q.extent(1));
       if (state) {
-        reference::linear_causal_forward<Map, Rw, Pos>(
-            q, k, v, out, call, state->position(), sequence_proportions<T>(given, length),
-            [&](index_t b, index_t h) { return state->carry(b, h); });
+        if constexpr (std::is_same_v<E, exec::cpu_t>)
+          cpu::linear_causal_forward<Map, Rw, Pos>(
+              q, k, v, out, call, state->position(), sequence_proportions<T>(given, length),
+              [&](index_t b, index_t h) { return state->carry(b, h); });
+        else
+          reference::linear_causal_forward<Map, Rw, Pos>(
+              q, k, v, out, call, state->position(), sequence_proportions<T>(given, length),
+              [&](index_t b, index_t h) { return state->carry(b, h); });
         return;
       }
-      const index_t E = call.expanded_dim(), Dv = dims_.value_dim;
-      std::vector<T> carry_storage(static_cast<std::size_t>(E * Dv + E));
+      const index_t Ex = call.expanded_dim(), Dv = dims_.value_dim;
+      if constexpr (std::is_same_v<E, exec::cpu_t>) {
+        // One zeroed carry per (b, h): the heads run in parallel.
+        const index_t carry_size = Ex * Dv + Ex;
+        std::vector<T> carries(static_cast<std::size_t>(q.extent(0) * dims_.heads * carry_size));
+        cpu::linear_causal_forward<Map, Rw, Pos>(
+            q, k, v, out, call, 0, sequence_proportions<T>(given, length),
+            [&](index_t b, index_t h) {
+              T* base = carries.data() + (b * dims_.heads + h) * carry_size;
+              return reference::LinearCarry<T>{base, base + Ex * Dv};
+            });
+        return;
+      }
+      std::vector<T> carry_storage(static_cast<std::size_t>(Ex * Dv + Ex));
       reference::linear_causal_forward<Map, Rw, Pos>(
           q, k, v, out, call, 0, sequence_proportions<T>(given, length), [&](index_t, index_t) {
             const reference::LinearCarry<T> carry{carry_storage.data(),
-                                                  carry_storage.data() + E * Dv};
-            reference::linear_reset(carry, E, Dv);
+                                                  carry_storage.data() + Ex * Dv};
+            reference::linear_reset(carry, Ex, Dv);
             return carry;
           });
     } else {
       (void)state;
-      run_bidirectional<T>(q, k, v, out, given);
+      run_bidirectional<E, T>(q, k, v, out, given);
     }
   }
 
-  template <Real T>
+  template <class E, Real T>
   void run_bidirectional(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
                          const TensorView<const T, 4>& v, const TensorView<T, 4>& out,
                          const SequenceProportions<T>* given) const {
@@ -497,17 +569,44 @@ class LinearAttention {
       const index_t longest = std::max(q.extent(1), k.extent(1));
       length = cosformer_length(longest, longest);
     }
-    reference::linear_bidirectional_forward<Map, Rw, Pos>(q, k, v, out, spec(),
-                                                          sequence_proportions<T>(given, length));
+    if constexpr (std::is_same_v<E, exec::cpu_t>)
+      cpu::linear_bidirectional_forward<Map, Rw, Pos>(q, k, v, out, spec(),
+                                                      sequence_proportions<T>(given, length));
+    else
+      reference::linear_bidirectional_forward<Map, Rw, Pos>(
+          q, k, v, out, spec(), sequence_proportions<T>(given, length));
   }
 
-  template <Real T>
+  template <class E, Real T>
   void run_step(State<T>& state, const TensorView<const T, 3>& q, const TensorView<const T, 3>& k,
                 const TensorView<const T, 3>& v, const TensorView<T, 3>& out,
                 const StepProportions<T>* given) const {
     const reference::LinearSpec call = spec();
     const std::int64_t position = state.position();
     const index_t length = state.length();
+    if constexpr (std::is_same_v<E, exec::cpu_t>) {
+      cpu::linear_causal_step<Map, Rw, Pos>(
+          q, k, v, out, call, position,
+          [&](reference::Side side, index_t b, index_t h, const T* phi) -> Proportion {
+            if constexpr (position_proportions) {
+              (void)side, (void)b, (void)h, (void)phi;
+              return CosFormerReweight::proportion(position, length);
+            } else if constexpr (learned_proportions) {
+              if (given)
+                return Proportion::of(side == reference::Side::query ? given->queries(b, h)
+                                                                     : given->keys(b, h));
+              return side == reference::Side::query
+                         ? options_.reweight.query_module->evaluate(phi)
+                         : options_.reweight.key_module->evaluate(phi);
+            } else {
+              (void)side, (void)b, (void)h, (void)phi;
+              return Proportion{};
+            }
+          },
+          [&](index_t b, index_t h) { return state.carry(b, h); }, state.scratch());
+      state.advance(1);
+      return;
+    }
     for (index_t b = 0; b < state.batch(); ++b)
       for (index_t h = 0; h < dims_.heads; ++h) {
         auto proportion_of = [&](reference::Side side, const T* phi) -> Proportion {

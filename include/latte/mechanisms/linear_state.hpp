@@ -27,8 +27,9 @@ class LinearState : public StateStorage<T> {
   /// Prefer LinearAttention::make_state, which sets `kind` and the sizes.
   LinearState(std::string kind, std::vector<StateSize> sizes, std::int64_t first_position)
       : StateStorage<T>(std::move(kind), sizes, fields_for(sizes), first_position) {
+    // The reference step uses F + 2E values, the cpu step 2F + 4E.
     const index_t F = this->size_of("feature_dim");
-    scratch_.resize(static_cast<std::size_t>(F + 2 * expanded_dim()));
+    scratch_.resize(static_cast<std::size_t>(2 * F + 4 * expanded_dim()));
   }
 
   /// The fields of a state with `sizes`: memory [B * H * E * Dv], normaliser [B * H * E].
@@ -57,7 +58,7 @@ class LinearState : public StateStorage<T> {
     const index_t head = b * heads() + h, E = expanded_dim();
     return {this->field(0) + head * E * value_dim(), this->field(1) + head * E};
   }
-  /// F + 2E values of scratch for a step (not part of the saved state).
+  /// 2F + 4E values of scratch for a step (not part of the saved state).
   [[nodiscard]] T* scratch() noexcept { return scratch_.data(); }
 
  private:
