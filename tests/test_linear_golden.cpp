@@ -59,34 +59,34 @@ void check_golden(const Tensor<T, 4>& out, std::string_view name, const char* wh
 
 constexpr LinearDims kDims{.heads = g::kHeads, .key_dim = g::kDim, .value_dim = g::kDim};
 
-template <class T>
-void cosformer_golden() {
+template <class T, class E>
+void cosformer_golden(E backend) {
   const auto q = golden_tensor<T>("self/q"), k = golden_tensor<T>("self/k");
   const auto v = golden_tensor<T>("self/v");
   const auto cq = golden_tensor<T>("cross/q"), ck = golden_tensor<T>("cross/k");
   const auto cv = golden_tensor<T>("cross/v");
   Tensor<T, 4> out(v.extents()), cross_out(cq.extents());
   // Defaults: M = T (max(S, T) for cross), clamp_min(1e-6), as cosFormer's code.
-  CosFormer<Bidirectional>(kDims).forward(exec::reference, q, k, v, out.view());
+  CosFormer<Bidirectional>(kDims).forward(backend, q, k, v, out.view());
   check_golden(out, "cosformer/left_product/bidirectional", "CosFormer<Bidirectional>::forward");
-  CosFormer<Causal>(kDims).forward(exec::reference, q, k, v, out.view());
+  CosFormer<Causal>(kDims).forward(backend, q, k, v, out.view());
   check_golden(out, "cosformer/left_product/causal", "CosFormer<Causal>::forward");
-  CosFormer<Bidirectional>(kDims).cross_forward(exec::reference, cq, ck, cv, cross_out.view());
+  CosFormer<Bidirectional>(kDims).cross_forward(backend, cq, ck, cv, cross_out.view());
   check_golden(cross_out, "cosformer/left_product/cross", "CosFormer<Bidirectional>::cross_forward");
   // Decode with M = T reproduces the causal values token by token.
   const CosFormer<Causal> decoder(kDims, {.reweight = {.length = g::kSelfLength}});
   auto state = decoder.template make_state<T>(g::kBatch);
   Tensor<T, 3> row({g::kBatch, g::kHeads, g::kDim});
   for (index_t t = 0; t < g::kSelfLength; ++t) {
-    decoder.step(exec::reference, state, time_step(q, t), time_step(k, t), time_step(v, t),
+    decoder.step(backend, state, time_step(q, t), time_step(k, t), time_step(v, t),
                  row.view());
     set_time_step(out, t, row);
   }
   check_golden(out, "cosformer/left_product/causal", "CosFormer<Causal>::step (M = T)");
 }
 
-template <class T>
-void leapformer_golden() {
+template <class T, class E>
+void leapformer_golden(E backend) {
   const auto q = golden_tensor<T>("self/q"), k = golden_tensor<T>("self/k");
   const auto v = golden_tensor<T>("self/v");
   const auto cq = golden_tensor<T>("cross/q"), ck = golden_tensor<T>("cross/k");
@@ -97,20 +97,20 @@ void leapformer_golden() {
   Tensor<T, 4> out(v.extents()), cross_out(cq.extents());
   // Default normaliser clamp_min(0.1), as LeaPformer's code.
   const LeaPformer<Causal> causal(kDims, {.reweight = leap});
-  causal.forward(exec::reference, q, k, v, out.view());
+  causal.forward(backend, q, k, v, out.view());
   check_golden(out, "leapformer/train/causal", "LeaPformer<Causal>::forward");
   auto state = causal.template make_state<T>(g::kBatch);
   Tensor<T, 3> row({g::kBatch, g::kHeads, g::kDim});
   for (index_t t = 0; t < g::kSelfLength; ++t) {
-    causal.step(exec::reference, state, time_step(q, t), time_step(k, t), time_step(v, t),
+    causal.step(backend, state, time_step(q, t), time_step(k, t), time_step(v, t),
                 row.view());
     set_time_step(out, t, row);
   }
   check_golden(out, "leapformer/causal_infer/self", "LeaPformer<Causal>::step");
   const LeaPformer<Bidirectional> bidirectional(kDims, {.reweight = leap});
-  bidirectional.forward(exec::reference, q, k, v, out.view());
+  bidirectional.forward(backend, q, k, v, out.view());
   check_golden(out, "leapformer/train/bidirectional", "LeaPformer<Bidirectional>::forward");
-  bidirectional.cross_forward(exec::reference, cq, ck, cv, cross_out.view());
+  bidirectional.cross_forward(backend, cq, ck, cv, cross_out.view());
   check_golden(cross_out, "leapformer/train/cross", "LeaPformer<Bidirectional>::cross_forward");
   check_golden(cross_out, "leapformer/bidir_infer/cross", "LeaPformer<Bidirectional>::cross_forward");
   check_golden(cross_out, "leapformer/causal_infer/cross", "LeaPformer<Bidirectional>::cross_forward");
@@ -119,13 +119,17 @@ void leapformer_golden() {
 }  // namespace
 
 TEST_CASE("CosFormer reproduces cosFormer's left_product (bidirectional, causal, cross, decode)") {
-  cosformer_golden<double>();
-  cosformer_golden<float>();
+  cosformer_golden<double>(exec::reference);
+  cosformer_golden<float>(exec::reference);
+  cosformer_golden<double>(exec::cpu);
+  cosformer_golden<float>(exec::cpu);
 }
 
 TEST_CASE("LeaPformer reproduces leapformer_attn_train / _bidir_infer / _causal_infer") {
-  leapformer_golden<double>();
-  leapformer_golden<float>();
+  leapformer_golden<double>(exec::reference);
+  leapformer_golden<float>(exec::reference);
+  leapformer_golden<double>(exec::cpu);
+  leapformer_golden<float>(exec::cpu);
 }
 
 TEST_CASE("LeaP module proportions equal the official module's") {

@@ -94,7 +94,7 @@ struct LayerInputs<SoftmaxAttention<Dir, Win>>
     : QueryKeyValueInputs<SoftmaxAttention<Dir, Win>, exec::cpu_t> {};
 template <Direction Dir, FeatureMap Map, Reweight Rw, Positional Pos>
 struct LayerInputs<LinearAttention<Dir, Map, Rw, Pos>>
-    : QueryKeyValueInputs<LinearAttention<Dir, Map, Rw, Pos>, exec::reference_t> {};
+    : QueryKeyValueInputs<LinearAttention<Dir, Map, Rw, Pos>, exec::cpu_t> {};
 template <Direction Dir>
 struct LayerInputs<Lavo<Dir>> : QueryKeyValueInputs<Lavo<Dir>, exec::reference_t> {};
 template <Direction Dir>
