@@ -221,12 +221,7 @@ class LatteMacchiato {
         header, State<T>::sizes_for(batch, d.heads, d.latents, d.key_dim, d.value_dim, d.window),
         State<T>::fields_for(batch, d.heads, d.latents, d.key_dim, d.value_dim, d.window));
     State<T> state = make_state<T>(batch);
-    state.restore(bytes);
-    if (state.window_fill() < 0)
-      throw Error("bytes", detail::expected_given(
-                               "saved window_fill",
-                               "an integer in [0, " + std::to_string(d.window + 1) + "]",
-                               *state.field(5)));
+    state.restore(bytes);  // MacchiatoState::restore also checks the saved window_fill
     return state;
   }
 

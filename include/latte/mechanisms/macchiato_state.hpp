@@ -13,6 +13,8 @@
 // from one thread at a time. Saved bytes are StateStorage's format.
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -20,6 +22,7 @@
 #include "latte/backends/reference/latte.hpp"
 #include "latte/backends/reference/macchiato.hpp"
 #include "latte/backends/reference/softmax.hpp"
+#include "latte/core/error.hpp"
 #include "latte/core/state_storage.hpp"
 #include "latte/core/types.hpp"
 
@@ -77,13 +80,28 @@ class MacchiatoState : public StateStorage<T> {
             this->field(4) + head * capacity() * value_dim()};
   }
 
-  /// Ring slots holding tokens (0..w + 1), or -1 when the saved count is not
-  /// such an integer (a corrupted state; the attention rejects it).
+  /// Ring slots holding tokens (0..w + 1), or -1 when the stored count is not
+  /// such an integer (a state corrupted through field(); the attention rejects it).
   [[nodiscard]] index_t window_fill() const noexcept {
-    const T fill = *this->field(5);
-    if (!(fill >= T(0) && fill <= static_cast<T>(capacity()) && std::floor(fill) == fill))
-      return -1;
-    return static_cast<index_t>(fill);
+    return fill_count(*this->field(5), capacity());
+  }
+
+  /// StateStorage::restore, which also refuses a saved window_fill that is not
+  /// an integer in [0, w + 1]: such bytes are not a state this type can have
+  /// written, and a rejected buffer must leave the state as it was.
+  void restore(std::span<const std::byte> bytes) {
+    const auto header = StateStorage<T>::read_header(bytes, this->kind());
+    StateStorage<T>::require_layout(
+        header, this->sizes(),
+        fields_for(this->batch(), heads(), latents(), key_dim(), value_dim(), window()));
+    // The layout is checked: window_fill, the last field, is the buffer's last T.
+    T fill;
+    std::memcpy(&fill, bytes.data() + bytes.size() - sizeof(T), sizeof(T));
+    if (fill_count(fill, capacity()) < 0)
+      throw Error("bytes", detail::expected_given(
+                               "saved window_fill",
+                               "an integer in [0, " + std::to_string(capacity()) + "]", fill));
+    StateStorage<T>::restore(bytes);
   }
   void set_window_fill(index_t fill) noexcept { *this->field(5) = static_cast<T>(fill); }
 
@@ -93,6 +111,12 @@ class MacchiatoState : public StateStorage<T> {
   }
 
  private:
+  /// `fill` as a slot count in [0, capacity], or -1 when it is not one.
+  [[nodiscard]] static index_t fill_count(T fill, index_t capacity) noexcept {
+    if (!(fill >= T(0) && fill <= static_cast<T>(capacity) && std::floor(fill) == fill)) return -1;
+    return static_cast<index_t>(fill);
+  }
+
   std::vector<T> scratch_;
 };
 

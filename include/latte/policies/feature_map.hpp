@@ -34,7 +34,8 @@ struct Relu {
   static constexpr const char* name = "relu";
   template <Real T>
   static void apply(std::span<const T> x, std::span<T> phi) noexcept {
-    for (std::size_t i = 0; i < x.size(); ++i) phi[i] = x[i] > T(0) ? x[i] : T(0);
+    // x < 0 rather than x > 0: a NaN feature stays NaN (the NaN policy, docs/numerics.md).
+    for (std::size_t i = 0; i < x.size(); ++i) phi[i] = x[i] < T(0) ? T(0) : x[i];
   }
 };
 

@@ -9,6 +9,7 @@
 // Only blocks that intersect the causal / sliding-window band are visited,
 // so a window costs O(T * w). Workspace is per worker and independent of T.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -81,9 +82,10 @@ void softmax_forward(TensorView<const T, 4> q, TensorView<const T, 4> k, TensorV
         for (index_t c = 0; c < nk; ++c) {
           const index_t key = j_first + c;
           if (key < lo || key > hi) row[c] = neg_inf;
-          block_max = std::max(block_max, row[c]);
+          // std::max drops a NaN argument: keep it, so NaN stays in the rows that see it.
+          block_max = std::isnan(row[c]) ? row[c] : std::max(block_max, row[c]);
         }
-        const T m_new = std::max(s.row_max[r], block_max);
+        const T m_new = std::isnan(block_max) ? block_max : std::max(s.row_max[r], block_max);
         if (m_new == neg_inf) {  // nothing allowed yet in this row
           s.correction[r] = T(1);
           std::fill(row, row + nk, T(0));
@@ -108,7 +110,21 @@ void softmax_forward(TensorView<const T, 4> q, TensorView<const T, 4> k, TensorV
         s.row_max[r] = m_new;
       }
       for (index_t r = 0; r < nq; ++r) acc.row(r) *= s.correction[r];
-      acc.noalias() += S * V;
+      // A block on the band's edge holds keys some rows may not see; their
+      // weights are 0, but 0 * (NaN or inf in a value) would still reach those
+      // rows through the GEMM, so such a block multiplies each row's allowed keys only.
+      if (lowest(i0 + nq - 1) <= j_first && highest(i0) >= j_first + nk - 1) {
+        acc.noalias() += S * V;
+      } else {
+        for (index_t r = 0; r < nq; ++r) {
+          const index_t t = i0 + r;
+          const index_t c_lo = std::max(lowest(t), j_first) - j_first;
+          const index_t c_hi = std::min(highest(t), j_first + nk - 1) - j_first;
+          if (c_hi >= c_lo)
+            acc.row(r).noalias() +=
+                S.row(r).segment(c_lo, c_hi - c_lo + 1) * V.middleRows(c_lo, c_hi - c_lo + 1);
+        }
+      }
     }
     Map O(out.row(b, i0, h), nq, Dv, Eigen::OuterStride<>(out.stride(1)));
     for (index_t r = 0; r < nq; ++r)

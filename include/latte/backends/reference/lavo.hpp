@@ -73,7 +73,8 @@ void lavo_local_row(const T* q, index_t d, T scale, index_t count, KeyAt&& key_a
   T l = 0;
   for (index_t j = 0; j < count; ++j) {
     const T score = scale * dot(q, key_at(j), d) + bias_at(j);  // A_{t,s} + P_{s-t+w-1}
-    const T m_new = std::max(m, score);
+    // std::max(m, NaN) is m: carry a NaN score instead of skipping it (NaN policy).
+    const T m_new = std::isnan(score) ? score : std::max(m, score);
     if (m_new == -std::numeric_limits<T>::infinity()) continue;
     const T carry_scale = std::exp(m - m_new), weight = std::exp(score - m_new);
     l = l * carry_scale + weight;
@@ -95,7 +96,7 @@ void lavo_memory_read(const T* basis, const T* mean, const T* q, index_t r, inde
   T score_max = -std::numeric_limits<T>::infinity();
   for (index_t i = 0; i < r; ++i) {
     scores[i] = scale * (mean[i] * dot(basis + i * d, q, d));
-    score_max = std::max(score_max, scores[i]);
+    score_max = std::isnan(scores[i]) ? scores[i] : std::max(score_max, scores[i]);  // keep NaN
   }
   std::fill(g, g + d, T(0));
   if (score_max == -std::numeric_limits<T>::infinity()) return;

@@ -27,7 +27,9 @@ void softmax_row(const T* q, index_t Dk, index_t Dv, T scale, index_t count, Key
     T dot = 0;
     for (index_t d = 0; d < Dk; ++d) dot += q[d] * key[d];
     const T score = scale * dot;
-    const T m_new = std::max(m, score);
+    // std::max(m, NaN) is m, which would skip a NaN score like a masked one:
+    // carry it instead, so NaN stays in the rows that depend on it.
+    const T m_new = std::isnan(score) ? score : std::max(m, score);
     if (m_new == -std::numeric_limits<T>::infinity()) continue;
     const T carry_scale = std::exp(m - m_new), weight = std::exp(score - m_new);
     l = l * carry_scale + weight;
