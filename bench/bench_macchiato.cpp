@@ -1,8 +1,8 @@
-// Google Benchmark suite for Latte Macchiato on the reference backend, fp32, B = 1,
+// Google Benchmark suite for Latte Macchiato (forward on the reference and cpu backends), fp32, B = 1,
 // H = 8, L = 64, Dk = Dv = 64, window w = 128 with RoPE on the window (the paper's
 // Latte-*-SWA++ set-up, paper 000 §4.1):
 //
-//   macchiato_forward/causal_rope/T:{1024,4096}      whole-sequence forward
+//   macchiato_forward/causal_rope/{reference,cpu}/T:{1024,4096}   whole-sequence forward
 //   macchiato_step/causal_rope/context:{1K,16K}      one decode token after `context` tokens
 //
 // items_per_second is tokens/s. The counter "flops" is a rate (FLOP/s) from this
@@ -59,6 +59,7 @@ void report(benchmark::State& state, index_t tokens) {
                                                benchmark::Counter::kIsIterationInvariantRate);
 }
 
+template <class Backend>
 void macchiato_forward(benchmark::State& state) {
   const index_t T = state.range(0);
   const MacchiatoRope attn = make_macchiato();
@@ -69,7 +70,7 @@ void macchiato_forward(benchmark::State& state) {
   const auto v = random_tensor<4>({kBatch, T, kHeads, kDim}, 5);
   latte::Tensor<float, 4> out({kBatch, T, kHeads, kDim});
   for (auto _ : state) {
-    attn.forward(latte::exec::reference, q, k, wq, wk, v, out.view());
+    attn.forward(Backend{}, q, k, wq, wk, v, out.view());
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   }
@@ -119,8 +120,13 @@ void macchiato_step(benchmark::State& state) {
 
 }  // namespace
 
-BENCHMARK(macchiato_forward)
-    ->Name("macchiato_forward/causal_rope")
+BENCHMARK(macchiato_forward<latte::exec::reference_t>)
+    ->Name("macchiato_forward/causal_rope/reference")
+    ->ArgName("T")
+    ->Arg(1024)->Arg(4096)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(macchiato_forward<latte::exec::cpu_t>)
+    ->Name("macchiato_forward/causal_rope/cpu")
     ->ArgName("T")
     ->Arg(1024)->Arg(4096)
     ->Unit(benchmark::kMillisecond);

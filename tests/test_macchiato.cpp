@@ -172,7 +172,8 @@ void oracle_cases(std::uint64_t seed) {
   double overall = 0;
   long long elements = 0;
   int long_cases = 0, window_past_end = 0;
-  for (int c = 0; c < kOracleCases; ++c) {
+  const int cases_run = case_count(kOracleCases);
+  for (int c = 0; c < cases_run; ++c) {
     const auto config = static_cast<Config>(c % 4);
     const MacchiatoShape s = random_macchiato_shape(rng, kOracleBudget);
     const double logit_scale = pick(rng, std::array{0.5, 2.0, 6.0});
@@ -182,44 +183,49 @@ void oracle_cases(std::uint64_t seed) {
     const double score_scale = pick(rng, std::array{0.5, 1.0, 1.5});
     const Inputs<T> in = random_inputs<T>(rng, s, logit_scale, score_scale);
     const Setup setup = random_setup(rng, config, s, Dir::is_causal);
-    Tensor<T, 4> out(in.v.extents());
+    Tensor<T, 4> out(in.v.extents()), out_cpu(in.v.extents());
     with_config(config, [&]<class LatentPos, class WindowPos>() {
-      make_attention<Dir, LatentPos, WindowPos>(s, setup)
-          .forward(exec::reference, in.q, in.k, in.wq, in.wk, in.v, out.view());
+      const auto attention = make_attention<Dir, LatentPos, WindowPos>(s, setup);
+      attention.forward(exec::reference, in.q, in.k, in.wq, in.wk, in.v, out.view());
+      attention.forward(exec::cpu, in.q, in.k, in.wq, in.wk, in.v, out_cpu.view());
     });
-    const double error = relative_error(out, oracle_of(setup, in));
-    CHECK_MESSAGE(error <= Tolerance<T>::relative, Dir::name << " " << kConfigNames[config]
-                                                             << " case " << c << " "
-                                                             << describe(s) << " error=" << error);
+    const auto oracle = oracle_of(setup, in);
+    const double error = std::max(relative_error(out, oracle), relative_error(out_cpu, oracle));
+    CHECK_MESSAGE(relative_error(out, oracle) <= Tolerance<T>::relative,
+                  "reference " << Dir::name << " " << kConfigNames[config] << " case " << c << " "
+                               << describe(s));
+    CHECK_MESSAGE(relative_error(out_cpu, oracle) <= Tolerance<T>::relative,
+                  "cpu " << Dir::name << " " << kConfigNames[config] << " case " << c << " "
+                         << describe(s));
     worst[config] = std::max(worst[config], error);
     overall = std::max(overall, error);
     elements += out.size();
     long_cases += s.time == 1000;
     window_past_end += s.window >= s.time;
   }
-  std::printf("[oracle] LatteMacchiato<%s> %s cases=%d (T=1000: %d, w >= T: %d) elements=%lld "
+  std::printf("[oracle] LatteMacchiato<%s> %s cases=%d (reference and cpu each) (T=1000: %d, w >= T: %d) elements=%lld "
               "max_rel_error=%.3e (plain %.1e, rope %.1e, vapor+rope %.1e, vapor[all_states] "
               "%.1e; tol %.0e)\n",
-              Dir::name, dtype_name<T>(), kOracleCases, long_cases, window_past_end, elements,
+              Dir::name, dtype_name<T>(), cases_run, long_cases, window_past_end, elements,
               overall, worst[0], worst[1], worst[2], worst[3], Tolerance<T>::relative);
 }
 
 // ------------------------------------------------------------------ decode --
 
 /// The first `prefill` tokens through forward(..., state), the rest through step().
-template <class A, class T>
+template <class A, class T, class E = exec::reference_t>
 Tensor<T, 4> prefill_then_step(const A& attention, typename A::template State<T>& state,
-                               const Inputs<T>& in, index_t prefill) {
+                               const Inputs<T>& in, index_t prefill, E backend = {}) {
   const index_t Tn = in.v.extent(1);
   Tensor<T, 4> out(in.v.extents());
   Tensor<T, 4> head({in.v.extent(0), prefill, in.v.extent(2), in.v.extent(3)});
-  attention.forward(exec::reference, time_slice(in.q, 0, prefill), time_slice(in.k, 0, prefill),
+  attention.forward(backend, time_slice(in.q, 0, prefill), time_slice(in.k, 0, prefill),
                     time_slice(in.wq, 0, prefill), time_slice(in.wk, 0, prefill),
                     time_slice(in.v, 0, prefill), head.view(), state);
   for (index_t t = 0; t < prefill; ++t) set_time_step(out, t, time_step(head, t));
   Tensor<T, 3> row({in.v.extent(0), in.v.extent(2), in.v.extent(3)});
   for (index_t t = prefill; t < Tn; ++t) {
-    attention.step(exec::reference, state, time_step(in.q, t), time_step(in.k, t),
+    attention.step(backend, state, time_step(in.q, t), time_step(in.k, t),
                    time_step(in.wq, t), time_step(in.wk, t), time_step(in.v, t), row.view());
     set_time_step(out, t, row);
   }
@@ -230,7 +236,8 @@ template <class T>
 void decode_cases(std::uint64_t seed) {
   Rng rng(seed);
   std::array<double, 4> worst{};
-  for (int c = 0; c < kDecodeCases; ++c) {
+  const int cases_run = case_count(kDecodeCases);
+  for (int c = 0; c < cases_run; ++c) {
     const auto config = static_cast<Config>(c % 4);
     const MacchiatoShape s = random_macchiato_shape(rng, kDecodeBudget);
     const Inputs<T> in = random_inputs<T>(rng, s, 2.0, 1.0);
@@ -244,8 +251,17 @@ void decode_cases(std::uint64_t seed) {
     const index_t prefill = std::uniform_int_distribution<index_t>(0, s.time)(rng);
     with_config(config, [&]<class LatentPos, class WindowPos>() {
       const auto attention = make_attention<Causal, LatentPos, WindowPos>(s, setup);
-      Tensor<T, 4> whole(in.v.extents());
+      Tensor<T, 4> whole(in.v.extents()), whole_cpu(in.v.extents());
       attention.forward(exec::reference, in.q, in.k, in.wq, in.wk, in.v, whole.view());
+      attention.forward(exec::cpu, in.q, in.k, in.wq, in.wk, in.v, whole_cpu.view());
+      auto state_cpu = attention.template make_state<T>(s.batch, first);
+      const auto decoded_cpu = prefill_then_step(attention, state_cpu, in, prefill, exec::cpu);
+      CHECK_MESSAGE(relative_error(whole_cpu, oracle) <= Tolerance<T>::relative,
+                    "cpu " << kConfigNames[config] << " case " << c << " " << describe(s));
+      CHECK_MESSAGE(relative_error(decoded_cpu, oracle) <= Tolerance<T>::relative,
+                    "cpu " << kConfigNames[config] << " case " << c << " " << describe(s)
+                           << " prefill=" << prefill);
+      CHECK(state_cpu.window_fill() == std::min(s.time, s.window + 1));
       auto state = attention.template make_state<T>(s.batch, first);
       const auto decoded = prefill_then_step(attention, state, in, prefill);
       CHECK(state.position() == first + s.time);
@@ -263,7 +279,7 @@ void decode_cases(std::uint64_t seed) {
   }
   std::printf("[decode] LatteMacchiato<Causal> prefill+steps %s cases=%d max_rel_error=%.3e "
               "(plain %.1e, rope %.1e, vapor+rope %.1e, vapor[all_states] %.1e)\n",
-              dtype_name<T>(), kDecodeCases, *std::max_element(worst.begin(), worst.end()),
+              dtype_name<T>(), cases_run, *std::max_element(worst.begin(), worst.end()),
               worst[0], worst[1], worst[2], worst[3]);
 }
 
@@ -544,20 +560,24 @@ TEST_CASE("LatteMacchiato: chunked prefill equals one forward and the oracle") {
     const auto oracle = oracle_of(setup, in);
     with_config(config, [&]<class LatentPos, class WindowPos>() {
       const auto attention = make_attention<Causal, LatentPos, WindowPos>(s, setup);
-      auto state = attention.template make_state<double>(s.batch, 40);
-      Tensor<double, 4> out(in.v.extents());
-      index_t first = 0;
-      for (index_t chunk : {0, 1, 4, 13, 40, 39}) {
-        Tensor<double, 4> part({s.batch, chunk, s.heads, s.value_dim});
-        auto slice = [&](const Tensor<double, 4>& x) { return time_slice(x, first, chunk); };
-        attention.forward(exec::reference, slice(in.q), slice(in.k), slice(in.wq), slice(in.wk),
-                          slice(in.v), part.view(), state);
-        for (index_t t = 0; t < chunk; ++t) set_time_step(out, first + t, time_step(part, t));
-        first += chunk;
-      }
-      REQUIRE(first == s.time);
-      CHECK(state.position() == 40 + s.time);
-      CHECK(relative_error(out, oracle) <= Tolerance<double>::relative);
+      auto chunked = [&](auto backend) {
+        auto state = attention.template make_state<double>(s.batch, 40);
+        Tensor<double, 4> out(in.v.extents());
+        index_t first = 0;
+        for (index_t chunk : {0, 1, 4, 13, 40, 39}) {
+          Tensor<double, 4> part({s.batch, chunk, s.heads, s.value_dim});
+          auto slice = [&](const Tensor<double, 4>& x) { return time_slice(x, first, chunk); };
+          attention.forward(backend, slice(in.q), slice(in.k), slice(in.wq), slice(in.wk),
+                            slice(in.v), part.view(), state);
+          for (index_t t = 0; t < chunk; ++t) set_time_step(out, first + t, time_step(part, t));
+          first += chunk;
+        }
+        REQUIRE(first == s.time);
+        CHECK(state.position() == 40 + s.time);
+        CHECK(relative_error(out, oracle) <= Tolerance<double>::relative);
+      };
+      chunked(exec::reference);
+      chunked(exec::cpu);
     });
   }
 }
@@ -1077,4 +1097,35 @@ TEST_CASE("restore: a rejected buffer leaves the state unchanged") {
   bytes.resize(bytes.size() - 4);  // cut inside the last field
   expect_error([&] { state.restore(bytes); }, "bytes", "");
   CHECK(state.save() == before);
+}
+
+TEST_CASE("LatteMacchiato exec::cpu: one head split over time segments continues a state exactly") {
+  // B = H = 1 and T = 1500 make the cpu kernels split time into segments (the
+  // window pass prefills each segment's ring from the tokens before it; the
+  // first continues the state's ring). The state comes from a 300-token prefill.
+  Rng rng(517);
+  const MacchiatoShape s{1, 1800, 1, 5, 6, 8, 63};
+  const Inputs<double> in = random_inputs<double>(rng, s, 3.0, 1.0);
+  for (Config config : {kPlain, kRope, kVaporAllStates}) {
+    const Setup setup = random_setup(rng, config, s, true);
+    const auto oracle = oracle_of(setup, in);
+    with_config(config, [&]<class LatentPos, class WindowPos>() {
+      const auto attention = make_attention<Causal, LatentPos, WindowPos>(s, setup);
+      auto state = attention.template make_state<double>(1, 5);
+      Tensor<double, 4> out(in.v.extents()), head({1, 300, 1, s.value_dim}),
+          tail({1, 1500, 1, s.value_dim});
+      attention.forward(exec::reference, time_slice(in.q, 0, 300), time_slice(in.k, 0, 300),
+                        time_slice(in.wq, 0, 300), time_slice(in.wk, 0, 300),
+                        time_slice(in.v, 0, 300), head.view(), state);
+      attention.forward(exec::cpu, time_slice(in.q, 300, 1500), time_slice(in.k, 300, 1500),
+                        time_slice(in.wq, 300, 1500), time_slice(in.wk, 300, 1500),
+                        time_slice(in.v, 300, 1500), tail.view(), state);
+      for (index_t t = 0; t < 300; ++t) set_time_step(out, t, time_step(head, t));
+      for (index_t t = 0; t < 1500; ++t) set_time_step(out, 300 + t, time_step(tail, t));
+      CHECK_MESSAGE(relative_error(out, oracle) <= Tolerance<double>::relative, kConfigNames[config]);
+      // The state left by the cpu call continues by steps like the reference's would.
+      CHECK(state.position() == 5 + 1800);
+      CHECK(state.window_fill() == s.window + 1);
+    });
+  }
 }

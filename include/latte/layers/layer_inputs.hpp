@@ -49,7 +49,7 @@ template <Direction Dir, Stabilizer Stab, Positional LatentPos, Positional Windo
 struct LayerInputs<LatteMacchiato<Dir, Stab, LatentPos, WindowPos>> {
   using Attention = LatteMacchiato<Dir, Stab, LatentPos, WindowPos>;
   static constexpr std::size_t count = 5;
-  using default_exec = exec::reference_t;
+  using default_exec = exec::cpu_t;
   static std::array<LayerInput, count> inputs(const Attention& attention) {
     const MacchiatoDims& d = attention.dims();
     return {{{"query_logits", d.latents + 1, true},

@@ -37,6 +37,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "latte/backends/cpu/macchiato.hpp"
 #include "latte/backends/reference/latte.hpp"
 #include "latte/backends/reference/macchiato.hpp"
 #include "latte/core/error.hpp"
@@ -150,10 +151,28 @@ class LatteMacchiato {
   void forward(E, InputView<T> query_logits, InputView<T> key_logits,
                InputView<T> window_queries, InputView<T> window_keys, InputView<T> values,
                TensorView<T, 4> out) const {
-    static_assert(std::is_same_v<E, exec::reference_t>,
-                  "LatteMacchiato runs on latte::exec::reference only in this version");
+    require_host_backend<E>();
     validate_sequence(query_logits, key_logits, window_queries, window_keys, values, out);
-    if constexpr (Dir::is_causal) {
+    if constexpr (std::is_same_v<E, exec::cpu_t>) {
+      if constexpr (Dir::is_causal) {
+        const index_t L = dims_.latents, Dv = dims_.value_dim, carry_size = 2 * L + L * Dv;
+        std::vector<T> carries(
+            static_cast<std::size_t>(query_logits.extent(0) * dims_.heads * carry_size));
+        auto carry_of = [&](index_t b, index_t h) {
+          T* base = carries.data() + (b * dims_.heads + h) * carry_size;
+          const reference::LatteCarry<T> carry{base, base + L, base + 2 * L};
+          reference::latte_reset<Stab>(carry, L, Dv);
+          return carry;
+        };
+        auto fresh_ring = [](index_t, index_t) { return reference::KVSlots<T>{nullptr, nullptr}; };
+        cpu::macchiato_causal_forward<Stab, LatentPos, WindowPos>(
+            query_logits, key_logits, window_queries, window_keys, values, out, window_spec(), 0,
+            0, carry_of, fresh_ring);
+      } else {
+        cpu::macchiato_bidirectional_forward<Stab, LatentPos, WindowPos>(
+            query_logits, key_logits, window_queries, window_keys, values, out, window_spec());
+      }
+    } else if constexpr (Dir::is_causal) {
       const index_t B = query_logits.extent(0), Tn = query_logits.extent(1), H = dims_.heads;
       const index_t L = dims_.latents, Dk = dims_.key_dim, Dv = dims_.value_dim;
       if (B == 0 || Tn == 0) return;
@@ -232,19 +251,24 @@ class LatteMacchiato {
   void forward(E, InputView<T> query_logits, InputView<T> key_logits,
                InputView<T> window_queries, InputView<T> window_keys, InputView<T> values,
                TensorView<T, 4> out, State<T>& state) const {
-    static_assert(std::is_same_v<E, exec::reference_t>,
-                  "LatteMacchiato runs on latte::exec::reference only in this version");
+    require_host_backend<E>();
     validate_sequence(query_logits, key_logits, window_queries, window_keys, values, out);
     validate_state(state, query_logits.extent(0));
     const index_t B = query_logits.extent(0), Tn = query_logits.extent(1);
     const index_t capacity = state.capacity(), fill = state.window_fill();
     const std::int64_t first = state.position();
-    for (index_t b = 0; b < B; ++b)
-      for (index_t h = 0; h < dims_.heads; ++h)
-        for (index_t t = 0; t < Tn; ++t)
-          causal_step_kernel(query_logits, key_logits, window_queries, window_keys, values, out,
-                             b, t, h, state.carry(b, h), state.ring(b, h), capacity,
-                             std::min(fill + t + 1, capacity), first + t, state.scratch());
+    if constexpr (std::is_same_v<E, exec::cpu_t>)
+      cpu::macchiato_causal_forward<Stab, LatentPos, WindowPos>(
+          query_logits, key_logits, window_queries, window_keys, values, out, window_spec(), first,
+          fill, [&](index_t b, index_t h) { return state.carry(b, h); },
+          [&](index_t b, index_t h) { return state.ring(b, h); });
+    else
+      for (index_t b = 0; b < B; ++b)
+        for (index_t h = 0; h < dims_.heads; ++h)
+          for (index_t t = 0; t < Tn; ++t)
+            causal_step_kernel(query_logits, key_logits, window_queries, window_keys, values,
+                               out, b, t, h, state.carry(b, h), state.ring(b, h), capacity,
+                               std::min(fill + t + 1, capacity), first + t, state.scratch());
     state.set_window_fill(std::min(fill + Tn, capacity));
     state.advance(Tn);
   }
@@ -257,8 +281,7 @@ class LatteMacchiato {
   void step(E, State<T>& state, StepInputView<T> query_logits, StepInputView<T> key_logits,
             StepInputView<T> window_queries, StepInputView<T> window_keys,
             StepInputView<T> values, TensorView<T, 3> out) const {
-    static_assert(std::is_same_v<E, exec::reference_t>,
-                  "LatteMacchiato runs on latte::exec::reference only in this version");
+    require_host_backend<E>();  // both run the same allocation-free step kernel
     const index_t B = state.batch(), H = dims_.heads, L = dims_.latents;
     const index_t Dk = dims_.key_dim, Dv = dims_.value_dim;
     validate_state(state, B);
@@ -283,6 +306,17 @@ class LatteMacchiato {
   }
 
  private:
+  template <exec::Policy E>
+  static void require_host_backend() {
+    static_assert(!std::is_same_v<E, exec::cuda_t>,
+                  "LatteMacchiato has no exec::cuda kernel yet; use exec::cpu or exec::reference");
+  }
+
+  [[nodiscard]] cpu::MacchiatoWindowSpec window_spec() const noexcept {
+    return {dims_.window, scale_, &key_angles_, &latent_angles_,
+            options_.vapor_scope == VaporScope::all_states};
+  }
+
   [[nodiscard]] reference::MacchiatoSizes sizes() const noexcept {
     return {dims_.latents, dims_.key_dim, dims_.value_dim};
   }
