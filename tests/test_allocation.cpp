@@ -5,25 +5,8 @@
 #include <cstdlib>
 #include <new>
 
+#include "allocation_counter.hpp"
 #include "support.hpp"
-
-namespace {
-std::atomic<long> allocations{0};
-}
-
-// This file replaces the global operator new/delete with a counting pair over
-// malloc/free; GCC 12 cannot see that they match.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-#endif
-
-void* operator new(std::size_t bytes) {
-  allocations.fetch_add(1);
-  if (void* p = std::malloc(bytes ? bytes : 1)) return p;
-  throw std::bad_alloc();
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 
 namespace {
 using namespace latte;

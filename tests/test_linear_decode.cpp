@@ -13,29 +13,12 @@
 #include <cstdlib>
 #include <new>
 
+#include "allocation_counter.hpp"
 #include "linear_support.hpp"
 
 #if defined(LATTE_WITH_OPENMP)
 #include <omp.h>
 #endif
-
-namespace {
-std::atomic<long> allocations{0};
-}
-
-// This executable counts every operator new (the decode step must allocate
-// nothing); GCC 12 cannot see that the malloc/free pair below matches.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-#endif
-
-void* operator new(std::size_t bytes) {
-  allocations.fetch_add(1);
-  if (void* p = std::malloc(bytes ? bytes : 1)) return p;
-  throw std::bad_alloc();
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 
 namespace {
 using namespace latte;

@@ -1,0 +1,25 @@
+#pragma once
+// Replaces the global operator new/delete of the test executable that includes
+// this header (include it from exactly one .cpp) with a counting pair over
+// malloc/free, so a test can assert that a call allocates nothing:
+//   const long before = latte::test::allocations.load(); ...; allocations.load() - before
+#include <atomic>
+#include <cstdlib>
+#include <new>
+
+namespace latte::test {
+inline std::atomic<long> allocations{0};
+}  // namespace latte::test
+
+// GCC 12 cannot see that the malloc/free pair below matches.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+#endif
+
+void* operator new(std::size_t bytes) {
+  latte::test::allocations.fetch_add(1);
+  if (void* p = std::malloc(bytes ? bytes : 1)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
