@@ -1,8 +1,12 @@
-// Google Benchmark suite for ConvCompressedAttention (paper 003), reference backend, fp32, B = 1,
-// H = 8, Dk = Dv = 64, group size (= window) M = 64:
+// Google Benchmark suite for ConvCompressedAttention (paper 003), fp32, B = 1, H = 8,
+// Dk = Dv = 64, group size (= window) M = 64, on the reference backend and (rows
+// prefixed cpu_) on exec::cpu:
 //
 //   conv_compressed_forward/{causal,bidirectional}_levels{1,2}/T:{256,1024}
+//   conv_compressed_forward/causal_levels1/T:{4K,16K}          (ratio rows; 16K takes seconds)
+//   cpu_conv_compressed_forward/{causal,bidirectional}_levels{1,2}/T:{1K,4K,16K}
 //   conv_compressed_step/causal_levels{1,2}/context:{1K,16K,64K}   one decode token
+//   cpu_conv_compressed_step/causal_levels{1,2}/context:{1K,16K,64K}
 //
 // The T values match softmax_forward/causal in bench_reference.cpp (same binary), so
 // the ratio to exact softmax attention is read off the same run.
@@ -110,7 +114,7 @@ void report(benchmark::State& state, index_t tokens, double flops) {
   state.counters["flops"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
 }
 
-template <class Dir, index_t Levels>
+template <class Dir, index_t Levels, class E = latte::exec::reference_t>
 void conv_compressed_forward(benchmark::State& state) {
   const index_t T = state.range(0);
   const auto& attn = attention<Dir, Levels>();
@@ -119,7 +123,7 @@ void conv_compressed_forward(benchmark::State& state) {
   const auto v = random_tensor<4>({kBatch, T, kHeads, kDim}, 3);
   latte::Tensor<float, 4> out({kBatch, T, kHeads, kDim});
   for (auto _ : state) {
-    attn.forward(latte::exec::reference, q, k, v, out.view());
+    attn.forward(E{}, q, k, v, out.view());
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   }
@@ -132,7 +136,7 @@ void conv_compressed_forward(benchmark::State& state) {
 /// reads them exactly as it would read absorbed tokens). `slack` extra tokens of
 /// capacity let the timed loop step on; when they run out the state is reset
 /// outside the timing.
-template <index_t Levels>
+template <index_t Levels, class E = latte::exec::reference_t>
 void conv_compressed_step(benchmark::State& state) {
   const index_t context = state.range(0);
   const auto& attn = attention<latte::Causal, Levels>();
@@ -169,7 +173,7 @@ void conv_compressed_step(benchmark::State& state) {
       decode_state = filled;
       state.ResumeTiming();
     }
-    attn.step(latte::exec::reference, decode_state, q, k, v, out.view());
+    attn.step(E{}, decode_state, q, k, v, out.view());
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   }
@@ -187,7 +191,7 @@ void conv_compressed_step(benchmark::State& state) {
 
 BENCHMARK_TEMPLATE(conv_compressed_forward, latte::Causal, 1)
     ->Name("conv_compressed_forward/causal_levels1")
-    ->ArgName("T")->Arg(256)->Arg(1024)
+    ->ArgName("T")->Arg(256)->Arg(1024)->Arg(4096)->Arg(16384)
     ->MinTime(0.1)->Unit(benchmark::kMillisecond);
 BENCHMARK_TEMPLATE(conv_compressed_forward, latte::Causal, 2)
     ->Name("conv_compressed_forward/causal_levels2")
@@ -207,5 +211,31 @@ BENCHMARK_TEMPLATE(conv_compressed_step, 1)
     ->MinTime(0.1)->Unit(benchmark::kMicrosecond);
 BENCHMARK_TEMPLATE(conv_compressed_step, 2)
     ->Name("conv_compressed_step/causal_levels2")
+    ->ArgName("context")->Arg(1 << 10)->Arg(16 << 10)->Arg(64 << 10)
+    ->MinTime(0.1)->Unit(benchmark::kMicrosecond);
+
+using cpu_t = latte::exec::cpu_t;
+BENCHMARK_TEMPLATE(conv_compressed_forward, latte::Causal, 1, cpu_t)
+    ->Name("cpu_conv_compressed_forward/causal_levels1")
+    ->ArgName("T")->Arg(1024)->Arg(4096)->Arg(16384)
+    ->MinTime(0.1)->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(conv_compressed_forward, latte::Causal, 2, cpu_t)
+    ->Name("cpu_conv_compressed_forward/causal_levels2")
+    ->ArgName("T")->Arg(1024)->Arg(4096)->Arg(16384)
+    ->MinTime(0.1)->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(conv_compressed_forward, latte::Bidirectional, 1, cpu_t)
+    ->Name("cpu_conv_compressed_forward/bidirectional_levels1")
+    ->ArgName("T")->Arg(1024)->Arg(4096)->Arg(16384)
+    ->MinTime(0.1)->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(conv_compressed_forward, latte::Bidirectional, 2, cpu_t)
+    ->Name("cpu_conv_compressed_forward/bidirectional_levels2")
+    ->ArgName("T")->Arg(1024)->Arg(4096)->Arg(16384)
+    ->MinTime(0.1)->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(conv_compressed_step, 1, cpu_t)
+    ->Name("cpu_conv_compressed_step/causal_levels1")
+    ->ArgName("context")->Arg(1 << 10)->Arg(16 << 10)->Arg(64 << 10)
+    ->MinTime(0.1)->Unit(benchmark::kMicrosecond);
+BENCHMARK_TEMPLATE(conv_compressed_step, 2, cpu_t)
+    ->Name("cpu_conv_compressed_step/causal_levels2")
     ->ArgName("context")->Arg(1 << 10)->Arg(16 << 10)->Arg(64 << 10)
     ->MinTime(0.1)->Unit(benchmark::kMicrosecond);

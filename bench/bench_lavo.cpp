@@ -1,13 +1,15 @@
-// Google Benchmark suite for Lavo (paper 002), reference backend, fp32, B = 1, H = 8,
-// d = 64, r = 64 bases, window w = 64 (the paper's LM setting: num_bases 64; w = 64
-// extrapolated best in its Fig. 4):
+// Google Benchmark suite for Lavo (paper 002), fp32, B = 1, H = 8, d = 64, r = 64 bases,
+// window w = 64 (the paper's LM setting: num_bases 64; w = 64 extrapolated best in
+// its Fig. 4), on the reference backend and (rows prefixed cpu_) on exec::cpu:
 //
-//   lavo_forward/{causal,bidirectional}/T:{256,1024}
-//   lavo_cross_forward/Tq=Ts:{256,1024}             queries read CODE(source), §3.4
-//   lavo_step/causal/context:{1K,64K,1M}            one decode token after `context`
+//   lavo_forward/{causal,bidirectional}/T:{256,1K,4K,16K}       reference
+//   cpu_lavo_forward/{causal,bidirectional}/T:{1K,4K,16K}       exec::cpu (DESIGN §6 shapes)
+//   lavo_cross_forward/Tq=Ts:{256,1024}, cpu_lavo_cross_forward/Tq=Ts:{1K,4K,16K}   §3.4
+//   lavo_step/causal/context:{1K,64K,1M}, cpu_lavo_step/causal/context:{1K,64K,1M}
 //
-// (Linear in T: 4096 costs 4x 1024; add ->Arg(4096) to measure it.)
-// The T values are those of softmax_forward/causal in bench_reference.cpp (same
+// The reference rows at 4K and 16K take ~1-4 s each (one iteration); they are
+// there so that the cpu / reference ratio is read off the same run.
+// T = 256 and 1024 are those of softmax_forward/causal in bench_reference.cpp (same
 // binary), so the ratio to exact softmax attention is read off the same run.
 // items_per_second is tokens/s (queries for cross). The counter "flops" is a rate
 // (FLOP/s) from this model, a multiply and an add counting 2, exp and max ignored,
@@ -64,7 +66,7 @@ void report(benchmark::State& state, index_t tokens, double flops) {
   state.counters["flops"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
 }
 
-template <class Dir>
+template <class Dir, class E = latte::exec::reference_t>
 void lavo_forward(benchmark::State& state) {
   const index_t T = state.range(0);
   const auto attention = make_lavo<Dir>();
@@ -73,7 +75,7 @@ void lavo_forward(benchmark::State& state) {
   const auto v = random_tensor<4>({kBatch, T, kHeads, kDim}, 3);
   latte::Tensor<float, 4> out({kBatch, T, kHeads, kDim});
   for (auto _ : state) {
-    attention.forward(latte::exec::reference, q, k, v, out.view());
+    attention.forward(E{}, q, k, v, out.view());
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   }
@@ -83,6 +85,7 @@ void lavo_forward(benchmark::State& state) {
   report(state, kBatch * T, per_head * kBatch * kHeads);
 }
 
+template <class E = latte::exec::reference_t>
 void lavo_cross_forward(benchmark::State& state) {
   const index_t T = state.range(0);
   const auto attention = make_lavo<latte::Bidirectional>();
@@ -90,13 +93,14 @@ void lavo_cross_forward(benchmark::State& state) {
   const auto source = random_tensor<4>({kBatch, T, kHeads, kDim}, 5);
   latte::Tensor<float, 4> out({kBatch, T, kHeads, kDim});
   for (auto _ : state) {
-    attention.cross_forward(latte::exec::reference, q, source, out.view());
+    attention.cross_forward(E{}, q, source, out.view());
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   }
   report(state, kBatch * T, 6.0 * double(T) * kBases * kDim * kBatch * kHeads);
 }
 
+template <class E = latte::exec::reference_t>
 void lavo_step(benchmark::State& state) {
   const index_t context = state.range(0);
   const auto attention = make_lavo<latte::Causal>();
@@ -118,7 +122,7 @@ void lavo_step(benchmark::State& state) {
   const auto v = random_tensor<3>({kBatch, kHeads, kDim}, 9);
   latte::Tensor<float, 3> out({kBatch, kHeads, kDim});
   for (auto _ : state) {
-    attention.step(latte::exec::reference, decode_state, q, k, v, out.view());
+    attention.step(E{}, decode_state, q, k, v, out.view());
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   }
@@ -131,23 +135,48 @@ void lavo_step(benchmark::State& state) {
 BENCHMARK_TEMPLATE(lavo_forward, latte::Causal)
     ->Name("lavo_forward/causal")
     ->ArgName("T")
-    ->Arg(256)->Arg(1024)
+    ->Arg(256)->Arg(1024)->Arg(4096)->Arg(16384)
     ->MinTime(0.1)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK_TEMPLATE(lavo_forward, latte::Bidirectional)
     ->Name("lavo_forward/bidirectional")
     ->ArgName("T")
-    ->Arg(256)->Arg(1024)
+    ->Arg(256)->Arg(1024)->Arg(4096)->Arg(16384)
     ->MinTime(0.1)
     ->Unit(benchmark::kMillisecond);
-BENCHMARK(lavo_cross_forward)
+BENCHMARK_TEMPLATE(lavo_cross_forward)
     ->Name("lavo_cross_forward")
     ->ArgName("Tq=Ts")
-    ->Arg(256)->Arg(1024)
+    ->Arg(256)->Arg(1024)->Arg(4096)->Arg(16384)
     ->MinTime(0.1)
     ->Unit(benchmark::kMillisecond);
-BENCHMARK(lavo_step)
+BENCHMARK_TEMPLATE(lavo_step)
     ->Name("lavo_step/causal")
+    ->ArgName("context")
+    ->Arg(1 << 10)->Arg(64 << 10)->Arg(1 << 20)
+    ->MinTime(0.1)
+    ->Unit(benchmark::kMicrosecond);
+
+BENCHMARK_TEMPLATE(lavo_forward, latte::Causal, latte::exec::cpu_t)
+    ->Name("cpu_lavo_forward/causal")
+    ->ArgName("T")
+    ->Arg(1024)->Arg(4096)->Arg(16384)
+    ->MinTime(0.1)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(lavo_forward, latte::Bidirectional, latte::exec::cpu_t)
+    ->Name("cpu_lavo_forward/bidirectional")
+    ->ArgName("T")
+    ->Arg(1024)->Arg(4096)->Arg(16384)
+    ->MinTime(0.1)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(lavo_cross_forward, latte::exec::cpu_t)
+    ->Name("cpu_lavo_cross_forward")
+    ->ArgName("Tq=Ts")
+    ->Arg(1024)->Arg(4096)->Arg(16384)
+    ->MinTime(0.1)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(lavo_step, latte::exec::cpu_t)
+    ->Name("cpu_lavo_step/causal")
     ->ArgName("context")
     ->Arg(1 << 10)->Arg(64 << 10)->Arg(1 << 20)
     ->MinTime(0.1)

@@ -50,3 +50,17 @@ TEST_CASE_TEMPLATE("Softmax KV-cache step allocates nothing", E, exec::reference
   auto ring = windowed.make_state<float>(B);
   CHECK(allocations_in_steps(windowed, E{}, ring, q, q, q, out, 50) == 0);
 }
+
+TEST_CASE_TEMPLATE("Lavo and ConvCompressed steps allocate nothing", E, exec::reference_t, exec::cpu_t) {
+  Rng rng(503);
+  const index_t B = 2, H = 3, D = 16;
+  const auto q = random_tensor<float, 3>(rng, {B, H, D}, 1.0);
+  Tensor<float, 3> out({B, H, D});
+  const Lavo<Causal> lavo({.heads = H, .dim = D, .bases = 5, .window = 7});
+  auto lavo_state = lavo.make_state<float>(B);
+  CHECK(allocations_in_steps(lavo, E{}, lavo_state, q, q, q, out, 50) == 0);
+  const ConvCompressedDims dims{.heads = H, .key_dim = D, .value_dim = D, .group_size = 3, .levels = 2};
+  const ConvCompressedAttention<Causal> conv(dims, ConvCompressedParams::zeros(dims));
+  auto conv_state = conv.make_state<float>(B, 100);
+  CHECK(allocations_in_steps(conv, E{}, conv_state, q, q, q, out, 50) == 0);
+}

@@ -1,5 +1,5 @@
-// ConvCompressedAttention (paper 003 §4, DESIGN §3.5): the reference backend
-// against the explicit long-double oracle on >= 200 random shapes per direction,
+// ConvCompressedAttention (paper 003 §4, DESIGN §3.5): the reference and cpu backends,
+// each against the explicit long-double oracle on >= 200 random shapes per direction,
 // dtype and hierarchy (levels = 1 and levels >= 2); decode equivalence
 // (prefill + steps == oracle), chunked prefill, save/restore bit-exactness,
 // causality, and every malformed call.
@@ -146,45 +146,49 @@ long double max_abs(const TensorLD<N>& x) {
 template <class T, class Dir>
 void run_oracle_cases(bool hierarchical, std::uint64_t seed) {
   Rng rng(seed);
-  double worst = 0;
+  double worst = 0, worst_cpu = 0;
   long long elements = 0;
   int with_cross = 0;  // cases whose cross part is a visible share of the output
-  for (int c = 0; c < kOracleCases; ++c) {
+  const int cases_run = case_count(kOracleCases);
+  for (int c = 0; c < cases_run; ++c) {
     const Problem<T> p = random_problem<T, Dir>(rng, hierarchical, 3e6, c);
     const ConvCompressedAttention<Dir> attention(p.dims, p.params, p.scale);
-    Tensor<T, 4> out(p.v.extents());
+    Tensor<T, 4> out(p.v.extents()), out_cpu(p.v.extents());
     attention.forward(exec::reference, p.q, p.k, p.v, out.view());
+    attention.forward(exec::cpu, p.q, p.k, p.v, out_cpu.view());
     const auto oracle = conv_compressed_oracle(p.spec, p.params, p.q, p.k, p.v);
     const double error = relative_error(out, oracle.out);
-    CHECK_MESSAGE(error <= Tolerance<T>::relative,
-                  "case " << c << " " << p.describe() << " error=" << error);
+    const double error_cpu = relative_error(out_cpu, oracle.out);
+    CHECK_MESSAGE(std::max(error, error_cpu) <= Tolerance<T>::relative,
+                  "case " << c << " " << p.describe() << " reference error=" << error
+                          << " cpu error=" << error_cpu);
     worst = std::max(worst, error);
+    worst_cpu = std::max(worst_cpu, error_cpu);
     elements += out.size();
     if (max_abs(oracle.global) > 0.05L * max_abs(oracle.out)) ++with_cross;
   }
   // The oracle comparison must exercise the compressed path, not only the window.
-  CHECK(with_cross >= kOracleCases / 2);
+  CHECK(with_cross >= cases_run / 2);
   std::printf("[oracle] ConvCompressedAttention<%s> levels%s %s cases=%d elements=%lld "
-              "with_cross=%d max_rel_error=%.3e (tol %.0e)\n",
-              Dir::name, hierarchical ? ">=2" : "=1", dtype_name<T>(), kOracleCases, elements,
-              with_cross, worst, Tolerance<T>::relative);
+              "with_cross=%d max_rel_error reference=%.3e cpu=%.3e (tol %.0e)\n",
+              Dir::name, hierarchical ? ">=2" : "=1", dtype_name<T>(), cases_run, elements,
+              with_cross, worst, worst_cpu, Tolerance<T>::relative);
 }
 
 /// Prefill of the first `prefill` tokens through forward(..., state), the rest by step().
-template <class T>
+template <class T, class E = exec::reference_t>
 Tensor<T, 4> prefill_then_step(const ConvCompressedAttention<Causal>& attention,
                                ConvCompressedState<T>& state, const Tensor<T, 4>& q,
                                const Tensor<T, 4>& k, const Tensor<T, 4>& v, index_t prefill) {
   const index_t Tn = q.extent(1);
   Tensor<T, 4> out(v.extents());
   Tensor<T, 4> head({v.extent(0), prefill, v.extent(2), v.extent(3)});
-  attention.forward(exec::reference, time_slice(q, 0, prefill), time_slice(k, 0, prefill),
+  attention.forward(E{}, time_slice(q, 0, prefill), time_slice(k, 0, prefill),
                     time_slice(v, 0, prefill), head.view(), state);
   for (index_t t = 0; t < prefill; ++t) set_time_step(out, t, time_step(head, t));
   Tensor<T, 3> row({v.extent(0), v.extent(2), v.extent(3)});
   for (index_t t = prefill; t < Tn; ++t) {
-    attention.step(exec::reference, state, time_step(q, t), time_step(k, t), time_step(v, t),
-                   row.view());
+    attention.step(E{}, state, time_step(q, t), time_step(k, t), time_step(v, t), row.view());
     set_time_step(out, t, row);
   }
   return out;
@@ -193,8 +197,9 @@ Tensor<T, 4> prefill_then_step(const ConvCompressedAttention<Causal>& attention,
 template <class T>
 void run_decode_cases(bool hierarchical, std::uint64_t seed) {
   Rng rng(seed);
-  double worst = 0;
-  for (int c = 0; c < kDecodeCases; ++c) {
+  double worst = 0, worst_cpu = 0;
+  const int cases_run = case_count(kDecodeCases);
+  for (int c = 0; c < cases_run; ++c) {
     const Problem<T> p = random_problem<T, Causal>(rng, hierarchical, 2e6, c);
     const ConvCompressedAttention<Causal> attention(p.dims, p.params, p.scale);
     const auto oracle = conv_compressed_oracle(p.spec, p.params, p.q, p.k, p.v);
@@ -205,14 +210,21 @@ void run_decode_cases(bool hierarchical, std::uint64_t seed) {
     CHECK(state.position() == p.time);
     CHECK(state.compressed_tokens() ==
           p.time / reference::tokens_per_compressed_token(p.dims.group_size, p.dims.levels));
+    auto state_cpu = attention.make_state<T>(p.batch, capacity);
+    const auto decoded_cpu =
+        prefill_then_step<T, exec::cpu_t>(attention, state_cpu, p.q, p.k, p.v, prefill);
+    CHECK(state_cpu.position() == p.time);
     const double error = relative_error(decoded, oracle.out);
-    CHECK_MESSAGE(error <= Tolerance<T>::relative,
+    const double error_cpu = relative_error(decoded_cpu, oracle.out);
+    CHECK_MESSAGE(std::max(error, error_cpu) <= Tolerance<T>::relative,
                   "case " << c << " " << p.describe() << " prefill=" << prefill
-                          << " error=" << error);
+                          << " reference error=" << error << " cpu error=" << error_cpu);
     worst = std::max(worst, error);
+    worst_cpu = std::max(worst_cpu, error_cpu);
   }
-  std::printf("[decode] ConvCompressedAttention<causal> levels%s %s cases=%d max_rel_error=%.3e\n",
-              hierarchical ? ">=2" : "=1", dtype_name<T>(), kDecodeCases, worst);
+  std::printf("[decode] ConvCompressedAttention<causal> levels%s %s cases=%d max_rel_error "
+              "reference=%.3e cpu=%.3e\n",
+              hierarchical ? ">=2" : "=1", dtype_name<T>(), cases_run, worst, worst_cpu);
 }
 
 /// A fixed problem for the structural tests.
@@ -365,19 +377,23 @@ TEST_CASE("ConvCompressed: chunked prefill equals the oracle") {
     const auto p = fixed_problem<double>(2, 97, 3, 5, 6, 3, levels, 625 + levels);
     const ConvCompressedAttention<Causal> attention(p.dims, p.params);
     const auto oracle = conv_compressed_oracle(p.spec, p.params, p.q, p.k, p.v);
-    auto state = attention.make_state<double>(2, 97);
-    Tensor<double, 4> out(p.v.extents());
-    index_t first = 0;
-    for (index_t chunk : {0, 1, 13, 40, 43}) {  // boundaries inside and between groups
-      Tensor<double, 4> part({2, chunk, 3, 6});
-      attention.forward(exec::reference, time_slice(p.q, first, chunk),
-                        time_slice(p.k, first, chunk), time_slice(p.v, first, chunk),
-                        part.view(), state);
-      for (index_t t = 0; t < chunk; ++t) set_time_step(out, first + t, time_step(part, t));
-      first += chunk;
-    }
-    REQUIRE(first == 97);
-    CHECK(relative_error(out, oracle.out) <= Tolerance<double>::relative);
+    auto run = [&](auto backend) {
+      CAPTURE(decltype(backend)::name);
+      auto state = attention.make_state<double>(2, 97);
+      Tensor<double, 4> out(p.v.extents());
+      index_t first = 0;
+      for (index_t chunk : {0, 1, 13, 40, 43}) {  // boundaries inside and between groups
+        Tensor<double, 4> part({2, chunk, 3, 6});
+        attention.forward(backend, time_slice(p.q, first, chunk), time_slice(p.k, first, chunk),
+                          time_slice(p.v, first, chunk), part.view(), state);
+        for (index_t t = 0; t < chunk; ++t) set_time_step(out, first + t, time_step(part, t));
+        first += chunk;
+      }
+      REQUIRE(first == 97);
+      CHECK(relative_error(out, oracle.out) <= Tolerance<double>::relative);
+    };
+    run(exec::reference);
+    run(exec::cpu);
   }
 }
 
@@ -437,14 +453,18 @@ TEST_CASE("ConvCompressed state: O(window + T / M^L) memory, fixed at make_state
 TEST_CASE("ConvCompressed: group size 1 and levels 3 (every token compressed at every level)") {
   auto p = fixed_problem<double>(1, 23, 2, 3, 4, 1, 3, 633);
   const ConvCompressedAttention<Causal> attention(p.dims, p.params);
-  Tensor<double, 4> out(p.v.extents());
+  const auto oracle = conv_compressed_oracle(p.spec, p.params, p.q, p.k, p.v);
+  Tensor<double, 4> out(p.v.extents()), out_cpu(p.v.extents());
   attention.forward(exec::reference, p.q, p.k, p.v, out.view());
-  CHECK(relative_error(out, conv_compressed_oracle(p.spec, p.params, p.q, p.k, p.v).out) <=
-        Tolerance<double>::relative);
-  auto state = attention.make_state<double>(1, 23);
+  attention.forward(exec::cpu, p.q, p.k, p.v, out_cpu.view());
+  CHECK(relative_error(out, oracle.out) <= Tolerance<double>::relative);
+  CHECK(relative_error(out_cpu, oracle.out) <= Tolerance<double>::relative);
+  auto state = attention.make_state<double>(1, 23), state_cpu = attention.make_state<double>(1, 23);
   const auto decoded = prefill_then_step(attention, state, p.q, p.k, p.v, 5);
-  CHECK(relative_error(decoded, conv_compressed_oracle(p.spec, p.params, p.q, p.k, p.v).out) <=
-        Tolerance<double>::relative);
+  CHECK(relative_error(decoded, oracle.out) <= Tolerance<double>::relative);
+  const auto decoded_cpu = prefill_then_step<double, exec::cpu_t>(attention, state_cpu, p.q, p.k,
+                                                                  p.v, 5);
+  CHECK(relative_error(decoded_cpu, oracle.out) <= Tolerance<double>::relative);
 }
 
 TEST_CASE("ConvCompressed: M^L beyond int64 means no compressed token ever") {
@@ -453,11 +473,13 @@ TEST_CASE("ConvCompressed: M^L beyond int64 means no compressed token ever") {
   p.spec.window_left = 4;
   const ConvCompressedAttention<Causal> attention(p.dims, p.params);
   CHECK(attention.tokens_per_compressed_token() == std::numeric_limits<std::int64_t>::max());
-  Tensor<double, 4> out(p.v.extents());
+  Tensor<double, 4> out(p.v.extents()), out_cpu(p.v.extents());
   attention.forward(exec::reference, p.q, p.k, p.v, out.view());
+  attention.forward(exec::cpu, p.q, p.k, p.v, out_cpu.view());
   const auto oracle = conv_compressed_oracle(p.spec, p.params, p.q, p.k, p.v);
   CHECK(max_abs(oracle.global) == 0);
   CHECK(relative_error(out, oracle.out) <= Tolerance<double>::relative);
+  CHECK(relative_error(out_cpu, oracle.out) <= Tolerance<double>::relative);
   auto state = attention.make_state<double>(1, 1000);
   CHECK(state.shape().compressed_capacity() == 0);
 }
@@ -466,16 +488,20 @@ TEST_CASE("ConvCompressed: zero values and zero weights give exactly zero output
   auto p = fixed_problem<double>(1, 30, 2, 3, 4, 3, 2, 635);
   p.params = ConvCompressedParams::zeros(p.dims);
   p.v.fill(0.0);
-  for (auto* direction : {"causal", "bidirectional"}) {
-    Tensor<double, 4> out(p.v.extents(), 7.0);
-    if (std::string_view(direction) == "causal")
-      ConvCompressedAttention<Causal>(p.dims, p.params)
-          .forward(exec::reference, p.q, p.k, p.v, out.view());
-    else
-      ConvCompressedAttention<Bidirectional>(p.dims, p.params)
-          .forward(exec::reference, p.q, p.k, p.v, out.view());
-    CHECK(std::all_of(out.data(), out.data() + out.size(), [](double x) { return x == 0.0; }));
-  }
+  auto run = [&](auto backend) {
+    for (auto* direction : {"causal", "bidirectional"}) {
+      Tensor<double, 4> out(p.v.extents(), 7.0);
+      if (std::string_view(direction) == "causal")
+        ConvCompressedAttention<Causal>(p.dims, p.params)
+            .forward(backend, p.q, p.k, p.v, out.view());
+      else
+        ConvCompressedAttention<Bidirectional>(p.dims, p.params)
+            .forward(backend, p.q, p.k, p.v, out.view());
+      CHECK(std::all_of(out.data(), out.data() + out.size(), [](double x) { return x == 0.0; }));
+    }
+  };
+  run(exec::reference);
+  run(exec::cpu);
 }
 
 TEST_CASE("ConvCompressed: defaults") {
@@ -502,15 +528,20 @@ TEST_CASE("ConvCompressed: large scores (window and cross) stay finite and exact
     p.spec.causal = causal;
     p.spec.window_right = causal ? 0 : 2;
     const auto oracle = conv_compressed_oracle(p.spec, p.params, p.q, p.k, p.v);
-    Tensor<double, 4> out(p.v.extents());
-    if (causal)
-      ConvCompressedAttention<Causal>(p.dims, p.params)
-          .forward(exec::reference, p.q, p.k, p.v, out.view());
-    else
-      ConvCompressedAttention<Bidirectional>(p.dims, p.params)
-          .forward(exec::reference, p.q, p.k, p.v, out.view());
-    CHECK(all_finite(out));
-    CHECK(relative_error(out, oracle.out) <= Tolerance<double>::relative);
+    auto run = [&](auto backend) {
+      CAPTURE(decltype(backend)::name);
+      Tensor<double, 4> out(p.v.extents());
+      if (causal)
+        ConvCompressedAttention<Causal>(p.dims, p.params)
+            .forward(backend, p.q, p.k, p.v, out.view());
+      else
+        ConvCompressedAttention<Bidirectional>(p.dims, p.params)
+            .forward(backend, p.q, p.k, p.v, out.view());
+      CHECK(all_finite(out));
+      CHECK(relative_error(out, oracle.out) <= Tolerance<double>::relative);
+    };
+    run(exec::reference);
+    run(exec::cpu);
   }
 }
 
@@ -552,6 +583,21 @@ TEST_CASE("ConvCompressed: strided views into one fused QKV buffer give bit-iden
         for (index_t d = 0; d < 5; ++d) decoded(b, t, h, d) = out(b, t, h, d);
   CHECK(relative_error(decoded, conv_compressed_oracle(p.spec, p.params, p.q, p.k, p.v).out) <=
         Tolerance<float>::relative);
+  // The cpu backend through the same strided views, whole and with a state.
+  auto copy_out = [&] {
+    Tensor<float, 4> copy(p.v.extents());
+    for (index_t b = 0; b < 2; ++b)
+      for (index_t t = 0; t < 29; ++t)
+        for (index_t h = 0; h < 3; ++h)
+          for (index_t d = 0; d < 5; ++d) copy(b, t, h, d) = out(b, t, h, d);
+    return copy;
+  };
+  const auto oracle = conv_compressed_oracle(p.spec, p.params, p.q, p.k, p.v).out;
+  attention.forward(exec::cpu, part(0, 4), part(4, 4), part(8, 5), out);
+  CHECK(relative_error(copy_out(), oracle) <= Tolerance<float>::relative);
+  auto state_cpu = attention.make_state<float>(2, 29);
+  attention.forward(exec::cpu, part(0, 4), part(4, 4), part(8, 5), out, state_cpu);
+  CHECK(relative_error(copy_out(), oracle) <= Tolerance<float>::relative);
 }
 
 // --------------------------------------------------------------- bad input --

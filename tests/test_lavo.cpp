@@ -1,6 +1,6 @@
-// LAVO (paper 002): the reference backend against the long-double oracle written
-// from the definition (tests/oracles/lavo_oracle.hpp) on >= 200 random shapes per
-// direction and dtype and for cross-attention; the seeded orthonormal bases;
+// LAVO (paper 002): the reference and cpu backends, each against the long-double
+// oracle written from the definition (tests/oracles/lavo_oracle.hpp) on >= 200 random
+// shapes per direction and dtype and for cross-attention; the seeded orthonormal bases;
 // decode equivalence, chunked prefill, save/restore, constant state size;
 // a 10^6-token fp32 context; malformed input.
 #include <doctest/doctest.h>
@@ -16,6 +16,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "latte/core/orthonormal_basis.hpp"
@@ -102,9 +103,10 @@ Config random_config(Rng& rng, bool causal, index_t heads, index_t d, index_t ti
 template <class T, class Dir>
 void run_oracle_cases(const char* label, std::uint64_t seed) {
   Rng rng(seed);
-  double worst = 0;
+  double worst = 0, worst_cpu = 0;
   long long elements = 0;
-  for (int c = 0; c < kCases; ++c) {
+  const int cases_run = case_count(kCases);
+  for (int c = 0; c < cases_run; ++c) {
     const Shape s = random_shape(rng, 1.2e7);
     const index_t d = s.value_dim;
     const Config config = random_config<T>(rng, Dir::is_causal, s.heads, d, s.time, s.latents);
@@ -113,26 +115,33 @@ void run_oracle_cases(const char* label, std::uint64_t seed) {
     const auto k = random_tensor<T, 4>(rng, {s.batch, s.time, s.heads, d}, input_scale);
     const auto v = uniform_tensor<T, 4>(rng, {s.batch, s.time, s.heads, d}, -1, 1);
     const Lavo<Dir> attention(config.dims, config.params);
-    Tensor<T, 4> out(v.extents());
+    Tensor<T, 4> out(v.extents()), out_cpu(v.extents());
     attention.forward(exec::reference, q, k, v, out.view());
-    const double error = relative_error(out, lavo_oracle(config.spec, q, k, v));
-    CHECK_MESSAGE(error <= Tolerance<T>::relative,
+    attention.forward(exec::cpu, q, k, v, out_cpu.view());
+    const auto oracle = lavo_oracle(config.spec, q, k, v);
+    const double error = relative_error(out, oracle), error_cpu = relative_error(out_cpu, oracle);
+    CHECK_MESSAGE(std::max(error, error_cpu) <= Tolerance<T>::relative,
                   label << " case " << c << " B=" << s.batch << " T=" << s.time
-                        << " H=" << s.heads << " " << config.describe << " error=" << error);
+                        << " H=" << s.heads << " " << config.describe << " reference error="
+                        << error << " cpu error=" << error_cpu);
     worst = std::max(worst, error);
+    worst_cpu = std::max(worst_cpu, error_cpu);
     elements += out.size();
   }
-  std::printf("[oracle] %-44s %s cases=%d elements=%lld max_rel_error=%.3e (tol %.0e)\n", label,
-              dtype_name<T>(), kCases, elements, worst, Tolerance<T>::relative);
+  std::printf("[oracle] %-44s %s cases=%d elements=%lld max_rel_error reference=%.3e "
+              "cpu=%.3e (tol %.0e)\n",
+              label, dtype_name<T>(), cases_run, elements, worst, worst_cpu,
+              Tolerance<T>::relative);
 }
 
 template <class T>
 void run_cross_cases(std::uint64_t seed) {
   Rng rng(seed);
-  double worst = 0;
+  double worst = 0, worst_cpu = 0;
   long long elements = 0;
   int empty_sources = 0;
-  for (int c = 0; c < kCases; ++c) {
+  const int cases_run = case_count(kCases);
+  for (int c = 0; c < cases_run; ++c) {
     const Shape s = random_shape(rng, 1.2e7);
     const index_t d = s.value_dim;
     index_t source_length = pick(rng, sequence_lengths());
@@ -144,37 +153,44 @@ void run_cross_cases(std::uint64_t seed) {
     const auto source =
         random_tensor<T, 4>(rng, {s.batch, source_length, s.heads, d}, input_scale);
     const Lavo<Bidirectional> attention(config.dims, config.params);
-    Tensor<T, 4> out(q.extents(), T(7));
+    Tensor<T, 4> out(q.extents(), T(7)), out_cpu(q.extents(), T(7));
     attention.cross_forward(exec::reference, q, source, out.view());
-    const double error = relative_error(out, lavo_cross_oracle(config.spec, q, source));
-    CHECK_MESSAGE(error <= Tolerance<T>::relative,
+    attention.cross_forward(exec::cpu, q, source, out_cpu.view());
+    const auto oracle = lavo_cross_oracle(config.spec, q, source);
+    const double error = relative_error(out, oracle), error_cpu = relative_error(out_cpu, oracle);
+    CHECK_MESSAGE(std::max(error, error_cpu) <= Tolerance<T>::relative,
                   "cross case " << c << " B=" << s.batch << " Tq=" << s.time << " Ts="
                                 << source_length << " H=" << s.heads << " " << config.describe
-                                << " error=" << error);
+                                << " reference error=" << error << " cpu error=" << error_cpu);
     worst = std::max(worst, error);
+    worst_cpu = std::max(worst_cpu, error_cpu);
     elements += out.size();
   }
-  CHECK(empty_sources == kCases / 25);
-  std::printf("[oracle] %-44s %s cases=%d elements=%lld max_rel_error=%.3e (tol %.0e)\n",
-              "Lavo cross_forward (§3.4)", dtype_name<T>(), kCases, elements, worst,
-              Tolerance<T>::relative);
+  CHECK(empty_sources == (cases_run + 17) / 25);  // the cases c < cases_run with c % 25 == 7
+  std::printf("[oracle] %-44s %s cases=%d elements=%lld max_rel_error reference=%.3e "
+              "cpu=%.3e (tol %.0e)\n",
+              "Lavo cross_forward (§3.4)", dtype_name<T>(), cases_run, elements, worst,
+              worst_cpu, Tolerance<T>::relative);
 }
 
-/// Prefill of the first `prefill` tokens through forward(..., state), the rest through step().
-template <class T>
+/// Prefill of the first `prefill` tokens through forward(..., state) (in two calls,
+/// split at `split` <= prefill, so the second continues from the state's ring), the
+/// rest through step(), all on backend E.
+template <class T, class E = exec::reference_t>
 Tensor<T, 4> prefill_then_step(const Lavo<Causal>& attention, LavoState<T>& state,
                                const Tensor<T, 4>& q, const Tensor<T, 4>& k, const Tensor<T, 4>& v,
-                               index_t prefill) {
+                               index_t prefill, index_t split = 0) {
   const index_t Tn = q.extent(1);
   Tensor<T, 4> out(v.extents());
-  Tensor<T, 4> head_out({v.extent(0), prefill, v.extent(2), v.extent(3)});
-  attention.forward(exec::reference, time_slice(q, 0, prefill), time_slice(k, 0, prefill),
-                    time_slice(v, 0, prefill), head_out.view(), state);
-  for (index_t t = 0; t < prefill; ++t) set_time_step(out, t, time_step(head_out, t));
+  for (const auto& [first, count] : {std::pair{index_t{0}, split}, {split, prefill - split}}) {
+    Tensor<T, 4> head_out({v.extent(0), count, v.extent(2), v.extent(3)});
+    attention.forward(E{}, time_slice(q, first, count), time_slice(k, first, count),
+                      time_slice(v, first, count), head_out.view(), state);
+    for (index_t t = 0; t < count; ++t) set_time_step(out, first + t, time_step(head_out, t));
+  }
   Tensor<T, 3> row({v.extent(0), v.extent(2), v.extent(3)});
   for (index_t t = prefill; t < Tn; ++t) {
-    attention.step(exec::reference, state, time_step(q, t), time_step(k, t), time_step(v, t),
-                   row.view());
+    attention.step(E{}, state, time_step(q, t), time_step(k, t), time_step(v, t), row.view());
     set_time_step(out, t, row);
   }
   return out;
@@ -183,8 +199,9 @@ Tensor<T, 4> prefill_then_step(const Lavo<Causal>& attention, LavoState<T>& stat
 template <class T>
 void run_decode_cases(std::uint64_t seed) {
   Rng rng(seed);
-  double worst = 0;
-  for (int c = 0; c < kDecodeCases; ++c) {
+  double worst = 0, worst_cpu = 0;
+  const int cases_run = case_count(kDecodeCases);
+  for (int c = 0; c < cases_run; ++c) {
     const Shape s = random_shape(rng, 4e6);
     const index_t d = s.value_dim;
     const Config config = random_config<T>(rng, true, s.heads, d, s.time, s.latents);
@@ -193,24 +210,40 @@ void run_decode_cases(std::uint64_t seed) {
     const auto v = uniform_tensor<T, 4>(rng, {s.batch, s.time, s.heads, d}, -1, 1);
     const Lavo<Causal> attention(config.dims, config.params);
     const auto oracle = lavo_oracle(config.spec, q, k, v);
-    Tensor<T, 4> whole(v.extents());
+    Tensor<T, 4> whole(v.extents()), whole_cpu(v.extents());
     attention.forward(exec::reference, q, k, v, whole.view());
+    attention.forward(exec::cpu, q, k, v, whole_cpu.view());
 
     const index_t prefill = std::uniform_int_distribution<index_t>(0, s.time)(rng);
+    const index_t split = std::uniform_int_distribution<index_t>(0, prefill)(rng);
     auto state = attention.make_state<T>(s.batch);
     const auto decoded = prefill_then_step(attention, state, q, k, v, prefill);
     CHECK(state.position() == s.time);
+    auto state_cpu = attention.make_state<T>(s.batch);
+    const auto decoded_cpu =
+        prefill_then_step<T, exec::cpu_t>(attention, state_cpu, q, k, v, prefill, split);
+    CHECK(state_cpu.position() == s.time);
 
     const double error_whole = relative_error(whole, oracle);
     const double error_decoded = relative_error(decoded, oracle);
+    const double error_whole_cpu = relative_error(whole_cpu, oracle);
+    const double error_decoded_cpu = relative_error(decoded_cpu, oracle);
     CHECK_MESSAGE(error_whole <= Tolerance<T>::relative, "case " << c << " " << config.describe);
     CHECK_MESSAGE(error_decoded <= Tolerance<T>::relative,
                   "case " << c << " T=" << s.time << " prefill=" << prefill << " "
                           << config.describe << " error=" << error_decoded);
+    CHECK_MESSAGE(error_whole_cpu <= Tolerance<T>::relative,
+                  "cpu case " << c << " " << config.describe << " error=" << error_whole_cpu);
+    CHECK_MESSAGE(error_decoded_cpu <= Tolerance<T>::relative,
+                  "cpu case " << c << " T=" << s.time << " prefill=" << prefill << " split="
+                              << split << " " << config.describe
+                              << " error=" << error_decoded_cpu);
     worst = std::max({worst, error_whole, error_decoded});
+    worst_cpu = std::max({worst_cpu, error_whole_cpu, error_decoded_cpu});
   }
-  std::printf("[decode] Lavo<Causal> prefill + steps %s cases=%d max_rel_error=%.3e\n",
-              dtype_name<T>(), kDecodeCases, worst);
+  std::printf("[decode] Lavo<Causal> prefill + steps %s cases=%d max_rel_error reference=%.3e "
+              "cpu=%.3e\n",
+              dtype_name<T>(), cases_run, worst, worst_cpu);
 }
 
 }  // namespace
@@ -303,22 +336,32 @@ TEST_CASE("Lavo: adversarial inputs (bias spread 1e3, large logits, zero values)
                         .scale = 1.0L / std::sqrt((long double)d)};
     spec.basis = widen(orthonormal_bases(H, r, d, 5));
     spec.relative_bias = widen(bias);
-    Tensor<double, 4> out(v.extents());
-    if (causal) {
-      Lavo<Causal>(dims, {.basis_seed = 5, .relative_bias = bias}).forward(exec::reference, q, k, v, out.view());
-    } else {
-      Lavo<Bidirectional>(dims, {.basis_seed = 5, .relative_bias = bias})
-          .forward(exec::reference, q, k, v, out.view());
-    }
-    CHECK(all_finite(out));
-    CHECK(relative_error(out, lavo_oracle(spec, q, k, v)) <= Tolerance<double>::relative);
+    const auto oracle = lavo_oracle(spec, q, k, v);
+    auto run = [&](auto backend) {
+      Tensor<double, 4> out(v.extents());
+      if (causal) {
+        Lavo<Causal>(dims, {.basis_seed = 5, .relative_bias = bias})
+            .forward(backend, q, k, v, out.view());
+      } else {
+        Lavo<Bidirectional>(dims, {.basis_seed = 5, .relative_bias = bias})
+            .forward(backend, q, k, v, out.view());
+      }
+      CAPTURE(decltype(backend)::name);
+      CHECK(all_finite(out));
+      CHECK(relative_error(out, oracle) <= Tolerance<double>::relative);
+    };
+    run(exec::reference);
+    run(exec::cpu);
   }
   // All-zero values: F_local = 0, H = 0, so every output is exactly zero.
   const Tensor<float, 4> zero_v({B, Tn, H, d}, 0.0f);
   const auto qf = random_tensor<float, 4>(rng, {B, Tn, H, d}, 3.0);
-  Tensor<float, 4> out({B, Tn, H, d}, 1.0f);
+  Tensor<float, 4> out({B, Tn, H, d}, 1.0f), out_cpu({B, Tn, H, d}, 1.0f);
   Lavo<Causal>(dims).forward(exec::reference, qf, qf, zero_v, out.view());
+  Lavo<Causal>(dims).forward(exec::cpu, qf, qf, zero_v, out_cpu.view());
   CHECK(std::all_of(out.data(), out.data() + out.size(), [](float x) { return x == 0.0f; }));
+  CHECK(std::all_of(out_cpu.data(), out_cpu.data() + out_cpu.size(),
+                    [](float x) { return x == 0.0f; }));
 }
 
 TEST_CASE("Lavo: the memory only holds complete earlier windows (causality and dissection)") {
@@ -332,19 +375,23 @@ TEST_CASE("Lavo: the memory only holds complete earlier windows (causality and d
   const auto k = random_tensor<double, 4>(rng, {1, Tn, H, d}, 1.0);
   const auto v = uniform_tensor<double, 4>(rng, {1, Tn, H, d}, -1, 1);
   Tensor<double, 4> before({1, Tn, H, d}), after({1, Tn, H, d});
+  Tensor<double, 4> before_cpu({1, Tn, H, d}), after_cpu({1, Tn, H, d});
   attention.forward(exec::reference, q, k, v, before.view());
+  attention.forward(exec::cpu, q, k, v, before_cpu.view());
   for (index_t h = 0; h < H; ++h)
     for (index_t e = 0; e < d; ++e) q(0, t0, h, e) += 0.5;
   attention.forward(exec::reference, q, k, v, after.view());
-  auto same_at = [&](index_t t) {
+  attention.forward(exec::cpu, q, k, v, after_cpu.view());
+  auto same_at = [&](const Tensor<double, 4>& x, const Tensor<double, 4>& y, index_t t) {
     for (index_t h = 0; h < H; ++h)
       for (index_t e = 0; e < d; ++e)
-        if (before(0, t, h, e) != after(0, t, h, e)) return false;
+        if (x(0, t, h, e) != y(0, t, h, e)) return false;
     return true;
   };
   for (index_t t = 0; t < Tn; ++t) {
     const bool unchanged = t < t0 || (t > t0 && t < 18);
-    CHECK_MESSAGE(same_at(t) == unchanged, "t=" << t);
+    CHECK_MESSAGE(same_at(before, after, t) == unchanged, "t=" << t);
+    CHECK_MESSAGE(same_at(before_cpu, after_cpu, t) == unchanged, "cpu t=" << t);
   }
 }
 
@@ -369,26 +416,61 @@ TEST_CASE("Lavo: forward with a state, chunked at any border, equals one forward
   spec.basis = widen(attention.bases());
   spec.relative_bias = widen(bias);
   const auto oracle = lavo_oracle(spec, q, k, v);
-  auto state = attention.make_state<double>(B);
-  Tensor<double, 4> out({B, Tn, H, d}), whole({B, Tn, H, d});
-  index_t first = 0;
-  for (index_t chunk : {0, 1, 13, 40, 43}) {
-    Tensor<double, 4> part({B, chunk, H, d});
-    attention.forward(exec::reference, time_slice(q, first, chunk), time_slice(k, first, chunk),
-                      time_slice(v, first, chunk), part.view(), state);
-    for (index_t t = 0; t < chunk; ++t) set_time_step(out, first + t, time_step(part, t));
-    first += chunk;
-  }
-  REQUIRE(first == Tn);
-  CHECK(state.position() == Tn);
+  auto chunked = [&](auto backend, LavoState<double>& state) {
+    Tensor<double, 4> out({B, Tn, H, d});
+    index_t first = 0;
+    for (index_t chunk : {0, 1, 13, 40, 43}) {
+      Tensor<double, 4> part({B, chunk, H, d});
+      attention.forward(backend, time_slice(q, first, chunk), time_slice(k, first, chunk),
+                        time_slice(v, first, chunk), part.view(), state);
+      for (index_t t = 0; t < chunk; ++t) set_time_step(out, first + t, time_step(part, t));
+      first += chunk;
+    }
+    REQUIRE(first == Tn);
+    CHECK(state.position() == Tn);
+    return out;
+  };
+  auto state = attention.make_state<double>(B), state_cpu = attention.make_state<double>(B);
+  const auto out = chunked(exec::reference, state);
   CHECK(relative_error(out, oracle) <= Tolerance<double>::relative);
+  CHECK(relative_error(chunked(exec::cpu, state_cpu), oracle) <= Tolerance<double>::relative);
+  Tensor<double, 4> whole({B, Tn, H, d});
   // The state-less forward runs the same per-token recurrence (a smaller ring):
   // it must agree bit for bit, a consistency check on top of the oracle's.
   attention.forward(exec::reference, q, k, v, whole.view());
   CHECK(bit_equal(out, whole));
 }
 
-template <class T>
+TEST_CASE("Lavo cpu: one long head split into time segments, continuing a state") {
+  // B * H = 1 with T >> 256: the cpu kernel cuts time into segments at window
+  // borders (one per thread) and scans the memory across them; the second
+  // forward starts mid-window at position 333 and reads the state's ring.
+  Rng rng(2110);
+  const index_t Tn = 1500, H = 1, d = 8, r = 5, prefix = 333;
+  for (const index_t w : {1, 7, 64, 600}) {
+    CAPTURE(w);
+    const auto q = random_tensor<double, 4>(rng, {1, Tn, H, d}, 1.0);
+    const auto k = random_tensor<double, 4>(rng, {1, Tn, H, d}, 1.0);
+    const auto v = uniform_tensor<double, 4>(rng, {1, Tn, H, d}, -1, 1);
+    const auto bias = random_tensor<double, 2>(rng, {H, 2 * w - 1}, 1.0);
+    const Lavo<Causal> attention({.heads = H, .dim = d, .bases = r, .window = w},
+                                 {.basis_seed = 11, .relative_bias = bias});
+    LavoOracleSpec spec{.causal = true, .window = w, .bases = r,
+                        .scale = 1.0L / std::sqrt((long double)d)};
+    spec.basis = widen(attention.bases());
+    spec.relative_bias = widen(bias);
+    const auto oracle = lavo_oracle(spec, q, k, v);
+    Tensor<double, 4> whole({1, Tn, H, d});
+    attention.forward(exec::cpu, q, k, v, whole.view());
+    CHECK(relative_error(whole, oracle) <= Tolerance<double>::relative);
+    auto state = attention.make_state<double>(1);
+    const auto continued =
+        prefill_then_step<double, exec::cpu_t>(attention, state, q, k, v, Tn, prefix);
+    CHECK(relative_error(continued, oracle) <= Tolerance<double>::relative);
+  }
+}
+
+template <class T, class E>
 void check_save_restore(index_t split) {
   Rng rng(2104 + static_cast<std::uint64_t>(split));
   const index_t B = 2, Tn = 64, H = 3, d = 8, r = 5, w = 6;
@@ -399,17 +481,17 @@ void check_save_restore(index_t split) {
                                {.relative_bias = random_tensor<double, 2>(rng, {H, 2 * w - 1}, 1.0)});
   auto state = attention.make_state<T>(B);
   Tensor<T, 4> head({B, split, H, d});
-  attention.forward(exec::reference, time_slice(q, 0, split), time_slice(k, 0, split),
+  attention.forward(E{}, time_slice(q, 0, split), time_slice(k, 0, split),
                     time_slice(v, 0, split), head.view(), state);
   const std::vector<std::byte> bytes = state.save();
   auto restored = attention.load_state<T>(bytes);
   CHECK(restored.position() == split);
   CHECK(restored.save() == bytes);
   Tensor<T, 4> rest_original({B, Tn - split, H, d}), rest_restored({B, Tn - split, H, d});
-  attention.forward(exec::reference, time_slice(q, split, Tn - split),
+  attention.forward(E{}, time_slice(q, split, Tn - split),
                     time_slice(k, split, Tn - split), time_slice(v, split, Tn - split),
                     rest_original.view(), state);
-  attention.forward(exec::reference, time_slice(q, split, Tn - split),
+  attention.forward(E{}, time_slice(q, split, Tn - split),
                     time_slice(k, split, Tn - split), time_slice(v, split, Tn - split),
                     rest_restored.view(), restored);
   CHECK(bit_equal(rest_original, rest_restored));
@@ -423,8 +505,10 @@ void check_save_restore(index_t split) {
 TEST_CASE("Lavo: save/restore continues bit-exactly (mid-window, at a border, at 0)") {
   for (index_t split : {0, 1, 17, 18, 29}) {
     CAPTURE(split);
-    check_save_restore<float>(split);
-    check_save_restore<double>(split);
+    check_save_restore<float, exec::reference_t>(split);
+    check_save_restore<double, exec::reference_t>(split);
+    check_save_restore<float, exec::cpu_t>(split);
+    check_save_restore<double, exec::cpu_t>(split);
   }
 }
 
@@ -460,17 +544,18 @@ TEST_CASE("Lavo fp32: a 10^6-token context keeps the memory mean accurate") {
   spec.basis = widen(rounded_to<float>(attention.bases()));
   const std::vector<index_t> checked{1, 1000, 500000, Tn - 2, Tn - 1};
   std::vector<long double> sum(static_cast<std::size_t>(r), 0.0L);  // sum_{s<t} B v_s
-  auto state = attention.make_state<float>(1);
+  auto state = attention.make_state<float>(1), state_cpu = attention.make_state<float>(1);
   Rng rng(2106);
   std::normal_distribution<double> normal(0.0, 1.0);
   std::uniform_real_distribution<double> offset(0.9, 1.0);
-  double worst = 0, scale = 0;
+  double worst = 0, worst_cpu = 0, scale = 0;
   for (index_t first = 0; first < Tn; first += chunk) {
     const index_t n = std::min(chunk, Tn - first);
-    Tensor<float, 4> q({1, n, H, d}), v({1, n, H, d}), out({1, n, H, d});
+    Tensor<float, 4> q({1, n, H, d}), v({1, n, H, d}), out({1, n, H, d}), out_cpu({1, n, H, d});
     for (index_t i = 0; i < q.size(); ++i) q.data()[i] = static_cast<float>(normal(rng));
     for (index_t i = 0; i < v.size(); ++i) v.data()[i] = static_cast<float>(offset(rng));
     attention.forward(exec::reference, q, q, v, out.view(), state);
+    attention.forward(exec::cpu, q, q, v, out_cpu.view(), state_cpu);
     for (index_t j = 0; j < n; ++j) {
       const index_t t = first + j;
       if (std::find(checked.begin(), checked.end(), t) != checked.end()) {
@@ -481,6 +566,7 @@ TEST_CASE("Lavo fp32: a 10^6-token context keeps the memory mean accurate") {
         for (index_t e = 0; e < d; ++e) {
           const long double expected = ((long double)v(0, j, 0, e) + global[e]) / 2;
           worst = std::max(worst, (double)std::fabs(out(0, j, 0, e) - expected));
+          worst_cpu = std::max(worst_cpu, (double)std::fabs(out_cpu(0, j, 0, e) - expected));
           scale = std::max(scale, (double)std::fabs(expected));
         }
       }
@@ -489,9 +575,12 @@ TEST_CASE("Lavo fp32: a 10^6-token context keeps the memory mean accurate") {
     }
   }
   CHECK(state.position() == Tn);
-  std::printf("[oracle] Lavo<Causal> 1e6-token context float32 max_rel_error=%.3e\n",
-              worst / scale);
+  CHECK(state_cpu.position() == Tn);
+  std::printf("[oracle] Lavo<Causal> 1e6-token context float32 max_rel_error reference=%.3e "
+              "cpu=%.3e\n",
+              worst / scale, worst_cpu / scale);
   CHECK(worst / scale <= Tolerance<float>::relative);
+  CHECK(worst_cpu / scale <= Tolerance<float>::relative);
 }
 
 // --------------------------------------------------------------- bad input --

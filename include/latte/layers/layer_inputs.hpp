@@ -96,9 +96,9 @@ template <Direction Dir, FeatureMap Map, Reweight Rw, Positional Pos>
 struct LayerInputs<LinearAttention<Dir, Map, Rw, Pos>>
     : QueryKeyValueInputs<LinearAttention<Dir, Map, Rw, Pos>, exec::cpu_t> {};
 template <Direction Dir>
-struct LayerInputs<Lavo<Dir>> : QueryKeyValueInputs<Lavo<Dir>, exec::reference_t> {};
+struct LayerInputs<Lavo<Dir>> : QueryKeyValueInputs<Lavo<Dir>, exec::cpu_t> {};
 template <Direction Dir>
 struct LayerInputs<ConvCompressedAttention<Dir>>
-    : QueryKeyValueInputs<ConvCompressedAttention<Dir>, exec::reference_t> {};
+    : QueryKeyValueInputs<ConvCompressedAttention<Dir>, exec::cpu_t> {};
 
 }  // namespace latte

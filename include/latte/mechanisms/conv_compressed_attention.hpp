@@ -22,11 +22,13 @@
 // independent (each head has its own weights, as in paper 003's per-head modules).
 // Every softmax uses `scale` (default 1/sqrt(Dk)). Causal decode keeps the window
 // rings, the open groups' partial sums and the compressed tokens (ConvCompressedState).
-// Backend: latte::exec::reference only (exec::cpu / exec::cuda do not compile yet).
+// Backends: exec::reference (scalar loops, backends/reference/conv_compressed.hpp) and
+// exec::cpu (GEMM/SIMD/OpenMP, backends/cpu/conv_compressed.hpp); exec::cuda does not
+// compile yet.
 //
 //   latte::ConvCompressedAttention<latte::Causal> attn(
 //       {.heads = 8, .key_dim = 64, .value_dim = 64, .group_size = 64, .levels = 1}, params);
-//   attn.forward(latte::exec::reference, q, k, v, out.view());
+//   attn.forward(latte::exec::cpu, q, k, v, out.view());
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -37,6 +39,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "latte/backends/cpu/conv_compressed.hpp"
 #include "latte/backends/reference/conv_compressed.hpp"
 #include "latte/core/shape_check.hpp"
 #include "latte/core/state_storage.hpp"
@@ -162,10 +165,14 @@ class ConvCompressedAttention {
   template <exec::Policy E, Real T>
   void forward(E, InputView<T> queries, InputView<T> keys, InputView<T> values,
                TensorView<T, 4> out) const {
-    require_reference<E>();
+    require_host_backend<E>();
     validate_sequence(queries, keys, values, out);
-    reference::conv_compressed_forward<Dir::is_causal>(queries, keys, values, out, weights<T>(),
-                                                       static_cast<T>(scale_), window_);
+    if constexpr (std::is_same_v<E, exec::cpu_t>)
+      cpu::conv_compressed_forward<Dir::is_causal>(queries, keys, values, out, weights<T>(),
+                                                   static_cast<T>(scale_), window_);
+    else
+      reference::conv_compressed_forward<Dir::is_causal>(queries, keys, values, out, weights<T>(),
+                                                         static_cast<T>(scale_), window_);
   }
 
   /// A fresh decode state for `batch` sequences that can absorb up to
@@ -222,10 +229,24 @@ class ConvCompressedAttention {
     requires(Dir::is_causal)
   void forward(E, InputView<T> queries, InputView<T> keys, InputView<T> values,
                TensorView<T, 4> out, State<T>& state) const {
-    require_reference<E>();
+    require_host_backend<E>();
     validate_sequence(queries, keys, values, out);
     validate_state(state, queries.extent(0), queries.extent(1));
     const index_t Tn = queries.extent(1);
+    if constexpr (std::is_same_v<E, exec::cpu_t>) {
+      auto carry_of = [&](index_t b, index_t h) { return state.carry(b, h); };
+      if (state.position() == 0)  // a fresh state: the blocked forward fills it
+        cpu::conv_compressed_forward<true>(queries, keys, values, out, weights<T>(),
+                                           static_cast<T>(scale_), window_, carry_of,
+                                           state.shape().ring());
+      else
+        cpu::conv_compressed_forward_with_state(queries, keys, values, out, weights<T>(),
+                                                static_cast<T>(scale_), window_.left,
+                                                state.shape().ring(), state.position(),
+                                                carry_of);
+      state.advance(Tn);
+      return;
+    }
     for (index_t t = 0; t < Tn; ++t) {
       for (index_t b = 0; b < state.batch(); ++b)
         for (index_t h = 0; h < dims_.heads; ++h)
@@ -242,7 +263,7 @@ class ConvCompressedAttention {
     requires(Dir::is_causal)
   void step(E, State<T>& state, StepInputView<T> queries, StepInputView<T> keys,
             StepInputView<T> values, TensorView<T, 3> out) const {
-    require_reference<E>();
+    require_host_backend<E>();
     const index_t B = state.batch(), H = dims_.heads;
     validate_state(state, B, 1);
     detail::check_shape(queries, "queries", {B, H, dims_.key_dim}, "[B, H, Dk]");
@@ -251,19 +272,26 @@ class ConvCompressedAttention {
     detail::check_shape(out, "out", {B, H, dims_.value_dim}, "[B, H, Dv]");
     check_outputs_distinct(queries, keys, values, out);
     for (index_t b = 0; b < B; ++b)
-      for (index_t h = 0; h < H; ++h)
-        step_head(state, b, h, queries.row(b, h), keys.row(b, h), values.row(b, h),
-                  out.row(b, h));
+      for (index_t h = 0; h < H; ++h) {
+        if constexpr (std::is_same_v<E, exec::cpu_t>)
+          cpu::conv_compressed_step(queries.row(b, h), keys.row(b, h), values.row(b, h),
+                                    out.row(b, h), state.carry(b, h), weights<T>(), h,
+                                    static_cast<T>(scale_), window_.left, state.shape().ring(),
+                                    state.position(), state.scratch());
+        else
+          step_head(state, b, h, queries.row(b, h), keys.row(b, h), values.row(b, h),
+                    out.row(b, h));
+      }
     state.advance(1);
   }
 
  private:
-  /// Only the scalar reference backend exists for this mechanism so far.
+  /// exec::reference and exec::cpu run this mechanism; there is no CUDA kernel yet.
   template <class E>
-  static void require_reference() {
-    static_assert(std::is_same_v<E, exec::reference_t>,
-                  "ConvCompressedAttention runs on latte::exec::reference in this version of "
-                  "latte (no exec::cpu or exec::cuda kernel yet)");
+  static void require_host_backend() {
+    static_assert(!std::is_same_v<E, exec::cuda_t>,
+                  "ConvCompressedAttention has no exec::cuda kernel in this version of latte: "
+                  "use latte::exec::cpu or latte::exec::reference");
   }
 
   template <Real T>
@@ -387,12 +415,13 @@ class ConvCompressedAttention {
     if (!matches)
       state.require_matches(kind<T>(),
                             State<T>::sizes_for(state_shape(batch, s.context_capacity)));
-    detail::require(state.position() + new_tokens <= s.context_capacity, "state",
-                    detail::expected_given("context_capacity for " +
-                                               std::to_string(state.position() + new_tokens) +
-                                               " tokens",
-                                           ">= " + std::to_string(state.position() + new_tokens),
-                                           s.context_capacity));
+    if (state.position() + new_tokens > s.context_capacity)  // the message only on failure
+      detail::require(false, "state",
+                      detail::expected_given("context_capacity for " +
+                                                 std::to_string(state.position() + new_tokens) +
+                                                 " tokens",
+                                             ">= " + std::to_string(state.position() + new_tokens),
+                                             s.context_capacity));
   }
 
   ConvCompressedDims dims_;

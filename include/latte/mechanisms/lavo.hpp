@@ -34,7 +34,10 @@
 //    builds the paper's initialisation and is the default. P defaults to zeros.
 //
 //   latte::Lavo<latte::Causal> attn({.heads = 8, .dim = 64, .bases = 64, .window = 64});
-//   attn.forward(latte::exec::reference, q, k, v, out.view());
+//   attn.forward(latte::exec::cpu, q, k, v, out.view());
+//
+// Backends: exec::reference (scalar loops, backends/reference/lavo.hpp) and
+// exec::cpu (blocked GEMM/SIMD kernels, backends/cpu/lavo.hpp); no exec::cuda yet.
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -46,6 +49,7 @@
 #include <utility>
 #include <vector>
 
+#include "latte/backends/cpu/lavo.hpp"
 #include "latte/backends/reference/lavo.hpp"
 #include "latte/core/orthonormal_basis.hpp"
 #include "latte/core/shape_check.hpp"
@@ -167,10 +171,16 @@ class Lavo {
   template <exec::Policy E, Real T>
   void forward(E, InputView<T> queries, InputView<T> keys, InputView<T> values,
                TensorView<T, 4> out) const {
-    static_assert(std::is_same_v<E, exec::reference_t>,
-                  "Lavo runs on latte::exec::reference only in this version");
+    require_host_backend<E>();
     validate_sequence(queries, keys, values, out);
-    if constexpr (Dir::is_causal) {
+    if constexpr (std::is_same_v<E, exec::cpu_t>) {
+      auto head_of = [&](index_t h) { return head<T>(h); };
+      if constexpr (Dir::is_causal)
+        cpu::lavo_causal_forward(queries, keys, values, out, 0, head_of,
+                                 [](index_t, index_t) { return reference::LavoCarry<T>{}; });
+      else
+        cpu::lavo_bidirectional_forward(queries, keys, values, out, head_of);
+    } else if constexpr (Dir::is_causal) {
       // A ring of min(w, T) slots suffices for a sequence that starts at position 0.
       const index_t capacity = std::max<index_t>(1, std::min(dims_.window, queries.extent(1)));
       const index_t d = dims_.dim, r = dims_.bases;
@@ -200,8 +210,7 @@ class Lavo {
   /// Ts = 0 is an empty memory and reads zero.
   template <exec::Policy E, Real T>
   void cross_forward(E, InputView<T> queries, InputView<T> source, TensorView<T, 4> out) const {
-    static_assert(std::is_same_v<E, exec::reference_t>,
-                  "Lavo runs on latte::exec::reference only in this version");
+    require_host_backend<E>();
     check_view(queries, "queries");
     const index_t B = queries.extent(0), Tq = queries.extent(1), H = dims_.heads, d = dims_.dim;
     detail::check_shape(queries, "queries", {B, Tq, H, d}, "[B, Tq, H, d]");
@@ -211,7 +220,10 @@ class Lavo {
     detail::check_distinct_elements(out, "out");
     detail::check_no_overlap(out, "out", queries, "queries");
     detail::check_no_overlap(out, "out", source, "source");
-    reference::lavo_cross_forward(queries, source, out, [&](index_t h) { return head<T>(h); });
+    if constexpr (std::is_same_v<E, exec::cpu_t>)
+      cpu::lavo_cross_forward(queries, source, out, [&](index_t h) { return head<T>(h); });
+    else
+      reference::lavo_cross_forward(queries, source, out, [&](index_t h) { return head<T>(h); });
   }
 
   /// A fresh decode state for `batch` sequences, at position 0 (window borders
@@ -246,13 +258,17 @@ class Lavo {
     requires(Dir::is_causal)
   void forward(E, InputView<T> queries, InputView<T> keys, InputView<T> values,
                TensorView<T, 4> out, State<T>& state) const {
-    static_assert(std::is_same_v<E, exec::reference_t>,
-                  "Lavo runs on latte::exec::reference only in this version");
+    require_host_backend<E>();
     validate_sequence(queries, keys, values, out);
     validate_state(state, queries.extent(0));
-    reference::lavo_causal_forward(
-        queries, keys, values, out, state.position(), [&](index_t h) { return head<T>(h); },
-        [&](index_t b, index_t h) { return std::pair{state.carry(b, h), state.scratch()}; });
+    if constexpr (std::is_same_v<E, exec::cpu_t>)
+      cpu::lavo_causal_forward(
+          queries, keys, values, out, state.position(), [&](index_t h) { return head<T>(h); },
+          [&](index_t b, index_t h) { return state.carry(b, h); });
+    else
+      reference::lavo_causal_forward(
+          queries, keys, values, out, state.position(), [&](index_t h) { return head<T>(h); },
+          [&](index_t b, index_t h) { return std::pair{state.carry(b, h), state.scratch()}; });
     state.advance(queries.extent(1));
   }
 
@@ -262,8 +278,7 @@ class Lavo {
     requires(Dir::is_causal)
   void step(E, State<T>& state, StepInputView<T> queries, StepInputView<T> keys,
             StepInputView<T> values, TensorView<T, 3> out) const {
-    static_assert(std::is_same_v<E, exec::reference_t>,
-                  "Lavo runs on latte::exec::reference only in this version");
+    require_host_backend<E>();
     const index_t B = state.batch(), H = dims_.heads, d = dims_.dim;
     validate_state(state, B);
     detail::check_shape(queries, "queries", {B, H, d}, "[B, H, d]");
@@ -272,14 +287,28 @@ class Lavo {
     detail::check_shape(out, "out", {B, H, d}, "[B, H, d]");
     check_outputs_distinct(queries, keys, values, out);
     for (index_t b = 0; b < B; ++b)
-      for (index_t h = 0; h < H; ++h)
-        reference::lavo_causal_step(queries.row(b, h), keys.row(b, h), values.row(b, h),
-                                    out.row(b, h), state.carry(b, h), head<T>(h),
-                                    state.position(), state.scratch());
+      for (index_t h = 0; h < H; ++h) {
+        if constexpr (std::is_same_v<E, exec::cpu_t>)
+          cpu::lavo_causal_step(queries.row(b, h), keys.row(b, h), values.row(b, h),
+                                out.row(b, h), state.carry(b, h), head<T>(h), state.position(),
+                                state.scratch());
+        else
+          reference::lavo_causal_step(queries.row(b, h), keys.row(b, h), values.row(b, h),
+                                      out.row(b, h), state.carry(b, h), head<T>(h),
+                                      state.position(), state.scratch());
+      }
     state.advance(1);
   }
 
  private:
+  /// exec::reference and exec::cpu run LAVO; there is no CUDA kernel for it yet.
+  template <class E>
+  static void require_host_backend() {
+    static_assert(!std::is_same_v<E, exec::cuda_t>,
+                  "Lavo has no exec::cuda kernel in this version of latte: use "
+                  "latte::exec::cpu or latte::exec::reference");
+  }
+
   static void require_finite(const double* data, index_t count, const char* argument) {
     for (index_t i = 0; i < count; ++i)
       detail::require(std::isfinite(data[i]), argument,

@@ -1,0 +1,416 @@
+#pragma once
+// CPU backend for convolutional-compression attention (paper 003 §4, DESIGN
+// §3.5; symbols of reference/conv_compressed.hpp).
+//
+//   (1) y^(0): cpu::softmax_forward's blocked sliding window, written into `out`;
+//   (2) c^(l) = b^(l) + sum_i Y_i W^(l)_i^T, where Y_i (groups x Dv) holds tap i of
+//       every complete group: a stride-M convolution of kernel M is M GEMMs over
+//       strided views of the sequence, no copy; approach 2's levels project c^(l)
+//       with GEMMs and window-attend it with cpu::softmax_forward;
+//   (3) the top level's keys and values Wk_x c^(L), Wv_x c^(L) (GEMMs); per block of
+//       64 queries, Q_x = Y^(0) Wq_x^T (GEMM) and a blocked online softmax over the
+//       compressed tokens each row may see (block-causal: j < floor(t / M^L));
+//   (4) the cross part is added to `out` (Residual).
+// Work is split over (batch, head) when there are at least as many heads as
+// threads (each head runs whole on one thread), otherwise heads run one after
+// the other with their query blocks (and Eigen's GEMMs) spread over the threads.
+// Workspace: per running head, the compressed sequences, O(T / M * (Dk + Dv)),
+// the reference's per-head workspace (one copy per thread in the first mode);
+// per worker a 64-row block of queries, scores and accumulators.
+//
+// Decode: the reference's step with Eigen matrix-vector products and the cross
+// read as softmax_row_blocked over the compressed store (64 tokens per block). A forward into a fresh state (position 0) is the blocked
+// forward above, which then leaves the rings, open group sums and compressed
+// store as T steps would; a forward that continues a state at position > 0 runs
+// the step token by token, in parallel over (batch, head).
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include "latte/backends/cpu/parallel.hpp"
+#include "latte/backends/cpu/simd.hpp"
+#include "latte/backends/cpu/softmax.hpp"
+#include "latte/backends/cpu/softmax_row.hpp"
+#include "latte/backends/reference/conv_compressed.hpp"
+#include "latte/core/tensor_view.hpp"
+#include "latte/core/types.hpp"
+#include "latte/policies/window.hpp"
+
+namespace latte::cpu {
+
+namespace conv_compressed_detail {
+
+template <Real T>
+using Matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+template <Real T>
+using ConstMap = Eigen::Map<const Matrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
+template <Real T>
+using Map = Eigen::Map<Matrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
+
+inline constexpr index_t block_rows = 64;   // queries per cross block
+inline constexpr index_t block_keys = 128;  // compressed tokens per score block
+
+/// Per-worker scratch of the cross read.
+template <Real T>
+struct BlockScratch {
+  BlockScratch(index_t Dk, index_t Dv)
+      : query(block_rows, Dk), scores(block_rows, block_keys), acc(block_rows, Dv),
+        row_max(block_rows), row_sum(block_rows), correction(block_rows) {}
+  Matrix<T> query, scores, acc;
+  std::vector<T> row_max, row_sum, correction;
+};
+
+/// The compressed sequences of one head (reused from head to head).
+template <Real T>
+struct HeadWorkspace {
+  Matrix<T> compressed, previous, level_q, level_k, level_v, level_y, cross_k, cross_v;
+};
+
+/// C = b + sum_i Y_i W_i^T over the `groups` complete groups of a sequence whose
+/// row s is source + s * stride (step 2; W_i is [out, in], row-major Dv x Dv).
+template <Real T>
+void convolve(const T* source, index_t stride, index_t groups, const T* weight, const T* bias,
+              index_t M, index_t Dv, Matrix<T>& compressed) {
+  compressed.resize(groups, Dv);
+  if (groups == 0) return;
+  const Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>> b(bias, Dv);
+  compressed = b.replicate(groups, 1);
+  for (index_t i = 0; i < M; ++i) {
+    const ConstMap<T> Y(source + i * stride, groups, Dv, Eigen::OuterStride<>(M * stride));
+    const ConstMap<T> W(weight + i * Dv * Dv, Dv, Dv, Eigen::OuterStride<>(Dv));
+    compressed.noalias() += Y * W.transpose();
+  }
+}
+
+/// X W^T for a row-major [out, in] matrix W.
+template <Real T>
+void project(const Matrix<T>& X, const T* weight, index_t rows_out, Matrix<T>& result) {
+  const ConstMap<T> W(weight, rows_out, X.cols(), Eigen::OuterStride<>(X.cols()));
+  result.resize(X.rows(), rows_out);
+  if (X.rows() > 0) result.noalias() = X * W.transpose();
+}
+
+/// Window attention over a contiguous compressed sequence (approach 2's y^(l)).
+template <bool Causal, Real T>
+void window_attend(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v, Matrix<T>& y,
+                   T scale, const SlidingWindow& window) {
+  const index_t n = q.rows();
+  y.resize(n, v.cols());
+  if (n == 0) return;
+  auto as_view = [n](const Matrix<T>& x) {
+    return TensorView<const T, 4>(x.data(), {1, n, 1, x.cols()});
+  };
+  softmax_forward<Causal>(as_view(q), as_view(k), as_view(v),
+                          TensorView<T, 4>(y.data(), {1, n, 1, y.cols()}), scale, window);
+}
+
+/// Steps 3-4 for the query rows [i0, i0 + nq) of one head: out += softmax(scale
+/// Q_x K_x^T) V_x over the compressed tokens each row sees (`visible(t)`, a
+/// count non-decreasing in t). `out` rows hold y^(0) on entry.
+template <Real T, class Visible>
+void cross_block(T* out_rows, index_t out_stride, index_t i0, index_t nq, const T* query_weight,
+                 const Matrix<T>& keys, const Matrix<T>& values, T scale, Visible&& visible,
+                 BlockScratch<T>& s) {
+  using B = simd::batch<T>;
+  constexpr index_t W = simd::width<T>;
+  constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+  const index_t Dk = keys.cols(), Dv = values.cols();
+  const index_t reach = visible(i0 + nq - 1);
+  if (reach == 0) return;  // no row of the block sees a compressed token
+  Map<T> Y(out_rows, nq, Dv, Eigen::OuterStride<>(out_stride));
+  const ConstMap<T> Wq(query_weight, Dk, Dv, Eigen::OuterStride<>(Dv));
+  auto Q = s.query.topRows(nq);
+  Q.noalias() = Y * Wq.transpose();  // Wq_x y^(0)_t
+  auto acc = s.acc.topRows(nq);
+  acc.setZero();
+  std::fill(s.row_max.begin(), s.row_max.end(), neg_inf);
+  std::fill(s.row_sum.begin(), s.row_sum.end(), T(0));
+  for (index_t j0 = 0; j0 < reach; j0 += block_keys) {
+    const index_t nk = std::min(block_keys, reach - j0);
+    auto S = s.scores.topLeftCorner(nq, nk);
+    S.noalias() = (Q * keys.middleRows(j0, nk).transpose()) * scale;
+    for (index_t r = 0; r < nq; ++r) {
+      const index_t count = std::min<index_t>(visible(i0 + r) - j0, nk);
+      T* row = s.scores.row(r).data();
+      if (count <= 0) {
+        s.correction[r] = T(1);
+        std::fill(row, row + nk, T(0));
+        continue;
+      }
+      std::fill(row + count, row + nk, T(0));
+      T block_max = neg_inf;
+      for (index_t c = 0; c < count; ++c) block_max = std::max(block_max, row[c]);
+      const T m_new = std::max(s.row_max[r], block_max);
+      if (m_new == neg_inf) {
+        s.correction[r] = T(1);
+        std::fill(row, row + count, T(0));
+        continue;
+      }
+      B lanes(T(0));
+      T total = 0;
+      index_t c = 0;
+      for (; c + W <= count; c += W) {
+        const B p = simd::exp(simd::load(row + c) - B(m_new));
+        simd::store(row + c, p);
+        lanes = lanes + p;
+      }
+      for (; c < count; ++c) {
+        row[c] = std::exp(row[c] - m_new);
+        total += row[c];
+      }
+      total += simd::reduce_add(lanes);
+      s.correction[r] = std::exp(s.row_max[r] - m_new);
+      s.row_sum[r] = s.row_sum[r] * s.correction[r] + total;
+      s.row_max[r] = m_new;
+    }
+    for (index_t r = 0; r < nq; ++r) acc.row(r) *= s.correction[r];
+    acc.noalias() += S * values.middleRows(j0, nk);
+  }
+  for (index_t r = 0; r < nq; ++r)
+    if (s.row_sum[r] > T(0)) Y.row(r) += acc.row(r) / s.row_sum[r];  // step 4: y + cross
+}
+
+/// The last min(ring, n) rows of keys / values (n x Dk, n x Dv) into a ring
+/// (slot j % ring), as n decode steps would have left it.
+template <Real T>
+void fill_ring(const T* keys, index_t key_stride, const T* values, index_t value_stride,
+               index_t n, T* ring_keys, T* ring_values, index_t ring, index_t Dk, index_t Dv) {
+  for (index_t j = std::max<index_t>(0, n - ring); j < n; ++j) {
+    std::copy(keys + j * key_stride, keys + j * key_stride + Dk, ring_keys + (j % ring) * Dk);
+    std::copy(values + j * value_stride, values + j * value_stride + Dv,
+              ring_values + (j % ring) * Dv);
+  }
+}
+
+/// Steps 2-4 for one (b, h), once `out` holds y^(0). The cross blocks run on
+/// `inner_workers` threads with scratch[worker]. With a `carry` (a fresh decode
+/// state, ring slots `ring`), the state is left as T decode steps leave it:
+/// level rings, open groups' partial sums and the compressed store.
+template <bool Causal, Real T>
+void compress_and_read(TensorView<T, 4> out, index_t b, index_t h,
+                       const reference::ConvCompressedWeights<T>& w, T scale,
+                       const SlidingWindow& window, HeadWorkspace<T>& ws,
+                       BlockScratch<T>* scratch, int inner_workers,
+                       const reference::ConvCompressedCarry<T>* carry = nullptr, index_t ring = 0) {
+  const index_t Tn = out.extent(1), Dk = w.key_dim, Dv = w.value_dim, M = w.group_size;
+  const index_t L = w.levels;
+  index_t n = Tn;  // length of y^(l-1)
+  for (index_t level = 1; level <= L; ++level) {
+    const index_t groups = n / M;
+    const T* source = level == 1 ? out.row(b, 0, h) : ws.previous.data();
+    const index_t stride = level == 1 ? out.stride(1) : Dv;
+    convolve(source, stride, groups, w.conv(level, h), w.bias(level, h), M, Dv, ws.compressed);
+    if (carry != nullptr && n > groups * M) {  // the open group's taps so far
+      Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>> open(carry->group_sums + (level - 1) * Dv,
+                                                            Dv);
+      open.setZero();
+      for (index_t i = 0; i < n - groups * M; ++i) {
+        const Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>> y(
+            source + (groups * M + i) * stride, Dv);
+        const ConstMap<T> W(w.conv(level, h) + i * Dv * Dv, Dv, Dv, Eigen::OuterStride<>(Dv));
+        open.noalias() += y * W.transpose();
+      }
+    }
+    n = groups;
+    if (level == L || n == 0) {
+      if (level < L) ws.compressed.resize(0, Dv);  // nothing reaches the top level
+      break;
+    }
+    project(ws.compressed, w.query_projection(level, h), Dk, ws.level_q);
+    project(ws.compressed, w.key_projection(level, h), Dk, ws.level_k);
+    project(ws.compressed, w.value_projection(level, h), Dv, ws.level_v);
+    if (carry != nullptr)
+      fill_ring(ws.level_k.data(), Dk, ws.level_v.data(), Dv, n,
+                carry->window_keys + level * ring * Dk, carry->window_values + level * ring * Dv,
+                ring, Dk, Dv);
+    window_attend<Causal>(ws.level_q, ws.level_k, ws.level_v, ws.level_y, scale, window);
+    ws.previous.swap(ws.level_y);
+  }
+  n = ws.compressed.rows();
+  if (n == 0) return;  // no compressed token: o = y^(0)
+  project(ws.compressed, w.cross_key_projection(h), Dk, ws.cross_k);
+  project(ws.compressed, w.cross_value_projection(h), Dv, ws.cross_v);
+  if (carry != nullptr) {  // the compressed store: Wk_x c^(L)_j, Wv_x c^(L)_j
+    std::copy(ws.cross_k.data(), ws.cross_k.data() + n * Dk, carry->compressed_keys);
+    std::copy(ws.cross_v.data(), ws.cross_v.data() + n * Dv, carry->compressed_values);
+  }
+  const std::int64_t span = reference::tokens_per_compressed_token(M, L);
+  auto visible = [&](index_t t) -> index_t {
+    if constexpr (Causal) return static_cast<index_t>(std::min<std::int64_t>(t / span, n));
+    else return n;
+  };
+  const index_t blocks = (Tn + block_rows - 1) / block_rows;
+  parallel_for(blocks, inner_workers, [&](index_t block, int worker) {
+    const index_t i0 = block * block_rows, nq = std::min(block_rows, Tn - i0);
+    cross_block(out.row(b, i0, h), out.stride(1), i0, nq, w.cross_query_projection(h), ws.cross_k,
+                ws.cross_v, scale, visible, scratch[worker]);
+  });
+}
+
+/// y = W x for a row-major [rows, cols] matrix W (Eigen's GEMV; no allocation).
+template <Real T>
+inline void matvec(const T* W, const T* x, T* y, index_t rows, index_t cols) noexcept {
+  using Vector = Eigen::Matrix<T, Eigen::Dynamic, 1>;
+  Eigen::Map<Vector>(y, rows).noalias() =
+      ConstMap<T>(W, rows, cols, Eigen::OuterStride<>(cols)) * Eigen::Map<const Vector>(x, cols);
+}
+
+}  // namespace conv_compressed_detail
+
+/// Whole-sequence forward over validated [B, T, H, *] views (see the header
+/// comment). With `carry_of` (causal only), the sequence starts a fresh decode
+/// state (position 0, ring slots `ring`) and leaves it as T steps would.
+template <bool Causal, Real T, class CarryOf = std::nullptr_t>
+void conv_compressed_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
+                             TensorView<const T, 4> v, TensorView<T, 4> out,
+                             const reference::ConvCompressedWeights<T>& w, T scale,
+                             const SlidingWindow& window, CarryOf&& carry_of = nullptr,
+                             index_t ring = 0) {
+  using namespace conv_compressed_detail;
+  constexpr bool with_state = !std::is_same_v<std::remove_cvref_t<CarryOf>, std::nullptr_t>;
+  const index_t Bn = q.extent(0), Tn = q.extent(1), H = q.extent(2);
+  if (Bn == 0 || Tn == 0) return;
+  softmax_forward<Causal>(q, k, v, out, scale, window);  // step 1: y^(0) into out
+  const int workers = thread_count();
+  const index_t heads_total = Bn * H;
+  std::vector<BlockScratch<T>> scratch;
+  scratch.reserve(static_cast<std::size_t>(workers));
+  for (int i = 0; i < workers; ++i) scratch.emplace_back(w.key_dim, w.value_dim);
+  auto carry_at = [&](index_t bh) {
+    if constexpr (with_state) {
+      const index_t b = bh / H, h = bh % H;
+      const reference::ConvCompressedCarry<T> carry = carry_of(b, h);
+      fill_ring(k.row(b, 0, h), k.stride(1), v.row(b, 0, h), v.stride(1), Tn, carry.window_keys,
+                carry.window_values, ring, w.key_dim, w.value_dim);  // level 0: the inputs
+      return carry;
+    } else {
+      return reference::ConvCompressedCarry<T>{};
+    }
+  };
+  if (heads_total >= workers) {
+    std::vector<HeadWorkspace<T>> workspace(static_cast<std::size_t>(workers));
+    parallel_for(heads_total, workers, [&](index_t bh, int worker) {
+      const auto carry = carry_at(bh);
+      compress_and_read<Causal>(out, bh / H, bh % H, w, scale, window, workspace[worker],
+                                &scratch[worker], 1, with_state ? &carry : nullptr, ring);
+    });
+  } else {
+    HeadWorkspace<T> workspace;
+    for (index_t bh = 0; bh < heads_total; ++bh) {
+      const auto carry = carry_at(bh);
+      compress_and_read<Causal>(out, bh / H, bh % H, w, scale, window, workspace, scratch.data(),
+                                workers, with_state ? &carry : nullptr, ring);
+    }
+  }
+}
+
+/// One causal decode step: reference::conv_compressed_step with vectorised
+/// products (same arguments, same state layout); no allocation.
+template <Real T>
+void conv_compressed_step(const T* q, const T* k, const T* v, T* out,
+                          reference::ConvCompressedCarry<T> carry,
+                          const reference::ConvCompressedWeights<T>& w, index_t h, T scale,
+                          index_t window_left, index_t ring, std::int64_t position,
+                          reference::ConvCompressedScratch<T> scratch) noexcept {
+  using namespace conv_compressed_detail;
+  constexpr index_t W = simd::width<T>;
+  const index_t Dk = w.key_dim, Dv = w.value_dim, M = w.group_size, L = w.levels;
+  auto window_visible = [&](std::int64_t index) {
+    return static_cast<index_t>(std::min<std::int64_t>(index + 1, window_left + 1));
+  };
+  auto ring_of = [&](index_t level) {
+    return reference::KVSlots<T>{carry.window_keys + level * ring * Dk,
+                                 carry.window_values + level * ring * Dv};
+  };
+  // Step 1: y^(0)_t over the ring of the inputs.
+  cpu::softmax_decode_step(q, k, v, scratch.level_output, ring_of(0), ring, Dk, Dv, scale, position,
+                      window_visible(position));
+  // Steps 3-4: o_t = y^(0)_t + the read of c^(L)_j, j < floor(t / M^L).
+  const auto visible =
+      static_cast<index_t>(position / reference::tokens_per_compressed_token(M, L));
+  matvec(w.cross_query_projection(h), scratch.level_output, scratch.query, Dk, Dv);
+  const Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>> query(scratch.query, Dk);
+  softmax_row_blocked(
+      Dv, visible,
+      [&](index_t j0, index_t n, T* p) {
+        const ConstMap<T> K(carry.compressed_keys + j0 * Dk, n, Dk, Eigen::OuterStride<>(Dk));
+        Eigen::Map<Eigen::Matrix<T, Eigen::Dynamic, 1>>(p, n).noalias() = scale * (K * query);
+      },
+      [&](index_t j0, index_t n, const T* p, T* acc) {
+        const ConstMap<T> V(carry.compressed_values + j0 * Dv, n, Dv, Eigen::OuterStride<>(Dv));
+        Eigen::Map<Eigen::Matrix<T, Eigen::Dynamic, 1>>(acc, Dv).noalias() +=
+            V.transpose() * Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>>(p, n);
+      },
+      scratch.cross);
+  index_t d = 0;
+  for (; d + W <= Dv; d += W)
+    simd::store(out + d, simd::load(scratch.level_output + d) + simd::load(scratch.cross + d));
+  for (; d < Dv; ++d) out[d] = scratch.level_output[d] + scratch.cross[d];
+
+  // Step 2 / approach 2: the token climbs while it closes groups.
+  std::int64_t index = position;
+  for (index_t level = 1; level <= L; ++level) {
+    const auto tap = static_cast<index_t>(index % M);
+    T* group_sum = carry.group_sums + (level - 1) * Dv;
+    const T* tap_weight = w.conv(level, h) + tap * Dv * Dv;
+    if (tap == 0) std::fill(group_sum, group_sum + Dv, T(0));
+    {
+      using Vector = Eigen::Matrix<T, Eigen::Dynamic, 1>;
+      Eigen::Map<Vector>(group_sum, Dv).noalias() +=
+          ConstMap<T>(tap_weight, Dv, Dv, Eigen::OuterStride<>(Dv)) *
+          Eigen::Map<const Vector>(scratch.level_output, Dv);
+    }
+    if (tap != M - 1) return;  // the group stays open
+    index /= M;
+    const T* bias = w.bias(level, h);
+    for (d = 0; d + W <= Dv; d += W)
+      simd::store(scratch.compressed + d, simd::load(group_sum + d) + simd::load(bias + d));
+    for (; d < Dv; ++d) scratch.compressed[d] = group_sum[d] + bias[d];
+    if (level == L) {
+      matvec(w.cross_key_projection(h), scratch.compressed, carry.compressed_keys + index * Dk,
+             Dk, Dv);
+      matvec(w.cross_value_projection(h), scratch.compressed,
+             carry.compressed_values + index * Dv, Dv, Dv);
+      return;
+    }
+    matvec(w.query_projection(level, h), scratch.compressed, scratch.query, Dk, Dv);
+    matvec(w.key_projection(level, h), scratch.compressed, scratch.key, Dk, Dv);
+    matvec(w.value_projection(level, h), scratch.compressed, scratch.value, Dv, Dv);
+    cpu::softmax_decode_step(scratch.query, scratch.key, scratch.value, scratch.level_output,
+                        ring_of(level), ring, Dk, Dv, scale, index, window_visible(index));
+  }
+}
+
+/// A forward that continues decode states: conv_compressed_step token by token,
+/// in parallel over (batch, head). `carry_of(b, h)` gives each head's carry;
+/// scratch is allocated here, one per worker.
+template <Real T, class CarryOf>
+void conv_compressed_forward_with_state(TensorView<const T, 4> q, TensorView<const T, 4> k,
+                                        TensorView<const T, 4> v, TensorView<T, 4> out,
+                                        const reference::ConvCompressedWeights<T>& w, T scale,
+                                        index_t window_left, index_t ring,
+                                        std::int64_t first_position, CarryOf&& carry_of) {
+  const index_t Bn = q.extent(0), Tn = q.extent(1), H = q.extent(2);
+  if (Bn == 0 || Tn == 0) return;
+  const index_t Dk = w.key_dim, Dv = w.value_dim, per_worker = 4 * Dv + 2 * Dk;
+  const int workers = thread_count();
+  std::vector<T> buffer(static_cast<std::size_t>(workers * per_worker));
+  parallel_for(Bn * H, workers, [&](index_t bh, int worker) {
+    const index_t b = bh / H, h = bh % H;
+    T* p = buffer.data() + worker * per_worker;
+    const reference::ConvCompressedScratch<T> scratch{
+        p, p + Dv, p + 2 * Dv, p + 2 * Dv + Dk, p + 2 * Dv + 2 * Dk, p + 3 * Dv + 2 * Dk};
+    const reference::ConvCompressedCarry<T> carry = carry_of(b, h);
+    for (index_t t = 0; t < Tn; ++t)
+      cpu::conv_compressed_step(q.row(b, t, h), k.row(b, t, h), v.row(b, t, h), out.row(b, t, h),
+                                carry, w, h, scale, window_left, ring, first_position + t,
+                                scratch);
+  });
+}
+
+}  // namespace latte::cpu

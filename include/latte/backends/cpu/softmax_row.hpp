@@ -1,0 +1,75 @@
+#pragma once
+// One query's softmax attention over `count` keys for the CPU decode steps of
+// LAVO and convolutional-compression attention: the online softmax taken 64
+// keys at a time, so that the exponentials of a block are one vectorised pass
+// (one exp per key and one per block, instead of two per key in the per-key
+// recurrence), the running output is rescaled once per block, and every
+// value row is added with SIMD. No allocation: the block's scores live on the stack.
+//
+//   out = sum_j softmax_j(score(j)) value(j),  j in [0, count)
+// where score_block(j0, n, p) writes score(j0 .. j0 + n - 1) to p (n <= 64), e.g.
+// scale q . k_j + bias(j) with one matrix-vector product over contiguous keys, and
+// accumulate_block(j0, n, p, out) adds sum_j p[j] value(j0 + j) to out (the
+// transposed matrix-vector product over the same rows).
+// A row whose scores are all -inf reads zero; a NaN score makes the row NaN
+// (as the reference's per-key recurrence does).
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "latte/backends/cpu/simd.hpp"
+#include "latte/core/types.hpp"
+
+namespace latte::cpu {
+
+inline constexpr index_t softmax_row_block = 64;
+
+template <Real T, class ScoreBlock, class AccumulateBlock>
+void softmax_row_blocked(index_t Dv, index_t count, ScoreBlock&& score_block,
+                         AccumulateBlock&& accumulate_block, T* out) noexcept {
+  using B = simd::batch<T>;
+  constexpr index_t W = simd::width<T>;
+  constexpr index_t block = softmax_row_block;
+  constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+  alignas(64) T p[block];
+  std::fill(out, out + Dv, T(0));
+  T m = neg_inf, l = 0;
+  for (index_t j0 = 0; j0 < count; j0 += block) {
+    const index_t n = std::min(block, count - j0);
+    T block_max = neg_inf;
+    bool nan = false;
+    score_block(j0, n, p);
+    for (index_t j = 0; j < n; ++j) {
+      nan = nan || std::isnan(p[j]);
+      block_max = std::max(block_max, p[j]);
+    }
+    const T m_new = nan ? std::numeric_limits<T>::quiet_NaN() : std::max(m, block_max);
+    if (m_new == neg_inf) continue;  // every score so far is -inf
+    B lanes(T(0));
+    T total = 0;
+    index_t j = 0;
+    for (; j + W <= n; j += W) {
+      const B e = simd::exp(simd::load(p + j) - B(m_new));
+      simd::store(p + j, e);
+      lanes = lanes + e;
+    }
+    for (; j < n; ++j) {
+      p[j] = std::exp(p[j] - m_new);
+      total += p[j];
+    }
+    total += simd::reduce_add(lanes);
+    const T carry_scale = std::exp(m - m_new);
+    l = l * carry_scale + total;
+    index_t d = 0;
+    if (carry_scale != T(1)) {
+      for (; d + W <= Dv; d += W) simd::store(out + d, simd::load(out + d) * B(carry_scale));
+      for (; d < Dv; ++d) out[d] *= carry_scale;
+    }
+    accumulate_block(j0, n, static_cast<const T*>(p), out);
+    m = m_new;
+  }
+  if (l > T(0))
+    for (index_t d = 0; d < Dv; ++d) out[d] /= l;
+}
+
+}  // namespace latte::cpu
