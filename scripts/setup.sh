@@ -2,29 +2,41 @@
 # Installs what latte builds and tests against, when missing (Debian/Ubuntu):
 # - system packages: a C++20 compiler with OpenMP, CMake >= 3.25, Ninja (for
 #   CMakePresets.json), Eigen 3.4, xsimd, doctest, Google Benchmark, and Python 3
-#   with venv;
+#   with venv; clang with its OpenMP runtime (libomp, with the Archer TSan tool)
+#   and its sanitizer / libFuzzer runtimes, for scripts/sanitize.sh (tsan preset)
+#   and scripts/fuzz.sh;
 # - Conan 2 from PyPI into .venv/ (git-ignored), for the package_conan_create test.
 # Nothing is downloaded at configure or build time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(g++ make cmake ninja-build libeigen3-dev libxsimd-dev doctest-dev libbenchmark-dev
-          python3 python3-venv)
+          python3 python3-venv clang libomp-dev)
+installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
+sudo_cmd=()
+if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi
+updated=0
+install_packages() {
+  echo "latte setup: installing $*"
+  if ((!updated)); then "${sudo_cmd[@]}" apt-get update -qq; updated=1; fi
+  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "$@"
+}
+
 missing=()
 for package in "${packages[@]}"; do
-  if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed"; then
-    missing+=("$package")
-  fi
+  if ! installed "$package"; then missing+=("$package"); fi
 done
-
 if ((${#missing[@]})); then
-  echo "latte setup: installing ${missing[*]}"
-  sudo_cmd=()
-  if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi
-  "${sudo_cmd[@]}" apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  install_packages "${missing[@]}"
 else
   echo "latte setup: all system packages present"
+fi
+
+# libFuzzer and the sanitizer runtimes belong to one clang major version
+# (Debian 12: clang 14 -> libclang-rt-14-dev).
+clang_major="$(clang --version | sed -n 's/.*clang version \([0-9][0-9]*\).*/\1/p' | head -n 1)"
+if [ -n "$clang_major" ] && ! installed "libclang-rt-$clang_major-dev"; then
+  install_packages "libclang-rt-$clang_major-dev"
 fi
 
 # Conan 2 in a virtual environment of its own. A failure here is not fatal for

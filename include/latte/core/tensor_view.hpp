@@ -7,6 +7,8 @@
 // a slice of a fused QKV buffer or a [T, B, H, D] tensor without copying.
 #include <array>
 #include <cstddef>
+#include <cstdint>
+#include <limits>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -29,10 +31,11 @@ class TensorView {
 
   /// A contiguous row-major view of `extents`.
   TensorView(T* data, const extents_type& extents) : data_(data), extents_(extents) {
-    index_t stride = 1;
+    // Unsigned, so that absurd extents wrap instead of overflowing (check_view refuses them).
+    std::uint64_t stride = 1;
     for (std::size_t d = N; d-- > 0;) {
-      strides_[d] = stride;
-      stride *= extents_[d];
+      strides_[d] = static_cast<index_t>(stride);
+      stride *= static_cast<std::uint64_t>(extents_[d]);
     }
   }
 
@@ -57,7 +60,12 @@ class TensorView {
     for (index_t e : extents_) count *= e;
     return count;
   }
-  [[nodiscard]] bool empty() const noexcept { return size() == 0; }
+  /// Some extent is 0 (decided without size(), which overflows on absurd extents).
+  [[nodiscard]] bool empty() const noexcept {
+    for (index_t e : extents_)
+      if (e == 0) return true;
+    return false;
+  }
 
   /// Element access; unchecked (kernels only run on validated views).
   template <class... Index>
@@ -109,8 +117,9 @@ template <std::size_t N>
 }
 
 /// Checks the structural invariants every kernel relies on: non-negative
-/// extents, non-negative strides, a contiguous last dimension and non-null
-/// data when the view is not empty. Throws latte::Error naming `argument`.
+/// extents, non-negative strides, a contiguous last dimension, an element count
+/// and byte span that index_t can hold, and non-null data when the view is not
+/// empty. Throws latte::Error naming `argument`.
 template <class T, std::size_t N>
 void check_view(const TensorView<T, N>& view, std::string_view argument) {
   // Messages are built only on failure: step() calls this per token.
@@ -123,6 +132,25 @@ void check_view(const TensorView<T, N>& view, std::string_view argument) {
   if (view.extent(N - 1) > 1 && view.stride(N - 1) != 1)
     throw Error(argument, detail::expected_given("stride of the feature (last) dimension", 1,
                                                  view.stride(N - 1)));
+  // Its element count and the bytes it spans must fit index_t: size() and
+  // byte_range() compute them, and no real buffer is larger.
+  if (!view.empty()) {
+    constexpr index_t most = std::numeric_limits<index_t>::max();
+    index_t count = 1, last = 0;  // elements, and the offset of the last one
+    bool countable = true;
+    for (std::size_t d = 0; d < N && countable; ++d) {
+      const index_t extent = view.extent(d), stride = view.stride(d);
+      countable = extent <= most / count && (stride == 0 || extent - 1 <= (most - last) / stride);
+      if (countable) {
+        count *= extent;
+        last += (extent - 1) * stride;
+      }
+    }
+    if (!countable || last >= most / static_cast<index_t>(sizeof(T)))
+      throw Error(argument, "extents " + format_extents(view.extents()) + " with strides " +
+                                format_extents(view.strides()) +
+                                " address more elements or bytes than index_t can count");
+  }
   if (!view.empty() && view.data() == nullptr)
     throw Error(argument,
                 "data is null but the view has " + std::to_string(view.size()) + " elements");

@@ -165,9 +165,12 @@ class LatteMacchiato {
           return carry;
         };
         auto fresh_ring = [](index_t, index_t) { return reference::KVSlots<T>{nullptr, nullptr}; };
+        // A fresh sequence needs at most T ring slots (no w + 1 overflow for huge windows).
+        const index_t ring = dims_.window >= query_logits.extent(1) ? query_logits.extent(1)
+                                                                     : dims_.window + 1;
         cpu::macchiato_causal_forward<Stab, LatentPos, WindowPos>(
             query_logits, key_logits, window_queries, window_keys, values, out, window_spec(), 0,
-            0, carry_of, fresh_ring);
+            0, ring, carry_of, fresh_ring);
       } else {
         cpu::macchiato_bidirectional_forward<Stab, LatentPos, WindowPos>(
             query_logits, key_logits, window_queries, window_keys, values, out, window_spec());
@@ -177,7 +180,7 @@ class LatteMacchiato {
       const index_t L = dims_.latents, Dk = dims_.key_dim, Dv = dims_.value_dim;
       if (B == 0 || Tn == 0) return;
       // One head's carry, a ring of min(w + 1, T) slots (token t in slot t % capacity) and scratch.
-      const index_t capacity = std::min<index_t>(dims_.window + 1, Tn);
+      const index_t capacity = dims_.window >= Tn ? Tn : dims_.window + 1;  // no w + 1 overflow
       std::vector<T> workspace(static_cast<std::size_t>(
           2 * L + L * Dv + capacity * (Dk + Dv) + reference::MacchiatoScratch<T>::size(Dk, Dv)));
       T* base = workspace.data();
@@ -212,7 +215,7 @@ class LatteMacchiato {
                     detail::expected_given("value", ">= 0", first_position));
     // The ring's fill count (0..w + 1) is stored as a T and must stay exact.
     constexpr index_t exact_up_to = index_t{1} << std::numeric_limits<T>::digits;
-    if (dims_.window + 1 > exact_up_to)
+    if (dims_.window >= exact_up_to)
       throw Error("dims.window",
                   detail::expected_given(std::string("window size for a ") + dtype_name<T>() +
                                              " decode state",
@@ -260,7 +263,7 @@ class LatteMacchiato {
     if constexpr (std::is_same_v<E, exec::cpu_t>)
       cpu::macchiato_causal_forward<Stab, LatentPos, WindowPos>(
           query_logits, key_logits, window_queries, window_keys, values, out, window_spec(), first,
-          fill, [&](index_t b, index_t h) { return state.carry(b, h); },
+          fill, capacity, [&](index_t b, index_t h) { return state.carry(b, h); },
           [&](index_t b, index_t h) { return state.ring(b, h); });
     else
       for (index_t b = 0; b < B; ++b)

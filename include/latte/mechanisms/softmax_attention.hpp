@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <span>
 #include <string>
@@ -240,8 +241,10 @@ class SoftmaxAttention {
 
   /// The most tokens a query sees: the window's left side + 1, or `context`.
   [[nodiscard]] index_t tokens_visible_at_most(index_t context) const noexcept {
-    if constexpr (std::is_same_v<Win, SlidingWindow>) return window_.left + 1;
-    else return context;
+    if constexpr (std::is_same_v<Win, SlidingWindow>)  // left + 1, saturating (no overflow)
+      return window_.left == std::numeric_limits<index_t>::max() ? window_.left : window_.left + 1;
+    else
+      return context;
   }
 
   template <class T>

@@ -27,11 +27,13 @@ struct SlidingWindow {
   index_t left = 0;
   index_t right = 0;
 
+  // left and right may be as large as index_t allows (a window wider than any
+  // sequence): compare before subtracting or adding, so nothing overflows.
   [[nodiscard]] constexpr index_t lowest_key(index_t query) const noexcept {
-    return std::max<index_t>(0, query - left);
+    return left >= query ? 0 : query - left;
   }
   [[nodiscard]] constexpr index_t highest_key(index_t query, index_t length) const noexcept {
-    return std::min<index_t>(length - 1, query + right);
+    return right >= length - 1 - query ? length - 1 : query + right;
   }
   void validate(bool causal) const {
     detail::require(left >= 0, "window.left",

@@ -54,15 +54,17 @@ template <class T>
 
 /// Causal window pass and mixture over [B, T, H, *], `out` holding the latent
 /// reads (already rotated by R^t under VAPOR). `ring_of(b, h)` gives the state's
-/// ring (capacity w + 1, `fill` tokens before `first_position`), or nullptr-keyed
-/// rings for a fresh sequence (fill = 0).
+/// ring (`capacity` = w + 1 slots, `fill` tokens before `first_position`), or
+/// nullptr-keyed rings for a fresh sequence (fill = 0; capacity min(w + 1, T)
+/// suffices then, slot = position % capacity either way).
 template <Positional LatentPos, Positional WindowPos, Real T, class RingOf>
 void macchiato_causal_window(TensorView<const T, 4> q, TensorView<const T, 4> wq,
                              TensorView<const T, 4> wk, TensorView<const T, 4> v,
                              TensorView<T, 4> out, const MacchiatoWindowSpec& spec,
-                             std::int64_t first_position, index_t fill, RingOf&& ring_of) {
+                             std::int64_t first_position, index_t fill, index_t capacity,
+                             RingOf&& ring_of) {
   const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), L = q.extent(3) - 1;
-  const index_t Dk = wq.extent(3), Dv = v.extent(3), capacity = spec.window + 1;
+  const index_t Dk = wq.extent(3), Dv = v.extent(3);
   const index_t heads = B * H;
   if (Tn == 0 || heads == 0) return;
   const double work = double(heads) * double(Tn) * double(std::min(capacity, Tn)) * double(Dk + Dv);
@@ -179,18 +181,19 @@ void macchiato_causal_window(TensorView<const T, 4> q, TensorView<const T, 4> wq
 }
 
 /// Causal Macchiato forward, continuing from carry_of / ring_of at `first_position`
-/// with `fill` tokens in the rings.
+/// with `fill` tokens in rings of `capacity` slots.
 template <Stabilizer Stab, Positional LatentPos, Positional WindowPos, Real T, class CarryOf,
           class RingOf>
 void macchiato_causal_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
                               TensorView<const T, 4> wq, TensorView<const T, 4> wk,
                               TensorView<const T, 4> v, TensorView<T, 4> out,
                               const MacchiatoWindowSpec& spec, std::int64_t first_position,
-                              index_t fill, CarryOf&& carry_of, RingOf&& ring_of) {
+                              index_t fill, index_t capacity, CarryOf&& carry_of,
+                              RingOf&& ring_of) {
   latte_causal_forward<Stab, LatentPos>(latent_logits(q), k, v, out, *spec.value_angles,
                                         first_position, carry_of);
   macchiato_causal_window<LatentPos, WindowPos>(q, wq, wk, v, out, spec, first_position, fill,
-                                                ring_of);
+                                                capacity, ring_of);
 }
 
 /// Bidirectional Macchiato: bidirectional Latte for the latent part, the blocked
@@ -201,7 +204,7 @@ void macchiato_bidirectional_forward(TensorView<const T, 4> q, TensorView<const 
                                      TensorView<const T, 4> v, TensorView<T, 4> out,
                                      const MacchiatoWindowSpec& spec) {
   const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), L = q.extent(3) - 1;
-  const index_t Dk = wq.extent(3), Dv = v.extent(3);
+  const index_t Dv = v.extent(3);
   if (Tn == 0 || B * H == 0) return;
   latte_bidirectional_forward<Stab, LatentPos>(latent_logits(q), k, v, out, *spec.value_angles);
   const bool rope = WindowPos::rotates_queries_keys;

@@ -32,6 +32,8 @@ void parallel_for(index_t count, int workers, Body&& body) {
     for (index_t i = 0; i < count; ++i) body(i, omp_get_thread_num());
     return;
   }
+#else
+  (void)workers;  // one worker without OpenMP
 #endif
   for (index_t i = 0; i < count; ++i) body(i, 0);
 }

@@ -157,7 +157,7 @@ void macchiato_bidirectional_forward(TensorView<const T, 4> q, TensorView<const 
   // State 0: the window keys / values of tokens [t - w, t + w], prepared once per token
   // (R^s k_s under RoPE; R^{-s} v_s when VAPOR acts on the window) in a ring of
   // min(2w + 1, T) slots, token s in slot s % capacity.
-  const index_t capacity = std::min<index_t>(2 * window + 1, Tn);
+  const index_t capacity = window >= Tn / 2 ? Tn : 2 * window + 1;  // min(2w + 1, T), no overflow
   std::vector<T> ring_keys(static_cast<std::size_t>(capacity * Dk));
   std::vector<T> ring_values(static_cast<std::size_t>(capacity * Dv));
   std::vector<T> query(static_cast<std::size_t>(Dk)), window_read(static_cast<std::size_t>(Dv));

@@ -1,0 +1,969 @@
+// The libFuzzer harness behind fuzz_attention (fuzz_attention.cpp is its entry point;
+// fuzz_attention_{float,double}.cpp instantiate it per dtype, so the two compile in parallel).
+//
+// It drives latte's validation layer and its reference and cpu backends.
+//
+// The input bytes decode into one call sequence: a mechanism and its policies,
+// the direction, a dtype, sizes (small, sometimes 0 or negative), one layout per
+// tensor argument (contiguous, padded, permuted, broadcast, and invalid ones:
+// overlapping output elements, negative strides, a strided feature dimension,
+// null data, mismatched or huge extents, an output that aliases an input),
+// parameters (windows, M, r, leap_factor, levels, scales, angles) and
+// values (normal, wide spreads, inf / NaN / huge, raw bit patterns). Causal
+// mechanisms then go through make_state, forward(..., state), step, save and
+// load_state / restore of intact, truncated and corrupted bytes.
+//
+// Every input must end in one of two ways: a latte::Error, or a normal return.
+// Anything else stops the run: a crash or a sanitizer report, another exception
+// type, an output that aliases an input or addresses an element twice and was
+// accepted, a saved state that does not reload to the same bytes, or a
+// non-finite output where the math is finite (finite, moderate inputs to a
+// mechanism whose every output is a weighted mean of finite values).
+//
+// Every buffer the harness hands over is exactly as long as the view that
+// addresses it, so AddressSanitizer sees any access outside a view. Sizes that
+// would allocate without bound (windows -> KV caches and rings, context
+// capacities, convolution weights) are capped here, before allocation, or the
+// call is built so that validation must refuse it first.
+#pragma once
+#include <fuzzer/FuzzedDataProvider.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <random>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "latte/attention.hpp"
+
+namespace latte_fuzz {
+
+using latte::index_t;
+using latte::TensorView;
+
+/// The most elements one buffer may hold: a view needing more is built so that
+/// validation must refuse it (see Fuzz::layout).
+constexpr index_t kMaxElements = index_t{1} << 15;
+/// Decode parameters that size state (KV cache capacity, windows, context
+/// capacity) are capped at this many tokens whenever a state is to be made.
+constexpr index_t kMaxStateTokens = 64;
+
+[[noreturn]] inline void fail(const std::string& what) {
+  std::fprintf(stderr, "fuzz_attention: %s\n", what.c_str());
+  std::fflush(stderr);
+  std::abort();
+}
+
+/// What the harness knows about the values it wrote into one tensor.
+struct ValueStats {
+  bool finite = true;
+  double max_abs = 0;
+  [[nodiscard]] bool moderate(double bound) const { return finite && max_abs <= bound; }
+};
+
+/// A view's extents and strides, and the elements a buffer needs for it.
+template <std::size_t N>
+struct Layout {
+  std::array<index_t, N> extents{}, strides{};
+  index_t span = 1;          ///< elements allocated (>= 1)
+  bool valid = true;         ///< extents >= 0, strides >= 0, last stride 1 where it matters, not null
+  bool distinct = true;      ///< every index addresses its own element
+  bool null_data = false;
+  bool oversized = false;    ///< extents too large to back with memory: must be refused
+};
+
+/// One tensor argument: a buffer exactly as long as its layout needs.
+template <class T, std::size_t N>
+struct Argument {
+  Layout<N> layout;
+  std::shared_ptr<T[]> buffer;  // shared: an aliasing output points into an input's buffer
+  index_t buffer_elements = 0;
+  index_t offset = 0;
+  ValueStats stats;
+  [[nodiscard]] T* data() const { return layout.null_data ? nullptr : buffer.get() + offset; }
+  [[nodiscard]] TensorView<T, N> view() const {
+    return TensorView<T, N>(data(), layout.extents, layout.strides);
+  }
+  [[nodiscard]] TensorView<const T, N> cview() const { return view(); }
+};
+
+/// Brute force: does `layout` address each of its elements once? (Independent of
+/// the library's stride-sorting check.)
+template <std::size_t N>
+bool addresses_distinct(const Layout<N>& layout) {
+  index_t count = 1;
+  for (index_t e : layout.extents) {
+    if (e <= 0) return true;
+    count *= e;
+  }
+  std::vector<index_t> offsets;
+  offsets.reserve(static_cast<std::size_t>(count));
+  std::array<index_t, N> at{};
+  for (index_t i = 0; i < count; ++i) {
+    index_t offset = 0;
+    for (std::size_t d = 0; d < N; ++d) offset += at[d] * layout.strides[d];
+    offsets.push_back(offset);
+    for (std::size_t d = N; d-- > 0;) {
+      if (++at[d] < layout.extents[d]) break;
+      at[d] = 0;
+    }
+  }
+  std::sort(offsets.begin(), offsets.end());
+  return std::adjacent_find(offsets.begin(), offsets.end()) == offsets.end();
+}
+
+class Fuzz {
+ public:
+  explicit Fuzz(const std::uint8_t* data, std::size_t size)
+      : in_(data, size), rng_(in_.ConsumeIntegral<std::uint64_t>()) {}
+
+  FuzzedDataProvider& in() { return in_; }
+  bool coin(int one_in) { return in_.ConsumeIntegralInRange<int>(0, one_in - 1) == 0; }
+  template <class V>
+  V pick(std::initializer_list<V> values) {
+    const auto i = in_.ConsumeIntegralInRange<std::size_t>(0, values.size() - 1);
+    return *(values.begin() + i);
+  }
+
+  /// A size that shapes tensors (B, T, H, L, Dk, Dv, d, r): usually in [low, high],
+  /// sometimes 0 or negative, never huge (a huge size every argument agrees on
+  /// would be a valid call the harness cannot back with memory).
+  index_t size(index_t low, index_t high) {
+    switch (in_.ConsumeIntegralInRange<int>(0, 15)) {
+      case 0: return 0;
+      case 1: return pick<index_t>({-1, -7, std::numeric_limits<index_t>::min()});
+      default: return in_.ConsumeIntegralInRange<index_t>(low, high);
+    }
+  }
+  /// A parameter that shapes no tensor (windows, M, levels, leap_factor): as
+  /// size(), and sometimes huge.
+  index_t parameter(index_t low, index_t high) {
+    if (coin(12))
+      return pick<index_t>({index_t{1} << 31, index_t{1} << 40, std::numeric_limits<index_t>::max(),
+                            std::numeric_limits<index_t>::max() - 1});
+    return size(low, high);
+  }
+
+  /// Extents for one argument: `expected`, or (rarely) that with one dimension changed.
+  template <std::size_t N>
+  std::array<index_t, N> extents(std::array<index_t, N> expected) {
+    if (!coin(10)) return expected;
+    const auto d = in_.ConsumeIntegralInRange<std::size_t>(0, N - 1);
+    index_t changed = 0;
+    switch (in_.ConsumeIntegralInRange<int>(0, 5)) {
+      case 0: if (!__builtin_add_overflow(expected[d], 1, &changed)) expected[d] = changed; break;
+      case 1: if (!__builtin_sub_overflow(expected[d], 1, &changed)) expected[d] = changed; break;
+      case 2: expected[d] = 0; break;
+      case 3: expected[d] = expected[d] > 0 ? -expected[d] : -1; break;
+      case 4: expected[d] = in_.ConsumeIntegralInRange<index_t>(0, 40); break;
+      default:  // at most one huge extent per call, so two arguments never agree on it
+        if (!huge_given_) {
+          huge_given_ = true;
+          expected[d] = pick<index_t>({index_t{1} << 33, index_t{1} << 45,
+                                       std::numeric_limits<index_t>::max() / 64});
+        }
+    }
+    return expected;
+  }
+
+  /// A layout for extents (strides, span), drawn from valid and invalid kinds.
+  template <std::size_t N>
+  Layout<N> layout(const std::array<index_t, N>& extents) {
+    Layout<N> layout;
+    layout.extents = extents;
+    contiguous(layout);
+    const int kind = in_.ConsumeIntegralInRange<int>(0, 15);
+    const auto d = in_.ConsumeIntegralInRange<std::size_t>(0, N - 1);
+    const auto outer = N > 1 ? in_.ConsumeIntegralInRange<std::size_t>(0, N - 2) : 0;
+    switch (kind) {
+      case 8: {  // padded: every outer stride spans more than its inner block
+        index_t stride = 1;
+        for (std::size_t i = N; i-- > 0;) {
+          layout.strides[i] = stride;
+          stride = stride * std::clamp<index_t>(extents[i], 1, kMaxElements) +
+                   (i ? in_.ConsumeIntegralInRange<index_t>(0, 3) : 0);
+        }
+        break;
+      }
+      case 9: {  // the outer dimensions in another order ([T, B, H, D] in memory, ...)
+        std::array<std::size_t, N> order{};
+        for (std::size_t i = 0; i < N; ++i) order[i] = i;
+        if (N > 2) std::swap(order[0], order[in_.ConsumeIntegralInRange<std::size_t>(1, N - 2)]);
+        index_t stride = 1;
+        for (std::size_t i = N; i-- > 0;) {
+          layout.strides[order[i]] = stride;
+          stride *= std::clamp<index_t>(extents[order[i]], 1, kMaxElements);
+        }
+        break;
+      }
+      case 10:  // broadcast along an outer dimension (valid for inputs only)
+        if (N > 1) layout.strides[outer] = 0;
+        break;
+      case 11:  // an outer stride smaller than the block it steps over
+        if (N > 1 && layout.strides[outer] > 1)
+          layout.strides[outer] = in_.ConsumeIntegralInRange<index_t>(1, layout.strides[outer] - 1);
+        break;
+      case 12: layout.strides[d] = -1 - in_.ConsumeIntegralInRange<index_t>(0, 3); break;
+      case 13: layout.strides[N - 1] = pick<index_t>({0, 2, 3}); break;
+      case 14: layout.null_data = true; break;
+      default: break;  // contiguous
+    }
+    finish(layout);
+    return layout;
+  }
+
+  /// Fills `count` values at the elements `layout` addresses.
+  template <class T>
+  ValueStats fill(T* data, index_t span, int mode, double scale) {
+    ValueStats stats;
+    std::normal_distribution<double> normal(0.0, scale);
+    std::uniform_real_distribution<double> uniform(-scale, scale);
+    const T specials[] = {std::numeric_limits<T>::quiet_NaN(),
+                          std::numeric_limits<T>::infinity(),
+                          -std::numeric_limits<T>::infinity(),
+                          std::numeric_limits<T>::max(),
+                          -std::numeric_limits<T>::max(),
+                          std::numeric_limits<T>::denorm_min(),
+                          T(0),
+                          T(-0.0),
+                          static_cast<T>(1e30)};
+    for (index_t i = 0; i < span; ++i) {
+      T value;
+      switch (mode) {
+        case 0: value = static_cast<T>(normal(rng_)); break;
+        case 1: value = static_cast<T>(uniform(rng_)); break;
+        case 2:
+          value = (rng_() % 8 == 0) ? specials[rng_() % std::size(specials)]
+                                    : static_cast<T>(normal(rng_));
+          break;
+        default: {  // raw bit patterns
+          std::uint64_t bits = rng_();
+          std::memcpy(&value, &bits, sizeof(T));
+        }
+      }
+      data[i] = value;
+      if (!std::isfinite(value)) stats.finite = false;
+      else stats.max_abs = std::max(stats.max_abs, std::fabs(static_cast<double>(value)));
+    }
+    return stats;
+  }
+
+  /// A value mode and scale for the tensors of one call.
+  struct Values {
+    int mode;
+    double scale;
+  };
+  Values values() {
+    return {in_.ConsumeIntegralInRange<int>(0, 9) < 7 ? in_.ConsumeIntegralInRange<int>(0, 1)
+                                                       : in_.ConsumeIntegralInRange<int>(2, 3),
+            pick<double>({0.5, 1.0, 3.0, 30.0, 1e3, 1e4})};
+  }
+
+  /// Input arguments of `expected` extents and an output; the output may alias an input.
+  template <class T, std::size_t N>
+  struct Call {
+    std::vector<Argument<T, N>> inputs;
+    Argument<T, N> out;
+    int aliased = -1;  ///< the input the output's buffer overlaps, or -1
+  };
+  template <class T, std::size_t N>
+  Call<T, N> call(const std::vector<std::array<index_t, N>>& input_extents,
+                  const std::array<index_t, N>& out_extents, const Values& values) {
+    Call<T, N> call;
+    for (const auto& expected : input_extents) {
+      Argument<T, N> argument;
+      argument.layout = layout(extents(expected));
+      argument.buffer_elements = argument.layout.span;
+      call.inputs.push_back(std::move(argument));
+    }
+    call.out.layout = layout(extents(out_extents));
+    call.out.buffer_elements = call.out.layout.span;
+    if (!call.inputs.empty() && coin(12)) {  // the output overlaps an input's elements
+      const auto j = in_.ConsumeIntegralInRange<std::size_t>(0, call.inputs.size() - 1);
+      Argument<T, N>& input = call.inputs[j];
+      call.out.offset = in_.ConsumeIntegralInRange<index_t>(0, input.layout.span - 1);
+      input.buffer_elements = std::max(input.buffer_elements, call.out.offset + call.out.layout.span);
+      call.aliased = static_cast<int>(j);
+    }
+    for (auto& input : call.inputs) {
+      input.buffer = std::shared_ptr<T[]>(new T[static_cast<std::size_t>(input.buffer_elements)]);
+      input.stats = fill(input.buffer.get(), input.buffer_elements, values.mode, values.scale);
+    }
+    if (call.aliased >= 0) {
+      call.out.buffer = call.inputs[static_cast<std::size_t>(call.aliased)].buffer;
+    } else {
+      call.out.buffer = std::shared_ptr<T[]>(new T[static_cast<std::size_t>(call.out.buffer_elements)]);
+      // Poison the output: a kernel that leaves an element unwritten shows as NaN.
+      std::fill_n(call.out.buffer.get(), call.out.buffer_elements, std::numeric_limits<T>::quiet_NaN());
+    }
+    return call;
+  }
+
+  /// Bytes for load_state / restore: `saved` intact, truncated, extended or corrupted.
+  std::vector<std::byte> corrupt(std::vector<std::byte> bytes) {
+    switch (in_.ConsumeIntegralInRange<int>(0, 7)) {
+      case 0: bytes.resize(in_.ConsumeIntegralInRange<std::size_t>(0, bytes.size())); break;
+      case 1: bytes.push_back(std::byte{0}); break;
+      case 2:
+      case 3: {  // a few bytes overwritten (header, sizes, counts or data)
+        const int flips = in_.ConsumeIntegralInRange<int>(1, 4);
+        for (int i = 0; i < flips && !bytes.empty(); ++i) {
+          const std::size_t at = rng_() % std::min<std::size_t>(bytes.size(), coin(2) ? 160 : bytes.size());
+          bytes[at] = static_cast<std::byte>(in_.ConsumeIntegral<std::uint8_t>());
+        }
+        break;
+      }
+      case 4: {  // random bytes
+        bytes.resize(in_.ConsumeIntegralInRange<std::size_t>(0, 512));
+        for (auto& b : bytes) b = static_cast<std::byte>(rng_());
+        break;
+      }
+      default: break;  // intact
+    }
+    return bytes;
+  }
+
+ private:
+  template <std::size_t N>
+  static void contiguous(Layout<N>& layout) {
+    index_t stride = 1;
+    for (std::size_t i = N; i-- > 0;) {
+      layout.strides[i] = stride;
+      stride *= std::max<index_t>(1, std::min<index_t>(layout.extents[i], kMaxElements));
+    }
+  }
+
+  /// Span, validity and distinctness; a view of more than kMaxElements elements
+  /// (or spanning more) is backed by one element and must be refused.
+  template <std::size_t N>
+  void finish(Layout<N>& layout) {
+    bool empty = false, negative = false;
+    for (std::size_t d = 0; d < N; ++d) {
+      negative = negative || layout.extents[d] < 0 || layout.strides[d] < 0;
+      empty = empty || layout.extents[d] <= 0;
+    }
+    double span = 1, elements = 1;
+    for (std::size_t d = 0; d < N; ++d) elements *= std::max(0.0, double(layout.extents[d]));
+    for (std::size_t d = 0; d < N; ++d)
+      span += std::max(0.0, double(layout.extents[d]) - 1) *
+              double(std::max<index_t>(0, layout.strides[d]));
+    layout.valid = !negative && !(layout.null_data && !empty) &&
+                   !(layout.extents[N - 1] > 1 && layout.strides[N - 1] != 1);
+    if (empty || negative) {
+      layout.span = 1;
+    } else if (span > double(kMaxElements) || elements > double(kMaxElements)) {
+      layout.span = 1;
+      layout.oversized = true;
+    } else {
+      layout.span = static_cast<index_t>(span);
+    }
+    layout.distinct = empty || negative || layout.oversized || addresses_distinct(layout);
+  }
+
+  FuzzedDataProvider in_;
+  std::mt19937_64 rng_;
+  bool huge_given_ = false;
+};
+
+// ------------------------------------------------------------------ oracles --
+
+/// A call that returned: what validation must have refused, and finiteness.
+template <class T, std::size_t N>
+void check_accepted(const Fuzz::Call<T, N>& call, bool expect_finite, const char* what) {
+  if (call.aliased >= 0 && !call.out.layout.oversized && !call.out.layout.null_data) {
+    const auto& input = call.inputs[static_cast<std::size_t>(call.aliased)];
+    bool out_empty = false;
+    for (index_t e : call.out.layout.extents) out_empty = out_empty || e == 0;
+    bool in_empty = input.layout.null_data;
+    for (index_t e : input.layout.extents) in_empty = in_empty || e == 0;
+    if (!out_empty && !in_empty) fail(std::string(what) + ": an output aliasing an input was accepted");
+  }
+  for (const auto& input : call.inputs)
+    if (input.layout.oversized) fail(std::string(what) + ": a view larger than its memory was accepted");
+  if (call.out.layout.oversized) fail(std::string(what) + ": an output larger than its memory was accepted");
+  if (!call.out.layout.distinct)
+    fail(std::string(what) + ": an output that addresses an element twice was accepted");
+  if (!call.out.layout.valid) fail(std::string(what) + ": an invalid output view was accepted");
+  for (const auto& input : call.inputs)
+    if (!input.layout.valid) fail(std::string(what) + ": an invalid input view was accepted");
+  if (!expect_finite || call.aliased >= 0) return;
+  const auto& layout = call.out.layout;
+  index_t count = 1;
+  for (index_t e : layout.extents) count *= e;
+  std::array<index_t, N> at{};
+  for (index_t i = 0; i < count; ++i) {
+    index_t offset = 0;
+    for (std::size_t d = 0; d < N; ++d) offset += at[d] * layout.strides[d];
+    if (!std::isfinite(call.out.data()[offset]))
+      fail(std::string(what) + ": non-finite output for finite, moderate inputs");
+    for (std::size_t d = N; d-- > 0;) {
+      if (++at[d] < layout.extents[d]) break;
+      at[d] = 0;
+    }
+  }
+}
+
+template <class T, std::size_t N>
+bool inputs_moderate(const Fuzz::Call<T, N>& call, double bound) {
+  return std::all_of(call.inputs.begin(), call.inputs.end(),
+                     [&](const auto& input) { return input.stats.moderate(bound); });
+}
+
+/// Runs `body`; a latte::Error is an accepted outcome, any other exception is not.
+template <class Body>
+bool attempt(Body&& body) {
+  try {
+    body();
+    return true;
+  } catch (const latte::Error&) {
+    return false;
+  } catch (const std::exception& e) {
+    fail(std::string("unexpected exception (not latte::Error): ") + e.what());
+  } catch (...) {
+    fail("unexpected exception of unknown type");
+  }
+}
+
+// --------------------------------------------------------- generic driving --
+
+/// The argument sizes of one mechanism: features of each input and of the output,
+/// and how large inputs may be while its outputs must stay finite.
+struct Features {
+  std::vector<index_t> inputs;
+  index_t out;
+  double finite_bound;  ///< inputs with |x| <= this (all finite) give finite outputs; 0: no check
+};
+
+template <std::size_t N>
+std::vector<std::array<index_t, N>> input_extents(const Features& f, index_t batch, index_t time,
+                                                   index_t heads) {
+  std::vector<std::array<index_t, N>> extents;
+  for (index_t features : f.inputs) {
+    if constexpr (N == 4) extents.push_back({batch, time, heads, features});
+    else extents.push_back({batch, heads, features});
+  }
+  return extents;
+}
+
+/// forward(inputs..., out) on a [B, T, H, *] call.
+template <class T, class Forward>
+void drive_forward(Fuzz& fuzz, const Features& f, index_t batch, index_t time, index_t heads,
+                   const char* what, Forward&& forward) {
+  const auto values = fuzz.values();
+  auto call = fuzz.call<T, 4>(input_extents<4>(f, batch, time, heads), {batch, time, heads, f.out},
+                              values);
+  if (attempt([&] { forward(call); }))
+    check_accepted(call, f.finite_bound > 0 && inputs_moderate(call, f.finite_bound), what);
+}
+
+/// make_state, forward(..., state), step, save, load_state / restore: every
+/// outcome a latte::Error or a return; saved bytes reload to the same bytes.
+template <class T, class Make, class ForwardState, class Step, class Load>
+void drive_decode(Fuzz& fuzz, const Features& f, index_t batch, index_t time, index_t heads,
+                  const char* what, Make&& make, ForwardState&& forward, Step&& step, Load&& load) {
+  using State = std::decay_t<decltype(make(index_t{}))>;
+  std::optional<State> state;
+  const index_t state_batch = fuzz.coin(8) ? fuzz.size(1, 3) : batch;
+  if (!attempt([&] { state.emplace(make(state_batch)); })) return;
+  const auto values = fuzz.values();
+  // Outputs must be finite while every token the state absorbed was finite and moderate.
+  bool clean = f.finite_bound > 0;
+  if (fuzz.coin(2)) {
+    auto call = fuzz.call<T, 4>(input_extents<4>(f, batch, time, heads),
+                                {batch, time, heads, f.out}, values);
+    if (attempt([&] { forward(call, *state); })) {
+      clean = clean && inputs_moderate(call, f.finite_bound);
+      check_accepted(call, clean, what);
+    }
+  }
+  const int steps = fuzz.in().ConsumeIntegralInRange<int>(0, 4);
+  for (int i = 0; i < steps; ++i) {
+    auto call = fuzz.call<T, 3>(input_extents<3>(f, batch, 0, heads), {batch, heads, f.out}, values);
+    if (attempt([&] { step(call, *state); })) {
+      clean = clean && inputs_moderate(call, f.finite_bound);
+      check_accepted(call, clean, what);
+    }
+  }
+  const std::vector<std::byte> saved = state->save();
+  std::optional<State> loaded;
+  if (attempt([&] { loaded.emplace(load(std::span<const std::byte>(saved))); })) {
+    if (loaded->save() != saved) fail(std::string(what) + ": load_state(save()) saves different bytes");
+  } else {
+    fail(std::string(what) + ": load_state refused the bytes save() wrote");
+  }
+  const std::vector<std::byte> bytes = fuzz.corrupt(saved);
+  if (fuzz.coin(2)) {
+    attempt([&] { loaded.emplace(load(std::span<const std::byte>(bytes))); });
+  } else {
+    const std::vector<std::byte> before = loaded->save();
+    if (!attempt([&] { loaded->restore(bytes); }) && loaded->save() != before)
+      fail(std::string(what) + ": a refused restore changed the state");
+  }
+  auto call = fuzz.call<T, 3>(input_extents<3>(f, batch, 0, heads), {batch, heads, f.out}, values);
+  // The restored numbers may be anything: validation is checked, finiteness is not.
+  if (attempt([&] { step(call, *loaded); })) check_accepted(call, false, what);
+}
+
+// ------------------------------------------------------------- mechanisms --
+
+/// Common sizes of one call.
+struct Sizes {
+  index_t batch, time, heads;
+};
+
+template <class Dir>
+constexpr bool causal = Dir::is_causal;
+
+/// Angles [H, D/2] for VAPOR / RoPE: the default schedule, or a given tensor
+/// (sometimes of the wrong shape or with non-finite entries).
+inline latte::detail::PairRotation::Params angles(Fuzz& fuzz, index_t heads, index_t dim) {
+  latte::detail::PairRotation::Params params;
+  if (fuzz.coin(3)) params.base = fuzz.pick<double>({10000.0, 1.0, 0.5, 0.0, -1.0, NAN, INFINITY});
+  if (!fuzz.coin(2)) return params;
+  index_t rows = std::clamp<index_t>(heads, 0, 8), cols = std::clamp<index_t>(dim / 2, 0, 16);
+  if (fuzz.coin(6)) rows = fuzz.in().ConsumeIntegralInRange<index_t>(0, 5);
+  if (fuzz.coin(6)) cols = fuzz.in().ConsumeIntegralInRange<index_t>(0, 9);
+  params.angles = latte::Tensor<double, 2>({rows, cols});
+  for (index_t i = 0; i < params.angles.size(); ++i)
+    params.angles.data()[i] = fuzz.coin(40) ? fuzz.pick<double>({NAN, INFINITY, 1e300})
+                                            : fuzz.in().ConsumeFloatingPointInRange<double>(-10, 10);
+  return params;
+}
+
+inline std::optional<double> scale(Fuzz& fuzz) {
+  if (!fuzz.coin(4)) return std::nullopt;
+  return fuzz.pick<double>({0.37, 1.0, -2.0, 0.0, 1e-30, 1e30, NAN, INFINITY});
+}
+/// A scale under which moderate scores stay finite (1e30 * q . k does not).
+inline bool tame(const std::optional<double>& scale) { return !scale || std::fabs(*scale) <= 10; }
+
+/// The first position of a decode state: small, near 2^31, near 2^53, or near the end.
+inline std::int64_t first_position(Fuzz& fuzz) {
+  if (!fuzz.coin(3)) return 0;
+  return fuzz.pick<std::int64_t>({1, 1000, (std::int64_t{1} << 31) - 2, std::int64_t{1} << 31,
+                                  (std::int64_t{1} << 53) + 1,
+                                  std::numeric_limits<std::int64_t>::max() - 3, -1});
+}
+
+template <class T, class E, class Dir, class Pos>
+void latte_attention(Fuzz& fuzz, const Sizes& s) {
+  const index_t L = fuzz.size(1, 16), Dv = fuzz.size(1, 16);
+  std::optional<latte::LatteAttention<Dir, latte::RunningMax, Pos>> attention;
+  typename Pos::Params params{};
+  if constexpr (Pos::rotates_values) {
+    const auto given = angles(fuzz, s.heads, Dv);
+    params.angles = given.angles;
+    params.base = given.base;
+  }
+  if (!attempt([&] { attention.emplace(latte::LatteDims{s.heads, L, Dv}, params); })) return;
+  // RunningMax: o_t is a convex combination of values for any finite logits;
+  // |v| <= 1e30 keeps the sums of at most 40 of them finite in float.
+  const Features f{{L, L, Dv}, Dv, 1e30};
+  const auto& a = *attention;
+  drive_forward<T>(fuzz, f, s.batch, s.time, s.heads, "LatteAttention forward", [&](auto& c) {
+    a.forward(E{}, c.inputs[0].cview(), c.inputs[1].cview(), c.inputs[2].cview(), c.out.view());
+  });
+  if constexpr (causal<Dir>) {
+    const auto first = first_position(fuzz);
+    drive_decode<T>(
+        fuzz, f, s.batch, s.time, s.heads, "LatteAttention decode",
+        [&](index_t batch) { return a.template make_state<T>(batch, first); },
+        [&](auto& c, auto& state) {
+          a.forward(E{}, c.inputs[0].cview(), c.inputs[1].cview(), c.inputs[2].cview(),
+                    c.out.view(), state);
+        },
+        [&](auto& c, auto& state) {
+          a.step(E{}, state, c.inputs[0].cview(), c.inputs[1].cview(), c.inputs[2].cview(),
+                 c.out.view());
+        },
+        [&](std::span<const std::byte> bytes) { return a.template load_state<T>(bytes); });
+  }
+}
+
+template <class T, class E, class Dir, class Win>
+void softmax_attention(Fuzz& fuzz, const Sizes& s) {
+  const index_t Dk = fuzz.size(1, 16), Dv = fuzz.size(1, 16);
+  Win window{};
+  const bool decode = causal<Dir> && fuzz.coin(2);
+  if constexpr (std::is_same_v<Win, latte::SlidingWindow>) {
+    window.left = fuzz.parameter(0, 45);
+    window.right = causal<Dir> ? (fuzz.coin(8) ? fuzz.parameter(0, 3) : 0) : fuzz.parameter(0, 45);
+    // The KV cache holds left + 1 tokens: cap before make_state allocates it.
+    if (decode && window.left > kMaxStateTokens) window.left = kMaxStateTokens;
+  }
+  std::optional<latte::SoftmaxAttention<Dir, Win>> attention;
+  const auto given_scale = scale(fuzz);
+  if (!attempt([&] { attention.emplace(latte::SoftmaxDims{s.heads, Dk, Dv}, window, given_scale); }))
+    return;
+  // Scores scale * q . k stay finite for |q|, |k| <= 1e3 (Dk <= 16); o_t is a mean of values.
+  const Features f{{Dk, Dk, Dv}, Dv, tame(given_scale) ? 1e3 : 0};
+  const auto& a = *attention;
+  drive_forward<T>(fuzz, f, s.batch, s.time, s.heads, "SoftmaxAttention forward", [&](auto& c) {
+    a.forward(E{}, c.inputs[0].cview(), c.inputs[1].cview(), c.inputs[2].cview(), c.out.view());
+  });
+  if constexpr (causal<Dir>) {
+    if (!decode) return;
+    const index_t capacity = std::min(fuzz.parameter(1, 48), kMaxStateTokens);
+    drive_decode<T>(
+        fuzz, f, s.batch, s.time, s.heads, "SoftmaxAttention decode",
+        [&](index_t batch) { return a.template make_state<T>(batch, capacity); },
+        [&](auto& c, auto& state) {
+          a.forward(E{}, c.inputs[0].cview(), c.inputs[1].cview(), c.inputs[2].cview(),
+                    c.out.view(), state);
+        },
+        [&](auto& c, auto& state) {
+          a.step(E{}, state, c.inputs[0].cview(), c.inputs[1].cview(), c.inputs[2].cview(),
+                 c.out.view());
+        },
+        [&](std::span<const std::byte> bytes) { return a.template load_state<T>(bytes); });
+  }
+}
+
+template <class T, class Dir, class LatentPos, class WindowPos>
+void macchiato(Fuzz& fuzz, const Sizes& s) {
+  const index_t L = fuzz.size(1, 16), Dk = fuzz.size(1, 16), Dv = fuzz.size(1, 16);
+  index_t window = fuzz.parameter(1, 45);
+  const bool decode = causal<Dir> && fuzz.coin(2);
+  if (decode && window > kMaxStateTokens) window = kMaxStateTokens;  // the ring holds w + 1 tokens
+  latte::MacchiatoOptions options{scale(fuzz), fuzz.coin(2) ? latte::VaporScope::latent_states
+                                                             : latte::VaporScope::all_states};
+  typename LatentPos::Params latent{};
+  typename WindowPos::Params local{};
+  if constexpr (LatentPos::rotates_values) {
+    const auto given = angles(fuzz, s.heads, Dv);
+    latent.angles = given.angles;
+    latent.base = given.base;
+  }
+  if constexpr (WindowPos::rotates_queries_keys) {
+    const auto given = angles(fuzz, s.heads, Dk);
+    local.angles = given.angles;
+    local.base = given.base;
+  }
+  std::optional<latte::LatteMacchiato<Dir, latte::RunningMax, LatentPos, WindowPos>> attention;
+  if (!attempt([&] {
+        attention.emplace(latte::MacchiatoDims{s.heads, L, Dk, Dv, window}, options, latent, local);
+      }))
+    return;
+  const Features f{{L + 1, L, Dk, Dk, Dv}, Dv, tame(options.scale) ? 1e3 : 0};
+  const auto& a = *attention;
+  auto forward = [&](auto& c) {
+    a.forward(latte::exec::reference, c.inputs[0].cview(), c.inputs[1].cview(), c.inputs[2].cview(),
+              c.inputs[3].cview(), c.inputs[4].cview(), c.out.view());
+  };
+  drive_forward<T>(fuzz, f, s.batch, s.time, s.heads, "LatteMacchiato forward", forward);
+  if constexpr (causal<Dir>) {
+    if (!decode) return;
+    const auto first = first_position(fuzz);
+    drive_decode<T>(
+        fuzz, f, s.batch, s.time, s.heads, "LatteMacchiato decode",
+        [&](index_t batch) { return a.template make_state<T>(batch, first); },
+        [&](auto& c, auto& state) {
+          a.forward(latte::exec::reference, c.inputs[0].cview(), c.inputs[1].cview(),
+                    c.inputs[2].cview(), c.inputs[3].cview(), c.inputs[4].cview(), c.out.view(),
+                    state);
+        },
+        [&](auto& c, auto& state) {
+          a.step(latte::exec::reference, state, c.inputs[0].cview(), c.inputs[1].cview(),
+                 c.inputs[2].cview(), c.inputs[3].cview(), c.inputs[4].cview(), c.out.view());
+        },
+        [&](std::span<const std::byte> bytes) { return a.template load_state<T>(bytes); });
+  }
+}
+
+inline latte::Normaliser normaliser(Fuzz& fuzz, latte::Normaliser fallback) {
+  if (!fuzz.coin(4)) return fallback;
+  latte::Normaliser n;
+  n.kind = fuzz.coin(2) ? latte::Normaliser::Kind::additive : latte::Normaliser::Kind::clamp_min;
+  n.value = fuzz.pick<double>({1e-6, 0.1, 1.0, 0.0, -1.0, 1e-300, NAN, INFINITY});
+  return n;
+}
+
+inline latte::LeaPModule leap_module(Fuzz& fuzz, index_t features, index_t hidden) {
+  index_t rows = std::clamp<index_t>(hidden, 0, 16), cols = std::clamp<index_t>(features, 0, 32);
+  if (fuzz.coin(8)) rows = fuzz.in().ConsumeIntegralInRange<index_t>(0, 5);
+  latte::LeaPModule m;
+  m.w1 = latte::Tensor<double, 2>({rows, cols});
+  m.b1 = latte::Tensor<double, 1>({fuzz.coin(8) ? rows + 1 : rows});
+  m.w2 = latte::Tensor<double, 1>({rows});
+  for (index_t i = 0; i < m.w1.size(); ++i) m.w1.data()[i] = fuzz.in().ConsumeFloatingPointInRange<double>(-2, 2);
+  for (index_t i = 0; i < m.b1.size(); ++i) m.b1.data()[i] = fuzz.in().ConsumeFloatingPointInRange<double>(-2, 2);
+  for (index_t i = 0; i < m.w2.size(); ++i) m.w2.data()[i] = fuzz.in().ConsumeFloatingPointInRange<double>(-2, 2);
+  m.b2 = fuzz.coin(30) ? NAN : fuzz.in().ConsumeFloatingPointInRange<double>(-2, 2);
+  if (m.w1.size() && fuzz.coin(30)) m.w1.data()[0] = INFINITY;
+  return m;
+}
+
+template <class T, class Dir, class Map, class Rw, class Pos>
+void linear_attention(Fuzz& fuzz, const Sizes& s) {
+  using Attention = latte::LinearAttention<Dir, Map, Rw, Pos>;
+  const index_t Dk = fuzz.size(1, 16), Dv = fuzz.size(1, 16);
+  typename Attention::Options options;
+  options.normaliser = normaliser(fuzz, Rw::default_normaliser());
+  if constexpr (Attention::position_proportions) {
+    if (fuzz.coin(3) || causal<Dir>) options.reweight.length = fuzz.parameter(1, 60);
+  }
+  if constexpr (Attention::learned_proportions) {
+    const index_t features = latte::detail::feature_dim_of<Map>(std::clamp<index_t>(Dk, 1, 16));
+    options.reweight.leap_factor = fuzz.coin(4) ? fuzz.parameter(1, 8)
+                                                : fuzz.pick<index_t>({1, 2, 4, features});
+    if (fuzz.coin(2)) {
+      const index_t factor = std::max<index_t>(1, options.reweight.leap_factor);
+      options.reweight.query_module = leap_module(fuzz, features, features / factor);
+      if (!fuzz.coin(20)) options.reweight.key_module = leap_module(fuzz, features, features / factor);
+    }
+  }
+  if constexpr (Pos::rotates_queries_keys) {
+    const index_t features = latte::detail::feature_dim_of<Map>(std::clamp<index_t>(Dk, 1, 16));
+    const auto given = angles(fuzz, s.heads, features);
+    options.positional.angles = given.angles;
+    options.positional.base = given.base;
+    if (fuzz.coin(2)) options.rope_denominator = latte::RopeDenominator::rotated;
+  } else if (fuzz.coin(20)) {
+    options.rope_denominator = latte::RopeDenominator::rotated;  // must be refused
+  }
+  std::optional<Attention> attention;
+  if (!attempt([&] { attention.emplace(latte::LinearDims{s.heads, Dk, Dv}, options); })) return;
+  const auto& a = *attention;
+  // phi(q) . phi(k) and the state's sums stay finite for |x| <= 1e3; N(D) >= its
+  // minimum keeps the quotient finite (Identity and RoPE may make D <= 0: clamped).
+  const Features f{{Dk, Dk, Dv}, Dv, a.options().normaliser.value >= 1e-6 ? 1e3 : 0};
+  const int variant = fuzz.in().ConsumeIntegralInRange<int>(0, 2);
+  if (variant == 1 && !causal<Dir>) {
+    // Cross-attention: a source of its own length.
+    const index_t source = fuzz.in().ConsumeIntegralInRange<index_t>(0, 40);
+    const auto values = fuzz.values();
+    auto call = fuzz.call<T, 4>({{s.batch, s.time, s.heads, Dk}, {s.batch, source, s.heads, Dk},
+                                 {s.batch, source, s.heads, Dv}},
+                                {s.batch, s.time, s.heads, Dv}, values);
+    if constexpr (!causal<Dir>) {
+      if (attempt([&] {
+            a.cross_forward(latte::exec::reference, call.inputs[0].cview(), call.inputs[1].cview(),
+                            call.inputs[2].cview(), call.out.view());
+          }))
+        check_accepted(call, f.finite_bound > 0 && inputs_moderate(call, 1e3), "LinearAttention cross_forward");
+    }
+    return;
+  }
+  if constexpr (Attention::learned_proportions) {
+    if (variant == 2) {  // precomputed proportions [B, T, H] in [0, 1] (or not)
+      const auto values = fuzz.values();
+      auto call = fuzz.call<T, 4>(input_extents<4>(f, s.batch, s.time, s.heads),
+                                  {s.batch, s.time, s.heads, Dv}, values);
+      auto props = fuzz.call<T, 3>({{s.batch, s.time, s.heads}, {s.batch, s.time, s.heads}},
+                                   {0, 0, 0}, {fuzz.coin(4) ? 3 : 1, 1.0});
+      for (auto& p : props.inputs)  // mostly valid proportions: |x| from U(-1, 1)
+        if (!fuzz.coin(4))
+          for (index_t i = 0; i < p.buffer_elements; ++i) p.buffer[i] = std::fabs(p.buffer[i]);
+      const latte::SequenceProportions<T> proportions{props.inputs[0].cview(), props.inputs[1].cview()};
+      if (attempt([&] {
+            a.forward(latte::exec::reference, call.inputs[0].cview(), call.inputs[1].cview(),
+                      call.inputs[2].cview(), proportions, call.out.view());
+          }))
+        check_accepted(call, false, "LeaPformer forward with proportions");
+      return;
+    }
+  }
+  drive_forward<T>(fuzz, f, s.batch, s.time, s.heads, "LinearAttention forward", [&](auto& c) {
+    a.forward(latte::exec::reference, c.inputs[0].cview(), c.inputs[1].cview(),
+              c.inputs[2].cview(), c.out.view());
+  });
+  if constexpr (causal<Dir>) {
+    const auto first = first_position(fuzz);
+    drive_decode<T>(
+        fuzz, f, s.batch, s.time, s.heads, "LinearAttention decode",
+        [&](index_t batch) { return a.template make_state<T>(batch, first); },
+        [&](auto& c, auto& state) {
+          a.forward(latte::exec::reference, c.inputs[0].cview(), c.inputs[1].cview(),
+                    c.inputs[2].cview(), c.out.view(), state);
+        },
+        [&](auto& c, auto& state) {
+          a.step(latte::exec::reference, state, c.inputs[0].cview(), c.inputs[1].cview(),
+                 c.inputs[2].cview(), c.out.view());
+        },
+        [&](std::span<const std::byte> bytes) { return a.template load_state<T>(bytes); });
+  }
+}
+
+template <class T, class Dir>
+void lavo(Fuzz& fuzz, const Sizes& s) {
+  const index_t d = fuzz.size(1, 16), r = fuzz.size(1, 16);
+  index_t window = fuzz.parameter(1, 45);
+  // P [H, 2w - 1] and the ring [w, d] are allocated from w: keep it small, or past
+  // max_window (refused before anything is allocated).
+  if (window > kMaxStateTokens && window <= latte::Lavo<Dir>::max_window) window = kMaxStateTokens;
+  latte::LavoParams params;
+  params.basis_seed = fuzz.in().ConsumeIntegral<std::uint64_t>();
+  params.scale = scale(fuzz);
+  const bool tame_scale = tame(params.scale);
+  params.empty_memory = fuzz.coin(2) ? latte::LavoEmptyMemory::zero : latte::LavoEmptyMemory::local_only;
+  const bool small = s.heads >= 0 && s.heads <= 8 && r >= 0 && r <= 16 && d >= 0 && d <= 16 &&
+                     window >= 1 && window <= kMaxStateTokens;
+  if (small && fuzz.coin(3)) {
+    params.bases = latte::Tensor<double, 3>({s.heads, r, fuzz.coin(8) ? d + 1 : d});
+    for (index_t i = 0; i < params.bases.size(); ++i)
+      params.bases.data()[i] = fuzz.coin(60) ? NAN : fuzz.in().ConsumeFloatingPointInRange<double>(-1, 1);
+  }
+  if (small && fuzz.coin(3)) {
+    params.relative_bias = latte::Tensor<double, 2>({s.heads, fuzz.coin(8) ? 2 * window : 2 * window - 1});
+    for (index_t i = 0; i < params.relative_bias.size(); ++i)
+      params.relative_bias.data()[i] = fuzz.coin(60) ? INFINITY : fuzz.in().ConsumeFloatingPointInRange<double>(-5, 5);
+  }
+  std::optional<latte::Lavo<Dir>> attention;
+  if (!attempt([&] { attention.emplace(latte::LavoDims{s.heads, d, r, window}, std::move(params)); }))
+    return;
+  const auto& a = *attention;
+  const Features f{{d, d, d}, d, tame_scale ? 1e3 : 0};
+  if constexpr (!causal<Dir>) {
+    if (fuzz.coin(3)) {
+      const index_t source = fuzz.in().ConsumeIntegralInRange<index_t>(0, 40);
+      const auto values = fuzz.values();
+      auto call = fuzz.call<T, 4>({{s.batch, s.time, s.heads, d}, {s.batch, source, s.heads, d}},
+                                  {s.batch, s.time, s.heads, d}, values);
+      if (attempt([&] {
+            a.cross_forward(latte::exec::reference, call.inputs[0].cview(), call.inputs[1].cview(),
+                            call.out.view());
+          }))
+        check_accepted(call, tame_scale && inputs_moderate(call, 1e3), "Lavo cross_forward");
+      return;
+    }
+  }
+  drive_forward<T>(fuzz, f, s.batch, s.time, s.heads, "Lavo forward", [&](auto& c) {
+    a.forward(latte::exec::reference, c.inputs[0].cview(), c.inputs[1].cview(),
+              c.inputs[2].cview(), c.out.view());
+  });
+  if constexpr (causal<Dir>) {
+    drive_decode<T>(
+        fuzz, f, s.batch, s.time, s.heads, "Lavo decode",
+        [&](index_t batch) { return a.template make_state<T>(batch); },
+        [&](auto& c, auto& state) {
+          a.forward(latte::exec::reference, c.inputs[0].cview(), c.inputs[1].cview(),
+                    c.inputs[2].cview(), c.out.view(), state);
+        },
+        [&](auto& c, auto& state) {
+          a.step(latte::exec::reference, state, c.inputs[0].cview(), c.inputs[1].cview(),
+                 c.inputs[2].cview(), c.out.view());
+        },
+        [&](std::span<const std::byte> bytes) { return a.template load_state<T>(bytes); });
+  }
+}
+
+template <class T, class Dir>
+void conv_compressed(Fuzz& fuzz, const Sizes& s) {
+  latte::ConvCompressedDims dims{s.heads, fuzz.size(1, 16), fuzz.size(1, 16), fuzz.parameter(1, 6),
+                                 fuzz.coin(8) ? fuzz.parameter(1, 4) : fuzz.in().ConsumeIntegralInRange<index_t>(1, 3)};
+  if (fuzz.coin(4)) dims.window_left = fuzz.parameter(0, 45);
+  if (fuzz.coin(4)) dims.window_right = fuzz.parameter(0, 45);
+  // The weights are [H, M, Dv, Dv] per level: only sizes that fit get real ones;
+  // the others get an empty set, which validation must refuse.
+  const bool small = dims.heads >= 1 && dims.heads <= 8 && dims.key_dim >= 1 && dims.key_dim <= 16 &&
+                     dims.value_dim >= 1 && dims.value_dim <= 16 && dims.group_size >= 1 &&
+                     dims.group_size <= 8 && dims.levels >= 1 && dims.levels <= 4;
+  latte::ConvCompressedParams params;
+  if (small) {
+    params = latte::ConvCompressedParams::zeros(dims);
+    std::normal_distribution<double> normal(0.0, 0.3);
+    std::mt19937_64 weights_rng(fuzz.in().ConsumeIntegral<std::uint64_t>());
+    auto fill = [&](auto& tensor) {
+      for (index_t i = 0; i < tensor.size(); ++i) tensor.data()[i] = normal(weights_rng);
+    };
+    for (auto& t : params.conv_weight) fill(t);
+    for (auto& t : params.conv_bias) fill(t);
+    for (auto& t : params.level_query) fill(t);
+    for (auto& t : params.level_key) fill(t);
+    for (auto& t : params.level_value) fill(t);
+    fill(params.cross_query);
+    fill(params.cross_key);
+    fill(params.cross_value);
+    switch (fuzz.in().ConsumeIntegralInRange<int>(0, 12)) {
+      case 0: params.conv_weight.pop_back(); break;
+      case 1: params.cross_key = latte::Tensor<double, 3>({dims.heads, dims.key_dim + 1, dims.value_dim}); break;
+      case 2: params.conv_bias.front().data()[0] = NAN; break;
+      case 3: if (!params.level_value.empty()) params.level_value.back() = {}; break;
+      default: break;
+    }
+  }
+  std::optional<latte::ConvCompressedAttention<Dir>> attention;
+  const auto given_scale = scale(fuzz);
+  if (!attempt([&] { attention.emplace(dims, params, given_scale); })) return;
+  const auto& a = *attention;
+  const auto& resolved = a.dims();
+  const Features f{{resolved.key_dim, resolved.key_dim, resolved.value_dim}, resolved.value_dim,
+                   tame(given_scale) ? 1e3 : 0};
+  drive_forward<T>(fuzz, f, s.batch, s.time, s.heads, "ConvCompressedAttention forward", [&](auto& c) {
+    a.forward(latte::exec::reference, c.inputs[0].cview(), c.inputs[1].cview(),
+              c.inputs[2].cview(), c.out.view());
+  });
+  if constexpr (causal<Dir>) {
+    if (*resolved.window_left > kMaxStateTokens) return;  // the window ring is allocated from it
+    const index_t capacity = std::min(fuzz.parameter(1, 60), kMaxStateTokens);
+    drive_decode<T>(
+        fuzz, f, s.batch, s.time, s.heads, "ConvCompressedAttention decode",
+        [&](index_t batch) { return a.template make_state<T>(batch, capacity); },
+        [&](auto& c, auto& state) {
+          a.forward(latte::exec::reference, c.inputs[0].cview(), c.inputs[1].cview(),
+                    c.inputs[2].cview(), c.out.view(), state);
+        },
+        [&](auto& c, auto& state) {
+          a.step(latte::exec::reference, state, c.inputs[0].cview(), c.inputs[1].cview(),
+                 c.inputs[2].cview(), c.out.view());
+        },
+        [&](std::span<const std::byte> bytes) { return a.template load_state<T>(bytes); });
+  }
+}
+
+// --------------------------------------------------------------- dispatch --
+
+template <class T, class Dir>
+void run_direction(Fuzz& fuzz, const Sizes& s) {
+  using namespace latte;
+  const bool cpu = fuzz.coin(2);
+  switch (fuzz.in().ConsumeIntegralInRange<int>(0, 17)) {
+    case 0: cpu ? latte_attention<T, exec::cpu_t, Dir, NoPositional>(fuzz, s)
+                : latte_attention<T, exec::reference_t, Dir, NoPositional>(fuzz, s); break;
+    case 1: cpu ? latte_attention<T, exec::cpu_t, Dir, VAPOR>(fuzz, s)
+                : latte_attention<T, exec::reference_t, Dir, VAPOR>(fuzz, s); break;
+    case 2: cpu ? softmax_attention<T, exec::cpu_t, Dir, NoWindow>(fuzz, s)
+                : softmax_attention<T, exec::reference_t, Dir, NoWindow>(fuzz, s); break;
+    case 3: cpu ? softmax_attention<T, exec::cpu_t, Dir, SlidingWindow>(fuzz, s)
+                : softmax_attention<T, exec::reference_t, Dir, SlidingWindow>(fuzz, s); break;
+    case 4: macchiato<T, Dir, NoPositional, NoPositional>(fuzz, s); break;
+    case 5: macchiato<T, Dir, VAPOR, NoPositional>(fuzz, s); break;
+    case 6: macchiato<T, Dir, NoPositional, RoPE>(fuzz, s); break;
+    case 7: macchiato<T, Dir, VAPOR, RoPE>(fuzz, s); break;
+    case 8: linear_attention<T, Dir, Relu, NoReweight, NoPositional>(fuzz, s); break;
+    case 9: linear_attention<T, Dir, EluPlusOne, NoReweight, NoPositional>(fuzz, s); break;
+    case 10: linear_attention<T, Dir, Identity, NoReweight, NoPositional>(fuzz, s); break;
+    case 11: linear_attention<T, Dir, Relu, NoReweight, RoPE>(fuzz, s); break;
+    case 12: linear_attention<T, Dir, Relu, CosFormerReweight, NoPositional>(fuzz, s); break;
+    case 13: linear_attention<T, Dir, Relu, LeaPReweight, NoPositional>(fuzz, s); break;
+    case 14: lavo<T, Dir>(fuzz, s); break;
+    case 15: conv_compressed<T, Dir>(fuzz, s); break;
+    case 16: cpu ? latte_attention<T, exec::cpu_t, Dir, NoPositional>(fuzz, s)
+                 : softmax_attention<T, exec::cpu_t, Dir, NoWindow>(fuzz, s); break;
+    default: linear_attention<T, Dir, EluPlusOne, CosFormerReweight, RoPE>(fuzz, s); break;
+  }
+}
+
+
+/// One input's calls in dtype T (instantiated in fuzz_attention_<dtype>.cpp).
+template <class T>
+void run(Fuzz& fuzz, const Sizes& s, bool is_causal) {
+  is_causal ? run_direction<T, latte::Causal>(fuzz, s) : run_direction<T, latte::Bidirectional>(fuzz, s);
+}
+extern template void run<float>(Fuzz&, const Sizes&, bool);
+extern template void run<double>(Fuzz&, const Sizes&, bool);
+
+}  // namespace latte_fuzz

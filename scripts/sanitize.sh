@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Sanitizer runs (issue 7), sized for CI:
+#  1. the asan preset (AddressSanitizer + UndefinedBehaviorSanitizer): every test
+#     except the packaging ones (label "package": they configure and build
+#     consumer projects, which is slow and not about memory), with the random-case
+#     loops scaled down by LATTE_TEST_CASE_SCALE (default 0.1: tests/support.hpp);
+#  2. the tsan preset (ThreadSanitizer): the tests that run threads
+#     (test_thread_safety) and those that use the cpu backend.
+# Build trees: build-asan/ and build-tsan/ (LATTE_SANITIZE_BUILD_ROOT moves them).
+# Either part alone: scripts/sanitize.sh asan | tsan.
+# LATTE_ASAN_TESTS / LATTE_TSAN_TESTS (space-separated test names) narrow a part to
+# those tests (.ci/run uses them to fit CI's time limit).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if (($#)); then parts=("$@"); else parts=(asan tsan); fi
+root="${LATTE_SANITIZE_BUILD_ROOT:-.}"
+jobs="$(nproc)"
+scale="${LATTE_TEST_CASE_SCALE:-0.1}"
+# Tests only; CUDA is off because nvcc does not take the host sanitizer flags.
+options=(-DLATTE_BUILD_BENCHMARKS=OFF -DLATTE_BUILD_EXAMPLES=OFF -DLATTE_WITH_CUDA=OFF)
+
+# The tsan tests: the threaded one and the cpu-backend ones that exist in this checkout.
+tsan_tests=()
+for name in ${LATTE_TSAN_TESTS:-test_thread_safety test_latte_oracle test_softmax_oracle test_decode \
+            test_numerics test_api test_allocation test_linear_oracle test_linear_decode}; do
+  if [ -f "tests/$name.cpp" ]; then tsan_tests+=("$name"); fi
+done
+asan_tests=(${LATTE_ASAN_TESTS:-})
+
+seconds() { date +%s; }
+
+for part in "${parts[@]}"; do
+  start=$(seconds)
+  case "$part" in
+    asan)
+      build="$root/build-asan"
+      echo "== sanitize: ASan + UBSan, every test except label 'package', LATTE_TEST_CASE_SCALE=$scale"
+      cmake --preset asan -B "$build" "${options[@]}" >/dev/null
+      selection=(-LE package)
+      if ((${#asan_tests[@]})); then
+        echo "   (only ${asan_tests[*]})"
+        cmake --build "$build" -j "$jobs" --target "${asan_tests[@]}"
+        selection=(-R "^($(IFS='|'; echo "${asan_tests[*]}"))\$")
+      else
+        cmake --build "$build" -j "$jobs"
+      fi
+      ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:strict_string_checks=1:detect_stack_use_after_return=1" \
+      UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" \
+      LATTE_TEST_CASE_SCALE="$scale" \
+        ctest --test-dir "$build" --output-on-failure "${selection[@]}" -j "$jobs" --timeout 900
+      ;;
+    tsan)
+      build="$root/build-tsan"
+      echo "== sanitize: TSan, ${tsan_tests[*]}, LATTE_TEST_CASE_SCALE=$scale"
+      cmake --preset tsan -B "$build" "${options[@]}" >/dev/null
+      cmake --build "$build" -j "$jobs" --target "${tsan_tests[@]}"
+      regex="^($(IFS='|'; echo "${tsan_tests[*]}"))\$"
+      TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:ignore_noninstrumented_modules=1" \
+      LATTE_TEST_CASE_SCALE="$scale" \
+        ctest --test-dir "$build" --output-on-failure -R "$regex" -j "$jobs" --timeout 900
+      ;;
+    *)
+      echo "sanitize.sh: unknown part '$part' (asan or tsan)" >&2
+      exit 2
+      ;;
+  esac
+  echo "== sanitize: $part passed in $(($(seconds) - start)) s"
+done
