@@ -14,6 +14,7 @@
 //   attn.forward(latte::exec::reference, q, k, v, out.view());
 #include <cstdint>
 #include <span>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -169,7 +170,7 @@ class LatteAttention {
                   "(backends/cuda/latte.cuh)");
     static_assert(exec::implemented<E>, "this execution backend is not implemented yet");
     validate_sequence(query_logits, key_logits, values, out);
-    validate_state(state, query_logits.extent(0));
+    validate_state(state, query_logits.extent(0), query_logits.extent(1));
     auto carry_of = [&](index_t b, index_t h) { return state.carry(b, h); };
     if constexpr (std::is_same_v<E, exec::cpu_t>)
       cpu::latte_causal_forward<Stab, Pos>(query_logits, key_logits, values, out, angles_,
@@ -267,13 +268,21 @@ class LatteAttention {
 
   /// Allocation-free on success (step calls it per token).
   template <Real T>
-  void validate_state(const State<T>& state, index_t batch) const {
+  void validate_state(const State<T>& state, index_t batch, index_t new_tokens = 1) const {
     const bool matches = state.kind() == kinds_.template get<T>() && state.batch() == batch &&
                          state.heads() == dims_.heads && state.latents() == dims_.latents &&
                          state.value_dim() == dims_.value_dim;
     if (!matches)
       state.require_matches(kind<T>(), State<T>::sizes_for(batch, dims_.heads, dims_.latents,
                                                            dims_.value_dim));
+    // Positions are int64: the last token's position must not overflow (message
+    // built only on failure: step() runs this per token, allocation-free).
+    if (state.position() > std::numeric_limits<std::int64_t>::max() - new_tokens)
+      throw Error("state", detail::expected_given(
+                               "position + new tokens",
+                               "<= " + std::to_string(std::numeric_limits<std::int64_t>::max()),
+                               std::to_string(state.position()) + " + " +
+                                   std::to_string(new_tokens)));
   }
 
   LatteDims dims_;
