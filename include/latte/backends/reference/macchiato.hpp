@@ -179,9 +179,10 @@ void macchiato_bidirectional_forward(TensorView<const T, 4> q, TensorView<const 
       };
       for (index_t s = 0; s < std::min(window, Tn); ++s) prepare(s);
       for (index_t t = 0; t < Tn; ++t) {
-        if (t + window < Tn) prepare(t + window);
-        const index_t lo = std::max<index_t>(0, t - window);
-        const index_t hi = std::min<index_t>(Tn - 1, t + window);
+        // window may be as large as index_t allows: compare before adding.
+        if (window < Tn - t) prepare(t + window);
+        const index_t lo = window >= t ? 0 : t - window;
+        const index_t hi = window >= Tn - 1 - t ? Tn - 1 : t + window;
         const T* query_row = wq.row(b, t, h);
         if constexpr (WindowPos::rotates_queries_keys) {
           std::copy(query_row, query_row + Dk, query.data());
