@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "expect_error.hpp"
 #include "support.hpp"
 
 namespace {
@@ -24,23 +25,6 @@ using namespace latte;
 using namespace latte::test;
 
 // ---------------------------------------------------------------- helpers --
-
-/// `call()` must throw latte::Error naming `argument`, whose message contains `needle`.
-template <class F>
-void expect_error(F&& call, std::string_view argument, std::string_view needle = "expected") {
-  CHECK_THROWS_AS(call(), latte::Error);
-  try {
-    call();
-  } catch (const latte::Error& error) {
-    const std::string what = error.what();
-    INFO("what(): " << what);
-    CHECK(error.argument() == std::string(argument));
-    CHECK(what.find("latte: argument '" + std::string(argument) + "'") == 0);
-    CHECK(what.find(std::string(needle)) != std::string::npos);
-  } catch (...) {
-    // CHECK_THROWS_AS has already reported the wrong exception type.
-  }
-}
 
 /// As expect_error, but any of `arguments` is an acceptable name.
 template <class F>

@@ -21,6 +21,7 @@
 #include "oracles/linear_oracle.hpp"
 #include "oracles/macchiato_oracle.hpp"
 #include "oracles/softmax_oracle.hpp"
+#include "expect_error.hpp"
 #include "support.hpp"
 
 using namespace latte;
@@ -449,21 +450,6 @@ TEST_CASE("LavoLayer and ConvCompressedLayer match the long-double layer oracle"
 
 // ------------------------------------------------------------- bad input --
 
-namespace {
-/// Runs `call`, which must throw latte::Error naming `argument`.
-template <class F>
-void expect_layer_error(F&& call, const std::string& argument) {
-  bool thrown = false;
-  try {
-    call();
-  } catch (const Error& error) {
-    thrown = true;
-    CHECK_MESSAGE(error.argument() == argument, "message: " << error.what());
-  }
-  CHECK_MESSAGE(thrown, "no latte::Error for " << argument);
-}
-}  // namespace
-
 TEST_CASE("Layers reject malformed weights, inputs and states, naming the argument") {
   using Layer = LatteLayer<Causal, ShortConv<3>, float>;
   const LatteAttention<Causal> attention({.heads = 2, .latents = 3, .value_dim = 4});
@@ -474,17 +460,17 @@ TEST_CASE("Layers reject malformed weights, inputs and states, naming the argume
     edit(weights);
     return weights;
   };
-  expect_layer_error([&] { Layer(attention, 0, good); }, "model_dim");
-  expect_layer_error([&] { Layer(attention, model, with([](auto& w) { w.projections[0].resize(5, 5); })); },
-                     "weights.projections[query_logits]");
-  expect_layer_error([&] { Layer(attention, model, with([](auto& w) { w.projections[2].resize(4, 8); })); },
-                     "weights.projections[values]");
-  expect_layer_error([&] { Layer(attention, model, with([](auto& w) { w.output.resize(8, 4); })); },
-                     "weights.output");
-  expect_layer_error([&] { Layer(attention, model, with([](auto& w) { w.mixer.kernel = Tensor<float, 2>({2, 5}); })); },
-                     "mixer.kernel");
-  expect_layer_error([&] { Layer(attention, model, with([](auto& w) { w.mixer.bias = Tensor<float, 1>({4}); })); },
-                     "mixer.bias");
+  expect_error([&] { Layer(attention, 0, good); }, "model_dim", "");
+  expect_error([&] { Layer(attention, model, with([](auto& w) { w.projections[0].resize(5, 5); })); },
+                     "weights.projections[query_logits]", "");
+  expect_error([&] { Layer(attention, model, with([](auto& w) { w.projections[2].resize(4, 8); })); },
+                     "weights.projections[values]", "");
+  expect_error([&] { Layer(attention, model, with([](auto& w) { w.output.resize(8, 4); })); },
+                     "weights.output", "");
+  expect_error([&] { Layer(attention, model, with([](auto& w) { w.mixer.kernel = Tensor<float, 2>({2, 5}); })); },
+                     "mixer.kernel", "");
+  expect_error([&] { Layer(attention, model, with([](auto& w) { w.mixer.bias = Tensor<float, 1>({4}); })); },
+                     "mixer.bias", "");
   using Rglru = LatteLayer<Causal, RGLRU, float>;
   const auto rglru = RGLRU::Weights<float>::initial(model, 2);
   auto rglru_with = [&](auto edit) {
@@ -492,34 +478,34 @@ TEST_CASE("Layers reject malformed weights, inputs and states, naming the argume
     edit(weights.mixer);
     return weights;
   };
-  expect_layer_error([&] { Rglru(attention, model, rglru_with([](auto& m) { m.lambda = Tensor<float, 1>({6}); })); },
-                     "mixer.lambda");
-  expect_layer_error([&] { Rglru(attention, model, rglru_with([](auto& m) { m.input_gate = Tensor<float, 2>({5, 4}); })); },
-                     "mixer.input_gate");
-  expect_layer_error([&] { Rglru(attention, model, rglru_with([](auto& m) { m.c = 0; })); }, "mixer.c");
+  expect_error([&] { Rglru(attention, model, rglru_with([](auto& m) { m.lambda = Tensor<float, 1>({6}); })); },
+                     "mixer.lambda", "");
+  expect_error([&] { Rglru(attention, model, rglru_with([](auto& m) { m.input_gate = Tensor<float, 2>({5, 4}); })); },
+                     "mixer.input_gate", "");
+  expect_error([&] { Rglru(attention, model, rglru_with([](auto& m) { m.c = 0; })); }, "mixer.c", "");
 
   const Layer layer(attention, model, good);
   Tensor<float, 3> x({2, 7, model}, 0.5f), out({2, 7, model}, 7.0f);
-  expect_layer_error([&] { layer.forward(Tensor<float, 3>({2, 7, 4}).cview(), out.view()); }, "x");
-  expect_layer_error([&] { layer.forward(x.cview(), Tensor<float, 3>({2, 6, model}).view()); }, "out");
-  expect_layer_error([&] { layer.forward(TensorView<const float, 3>(out.data(), out.extents()), out.view()); },
-                     "out");
-  expect_layer_error([&] { layer.forward(TensorView<const float, 3>(nullptr, {2, 7, model}), out.view()); }, "x");
+  expect_error([&] { layer.forward(Tensor<float, 3>({2, 7, 4}).cview(), out.view()); }, "x", "");
+  expect_error([&] { layer.forward(x.cview(), Tensor<float, 3>({2, 6, model}).view()); }, "out", "");
+  expect_error([&] { layer.forward(TensorView<const float, 3>(out.data(), out.extents()), out.view()); },
+                     "out", "");
+  expect_error([&] { layer.forward(TensorView<const float, 3>(nullptr, {2, 7, model}), out.view()); }, "x", "");
   for (index_t i = 0; i < out.size(); ++i) REQUIRE(out.data()[i] == 7.0f);  // nothing written
 
   auto state = layer.make_state(2);
   Tensor<float, 2> x_t({2, model}, 0.5f), out_t({2, model});
-  expect_layer_error([&] { layer.step(state, Tensor<float, 2>({3, model}).cview(), out_t.view()); }, "x_t");
-  expect_layer_error([&] { layer.step(state, x_t.cview(), Tensor<float, 2>({2, 4}).view()); }, "out_t");
-  expect_layer_error([&] { layer.forward(Tensor<float, 3>({3, 2, model}).cview(), Tensor<float, 3>({3, 2, model}).view(), state); },
-                     "state");
+  expect_error([&] { layer.step(state, Tensor<float, 2>({3, model}).cview(), out_t.view()); }, "x_t", "");
+  expect_error([&] { layer.step(state, x_t.cview(), Tensor<float, 2>({2, 4}).view()); }, "out_t", "");
+  expect_error([&] { layer.forward(Tensor<float, 3>({3, 2, model}).cview(), Tensor<float, 3>({3, 2, model}).view(), state); },
+                     "state", "");
   // A state of another layer (other scratch shapes) is refused before anything moves.
   const Layer other(LatteAttention<Causal>({.heads = 2, .latents = 4, .value_dim = 4}), model,
                     Layer::random_weights(LatteAttention<Causal>({.heads = 2, .latents = 4, .value_dim = 4}),
                                           model, 4, ShortConv<3>::Weights<float>::identity(model)));
   auto foreign = other.make_state(2);
-  expect_layer_error([&] { layer.step(foreign, x_t.cview(), out_t.view()); }, "state");
-  expect_layer_error([&] { (void)layer.make_state(-1); }, "batch");
+  expect_error([&] { layer.step(foreign, x_t.cview(), out_t.view()); }, "state", "");
+  expect_error([&] { (void)layer.make_state(-1); }, "batch", "");
 }
 
 TEST_CASE("A refused prefill leaves the mixer state where it was") {
@@ -536,7 +522,7 @@ TEST_CASE("A refused prefill leaves the mixer state where it was") {
   layer.forward(rows_slice(x, 0, 3).cview(), out.view(), state);
   const auto history = state.mixer.history;
   Tensor<double, 3> too_long({1, 3, 3});
-  expect_layer_error([&] { layer.forward(rows_slice(x, 3, 3).cview(), too_long.view(), state); },
-                     "state");
+  expect_error([&] { layer.forward(rows_slice(x, 3, 3).cview(), too_long.view(), state); },
+                     "state", "");
   CHECK(bit_equal(state.mixer.history, history));
 }

@@ -9,26 +9,12 @@
 #include <string>
 #include <string_view>
 
+#include "expect_error.hpp"
 #include "linear_support.hpp"
 
 namespace {
 using namespace latte;
 using namespace latte::test;
-
-template <class F>
-void expect_error(F&& call, std::string_view argument, std::string_view needle = "expected") {
-  CHECK_THROWS_AS(call(), latte::Error);
-  try {
-    call();
-  } catch (const latte::Error& error) {
-    const std::string what = error.what();
-    INFO("what(): " << what);
-    CHECK(error.argument() == std::string(argument));
-    CHECK(what.find("latte: argument '" + std::string(argument) + "'") == 0);
-    CHECK(what.find(std::string(needle)) != std::string::npos);
-  } catch (...) {
-  }
-}
 
 constexpr index_t kB = 2, kT = 5, kH = 3, kDk = 8, kDv = 6, kLength = 4 * kT;
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
