@@ -9,7 +9,8 @@
 //   - zero values give exact zeros;
 //   - a NaN in one input element stays in exactly the outputs that depend on
 //     it, and leaves every other output bit-identical to the clean run;
-//   - a decode state saved by one backend continues on the other.
+//   - a decode state saved by one backend continues on the other;
+//   - a state whose position is at the end of int64 refuses further tokens.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -18,6 +19,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "oracles/conv_compressed_oracle.hpp"
@@ -26,6 +28,7 @@
 #include "oracles/linear_oracle.hpp"
 #include "oracles/macchiato_oracle.hpp"
 #include "oracles/softmax_oracle.hpp"
+#include "expect_error.hpp"
 #include "support.hpp"
 
 namespace {
@@ -860,6 +863,128 @@ TEST_CASE(
       attention.forward(exec::reference, qn, kn, vn, out.view());
       check_nan_isolation(out, clean, oracle, affected, "conv, input " + std::to_string(which));
     }
+  }
+}
+
+// ======================================== positions at the end of int64 --
+
+/// The saved bytes of a state with its position replaced by `position`; the
+/// offset is walked from the byte format of core/state_storage.hpp (magic,
+/// kind, sizes (name, value), position).
+std::vector<std::byte> with_position(std::vector<std::byte> bytes, std::int64_t position) {
+  std::size_t offset = 8;  // "latteST2"
+  auto read_u64 = [&] {
+    std::uint64_t value = 0;
+    std::memcpy(&value, bytes.data() + offset, sizeof value);
+    offset += sizeof value;
+    return value;
+  };
+  offset += read_u64();  // kind
+  const std::uint64_t sizes = read_u64();
+  for (std::uint64_t i = 0; i < sizes; ++i) offset += read_u64() + sizeof(std::int64_t);
+  std::memcpy(bytes.data() + offset, &position, sizeof position);
+  return bytes;
+}
+
+/// `state` restored at INT64_MAX - 1 takes one more token by step; then a
+/// step and a two-token forward(state) are refused and leave the position.
+template <class Attention, class State, class Step, class Forward>
+void check_position_end(const Attention& attention, State& state, const Step& step,
+                        const Forward& forward_two, const std::string& what) {
+  INFO(what);
+  constexpr std::int64_t last = std::numeric_limits<std::int64_t>::max();
+  using T = typename std::remove_reference_t<decltype(*state.field(0))>;
+  state = attention.template load_state<T>(with_position(state.save(), last - 1));
+  REQUIRE(state.position() == last - 1);
+  expect_error([&] { forward_two(state); }, "state", "position + new tokens");
+  CHECK(state.position() == last - 1);
+  step(state);
+  CHECK(state.position() == last);
+  expect_error([&] { step(state); }, "state", "position + new tokens");
+  CHECK(state.position() == last);
+}
+
+TEST_CASE_TEMPLATE("a state at position INT64_MAX refuses more tokens (every mechanism)", T, float,
+                   double) {
+  // Positions are int64 and a restored state may sit anywhere in it: every
+  // mechanism's state refuses the token whose position would overflow instead
+  // of wrapping (signed overflow is undefined behaviour).
+  Rng rng(17);
+  const index_t B = 1, Two = 2, H = 2, L = 3, D = 4;
+  const auto q = random_tensor<T, 4>(rng, {B, Two, H, D}, 1.0);
+  const auto k = random_tensor<T, 4>(rng, {B, Two, H, D}, 1.0);
+  const auto v = random_tensor<T, 4>(rng, {B, Two, H, D}, 1.0);
+  const auto lq = random_tensor<T, 4>(rng, {B, Two, H, L}, 1.0);
+  const auto lq1 = random_tensor<T, 4>(rng, {B, Two, H, L + 1}, 1.0);
+  const auto lk = random_tensor<T, 4>(rng, {B, Two, H, L}, 1.0);
+  Tensor<T, 4> out({B, Two, H, D});
+  Tensor<T, 3> row({B, H, D});
+  {
+    const LatteAttention<Causal, RunningMax, VAPOR> attention(
+        {.heads = H, .latents = L, .value_dim = D});
+    auto state = attention.template make_state<T>(B);
+    for (const bool cpu : {false, true})
+      check_position_end(
+          attention, state,
+          [&](auto& s) {
+            if (cpu)
+              attention.step(exec::cpu, s, time_step(lq, 0), time_step(lk, 0), time_step(v, 0),
+                             row.view());
+            else
+              attention.step(exec::reference, s, time_step(lq, 0), time_step(lk, 0),
+                             time_step(v, 0), row.view());
+          },
+          [&](auto& s) { attention.forward(exec::cpu, lq, lk, v, out.view(), s); },
+          cpu ? "latte cpu" : "latte reference");
+  }
+  {
+    const SoftmaxAttention<Causal, SlidingWindow> attention(
+        {.heads = H, .key_dim = D, .value_dim = D}, SlidingWindow{.left = 3});
+    auto state = attention.template make_state<T>(B);
+    check_position_end(
+        attention, state,
+        [&](auto& s) {
+          attention.step(exec::cpu, s, time_step(q, 0), time_step(k, 0), time_step(v, 0),
+                         row.view());
+        },
+        [&](auto& s) { attention.forward(exec::cpu, q, k, v, out.view(), s); },
+        "softmax sliding-window cache");
+  }
+  {
+    const LinearAttention<Causal, EluPlusOne, NoReweight, RoPE> attention(
+        {.heads = H, .key_dim = D, .value_dim = D});
+    auto state = attention.template make_state<T>(B);
+    check_position_end(
+        attention, state,
+        [&](auto& s) {
+          attention.step(exec::cpu, s, time_step(q, 0), time_step(k, 0), time_step(v, 0),
+                         row.view());
+        },
+        [&](auto& s) { attention.forward(exec::cpu, q, k, v, out.view(), s); }, "linear RoPE");
+  }
+  {
+    const LatteMacchiato<Causal, RunningMax, VAPOR, RoPE> attention(
+        {.heads = H, .latents = L, .key_dim = D, .value_dim = D, .window = 2});
+    auto state = attention.template make_state<T>(B);
+    check_position_end(
+        attention, state,
+        [&](auto& s) {
+          attention.step(exec::cpu, s, time_step(lq1, 0), time_step(lk, 0), time_step(q, 0),
+                         time_step(k, 0), time_step(v, 0), row.view());
+        },
+        [&](auto& s) { attention.forward(exec::cpu, lq1, lk, q, k, v, out.view(), s); },
+        "macchiato");
+  }
+  {
+    const Lavo<Causal> attention({.heads = H, .dim = D, .bases = 2, .window = 2});
+    auto state = attention.template make_state<T>(B);
+    check_position_end(
+        attention, state,
+        [&](auto& s) {
+          attention.step(exec::cpu, s, time_step(q, 0), time_step(k, 0), time_step(v, 0),
+                         row.view());
+        },
+        [&](auto& s) { attention.forward(exec::cpu, q, k, v, out.view(), s); }, "lavo");
   }
 }
 

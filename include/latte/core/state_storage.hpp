@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <span>
 #include <string>
 #include <string_view>
@@ -142,6 +143,16 @@ class StateStorage {
   /// Absolute position of the next token.
   [[nodiscard]] std::int64_t position() const noexcept { return position_; }
   void advance(std::int64_t tokens) noexcept { position_ += tokens; }
+  /// Throws latte::Error("state") unless `new_tokens` more tokens keep every
+  /// position within int64 (a restored state may sit anywhere up to INT64_MAX).
+  /// Allocation-free unless it throws: steps call it once per token.
+  void require_room(std::int64_t new_tokens) const {
+    if (new_tokens < 0 || position_ > std::numeric_limits<std::int64_t>::max() - new_tokens)
+      throw Error("state", detail::expected_given(
+                               "position + new tokens",
+                               "<= " + std::to_string(std::numeric_limits<std::int64_t>::max()),
+                               std::to_string(position_) + " + " + std::to_string(new_tokens)));
+  }
   /// Bytes of state data held (what decode keeps in memory).
   [[nodiscard]] std::size_t bytes() const noexcept {
     std::size_t total = 0;

@@ -415,6 +415,7 @@ class ConvCompressedAttention {
     if (!matches)
       state.require_matches(kind<T>(),
                             State<T>::sizes_for(state_shape(batch, s.context_capacity)));
+    state.require_room(new_tokens);
     if (state.position() + new_tokens > s.context_capacity)  // the message only on failure
       detail::require(false, "state",
                       detail::expected_given("context_capacity for " +

@@ -275,14 +275,7 @@ class LatteAttention {
     if (!matches)
       state.require_matches(kind<T>(), State<T>::sizes_for(batch, dims_.heads, dims_.latents,
                                                            dims_.value_dim));
-    // Positions are int64: the last token's position must not overflow (message
-    // built only on failure: step() runs this per token, allocation-free).
-    if (state.position() > std::numeric_limits<std::int64_t>::max() - new_tokens)
-      throw Error("state", detail::expected_given(
-                               "position + new tokens",
-                               "<= " + std::to_string(std::numeric_limits<std::int64_t>::max()),
-                               std::to_string(state.position()) + " + " +
-                                   std::to_string(new_tokens)));
+    state.require_room(new_tokens);
   }
 
   LatteDims dims_;

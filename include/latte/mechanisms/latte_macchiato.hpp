@@ -256,7 +256,7 @@ class LatteMacchiato {
                TensorView<T, 4> out, State<T>& state) const {
     require_host_backend<E>();
     validate_sequence(query_logits, key_logits, window_queries, window_keys, values, out);
-    validate_state(state, query_logits.extent(0));
+    validate_state(state, query_logits.extent(0), query_logits.extent(1));
     const index_t B = query_logits.extent(0), Tn = query_logits.extent(1);
     const index_t capacity = state.capacity(), fill = state.window_fill();
     const std::int64_t first = state.position();
@@ -287,7 +287,7 @@ class LatteMacchiato {
     require_host_backend<E>();  // both run the same allocation-free step kernel
     const index_t B = state.batch(), H = dims_.heads, L = dims_.latents;
     const index_t Dk = dims_.key_dim, Dv = dims_.value_dim;
-    validate_state(state, B);
+    validate_state(state, B, 1);
     detail::check_shape(query_logits, "query_logits", {B, H, L + 1}, "[B, H, L+1]");
     detail::check_shape(key_logits, "key_logits", {B, H, L}, "[B, H, L]");
     detail::check_shape(window_queries, "window_queries", {B, H, Dk}, "[B, H, Dk]");
@@ -386,7 +386,7 @@ class LatteMacchiato {
 
   /// Allocation-free on success (step calls it per token).
   template <Real T>
-  void validate_state(const State<T>& state, index_t batch) const {
+  void validate_state(const State<T>& state, index_t batch, index_t new_tokens) const {
     const MacchiatoDims& d = dims_;
     const bool matches = state.kind() == kinds_.template get<T>() && state.batch() == batch &&
                          state.heads() == d.heads && state.latents() == d.latents &&
@@ -395,6 +395,7 @@ class LatteMacchiato {
     if (!matches)
       state.require_matches(kind<T>(), State<T>::sizes_for(batch, d.heads, d.latents, d.key_dim,
                                                            d.value_dim, d.window));
+    state.require_room(new_tokens);
     if (state.window_fill() < 0)
       throw Error("state", detail::expected_given(
                                "window_fill",

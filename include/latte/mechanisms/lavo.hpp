@@ -260,7 +260,7 @@ class Lavo {
                TensorView<T, 4> out, State<T>& state) const {
     require_host_backend<E>();
     validate_sequence(queries, keys, values, out);
-    validate_state(state, queries.extent(0));
+    validate_state(state, queries.extent(0), queries.extent(1));
     if constexpr (std::is_same_v<E, exec::cpu_t>)
       cpu::lavo_causal_forward(
           queries, keys, values, out, state.position(), [&](index_t h) { return head<T>(h); },
@@ -280,7 +280,7 @@ class Lavo {
             StepInputView<T> values, TensorView<T, 3> out) const {
     require_host_backend<E>();
     const index_t B = state.batch(), H = dims_.heads, d = dims_.dim;
-    validate_state(state, B);
+    validate_state(state, B, 1);
     detail::check_shape(queries, "queries", {B, H, d}, "[B, H, d]");
     detail::check_shape(keys, "keys", {B, H, d}, "[B, H, d]");
     detail::check_shape(values, "values", {B, H, d}, "[B, H, d]");
@@ -357,13 +357,14 @@ class Lavo {
 
   /// Allocation-free on success (step calls it per token).
   template <Real T>
-  void validate_state(const State<T>& state, index_t batch) const {
+  void validate_state(const State<T>& state, index_t batch, index_t new_tokens) const {
     const bool matches = state.kind() == kinds_.template get<T>() && state.batch() == batch &&
                          state.heads() == dims_.heads && state.dim() == dims_.dim &&
                          state.bases() == dims_.bases && state.window() == dims_.window;
     if (!matches)
       state.require_matches(kind<T>(), State<T>::sizes_for(batch, dims_.heads, dims_.dim,
                                                            dims_.bases, dims_.window));
+    state.require_room(new_tokens);
   }
 
   LavoDims dims_;

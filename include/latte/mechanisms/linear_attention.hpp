@@ -464,14 +464,7 @@ class LinearAttention {
       matches = matches && state.size_of("rotated_denominator") ==
                                (options_.rope_denominator == RopeDenominator::rotated ? 1 : 0);
     if (!matches) state.require_matches(kind<T>(), sizes_for(batch));
-    // Positions are int64: the last token's position must not overflow (the
-    // message is built only on failure: step() runs this per token, allocation-free).
-    if (state.position() > std::numeric_limits<std::int64_t>::max() - new_tokens)
-      throw Error("state", detail::expected_given(
-                               "position + new tokens",
-                               "<= " + std::to_string(std::numeric_limits<std::int64_t>::max()),
-                               std::to_string(state.position()) + " + " +
-                                   std::to_string(new_tokens)));
+    state.require_room(new_tokens);
     if constexpr (position_proportions)
       (void)cosformer_length(static_cast<index_t>(state.position() + new_tokens), 0);
   }

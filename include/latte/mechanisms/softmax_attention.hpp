@@ -281,6 +281,7 @@ class SoftmaxAttention {
     if (!matches)
       state.require_matches(kind<T>(), State<T>::sizes_for(batch, dims_.heads, dims_.key_dim,
                                                            dims_.value_dim, state.capacity()));
+    state.require_room(new_tokens);
     const std::int64_t needed = tokens_visible_at_most(state.position() + new_tokens);
     if (state.capacity() < needed)  // message built only on failure (step calls this per token)
       throw Error("state", detail::expected_given(
