@@ -72,7 +72,7 @@ void feature_map_row(const T* x, index_t key_dim, T* phi, index_t feature_dim) n
       if constexpr (std::is_same_v<Map, Relu>)
         simd::store(phi + i, xsimd::max(value, B(T(0))));
       else if constexpr (std::is_same_v<Map, EluPlusOne>)  // x + 1 for x > 0, exp(x) otherwise
-        simd::store(phi + i, xsimd::select(value > B(T(0)), value + B(T(1)), xsimd::exp(value)));
+        simd::store(phi + i, xsimd::select(value > B(T(0)), value + B(T(1)), simd::exp(value)));
       else
         simd::store(phi + i, value);
     }

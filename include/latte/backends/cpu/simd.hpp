@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstddef>
 #include <limits>
+#include <type_traits>
 
 #include "latte/core/types.hpp"
 
@@ -38,7 +39,22 @@ template <Real T>
   return xsimd::fma(a, b, c);
 }
 template <Real T>
-[[nodiscard]] inline batch<T> exp(const batch<T>& x) noexcept { return xsimd::exp(x); }
+[[nodiscard]] inline batch<T> exp(const batch<T>& x) noexcept {
+  if constexpr (std::is_same_v<T, double> && XSIMD_VERSION_MAJOR < 9) {
+    // xsimd 8 has no AVX2 / AVX-512F double -> int64 conversion and converts
+    // lane by lane in its range reduction, which is undefined behaviour for
+    // NaN, +-inf and |x| >= 2^63 (we pass -inf for masked latents). exp is
+    // exactly 0 below -746 and inf above 710, so bounding x to +-1000 changes
+    // no result; NaN lanes are computed on 0 and put back afterwards.
+    const auto is_number = x == x;
+    const batch<T> bounded =
+        xsimd::select(is_number, xsimd::min(xsimd::max(x, batch<T>(-1000.0)), batch<T>(1000.0)),
+                      batch<T>(0.0));
+    return xsimd::select(is_number, xsimd::exp(bounded), x);
+  } else {
+    return xsimd::exp(x);
+  }
+}
 template <Real T>
 [[nodiscard]] inline batch<T> max(const batch<T>& a, const batch<T>& b) noexcept {
   return xsimd::max(a, b);
