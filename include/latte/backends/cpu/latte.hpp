@@ -372,24 +372,12 @@ void latte_causal_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
   std::vector<LatteScratch<T>> scratch(static_cast<std::size_t>(workers), LatteScratch<T>(L, Dv));
 
   if (segments == 1) {
-    // Each worker owns a range of (b, h) and walks time in chunks, every head
-    // of its range per chunk: the rows of one token for all heads share a
-    // page, so a chunk's pages are looked up once per worker instead of once
-    // per head. One head at a time over all of T missed the TLB every other
-    // token once the inputs outgrew the caches (-30 % throughput at T >= 4K).
-    constexpr index_t time_chunk = 64;
-    const index_t groups = std::min<index_t>(heads, workers);
-    parallel_for(groups, workers, [&](index_t g, int worker) {
-      const index_t first = g * heads / groups, last = (g + 1) * heads / groups;
-      std::vector<LatteCarry<T>> carries;  // carry_of once per head: it may reset the carry
-      carries.reserve(static_cast<std::size_t>(last - first));
-      for (index_t i = first; i < last; ++i) carries.push_back(carry_of(i / H, i % H));
-      for (index_t t0 = 0; t0 < Tn; t0 += time_chunk)
-        for (index_t i = first; i < last; ++i)
-          scan<Stab, Pos>(q, k, v, out, i / H, i % H, t0, std::min(Tn, t0 + time_chunk),
-                          carries[static_cast<std::size_t>(i - first)], theta_of(i % H),
+    interleave_heads(
+        heads, Tn, workers, [&](index_t i) { return carry_of(i / H, i % H); },
+        [&](index_t i, LatteCarry<T> carry, index_t t0, index_t t1, int worker) {
+          scan<Stab, Pos>(q, k, v, out, i / H, i % H, t0, t1, carry, theta_of(i % H),
                           first_position + t0, true, scratch[worker]);
-    });
+        });
     return;
   }
   // Two passes over `segments` time segments, one (b, h) at a time.

@@ -459,10 +459,11 @@ void linear_causal_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
   };
 
   if (segments == 1) {
-    parallel_for(heads, workers, [&](index_t i, int worker) {
-      const index_t b = i / H, h = i % H;
-      run(b, h, 0, Tn, carry_of(b, h), scratch[worker]);
-    });
+    interleave_heads(
+        heads, Tn, workers, [&](index_t i) { return carry_of(i / H, i % H); },
+        [&](index_t i, LinearCarry<T> carry, index_t t0, index_t t1, int worker) {
+          run(i / H, i % H, t0, t1, carry, scratch[worker]);
+        });
     return;
   }
   // Two passes over `segments` time segments, one (b, h) at a time. Pass 1

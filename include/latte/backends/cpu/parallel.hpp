@@ -5,6 +5,10 @@
 // parallel_for, which also tells each task which worker runs it so that
 // per-worker scratch can be allocated up front. Called from inside a caller's
 // own parallel region, everything runs serially on the calling thread.
+#include <algorithm>
+#include <cstddef>
+#include <vector>
+
 #include "latte/core/types.hpp"
 
 #if defined(LATTE_WITH_OPENMP)
@@ -36,6 +40,31 @@ void parallel_for(index_t count, int workers, Body&& body) {
   (void)workers;  // one worker without OpenMP
 #endif
   for (index_t i = 0; i < count; ++i) body(i, 0);
+}
+
+/// Tokens each head advances before its worker moves to the next head (see below).
+inline constexpr index_t interleave_tokens = 256;
+
+/// Runs `heads` independent causal scans over [0, Tn): each worker owns a
+/// contiguous range of heads and advances all of them `interleave_tokens` at
+/// a time, calling body(i, carry, t0, t1, worker) with carry = begin(i),
+/// which is called once per head. In [B, T, H, *] the rows of one token for
+/// every head share a page; one head at a time over all of T touches a new
+/// page every few tokens and, once the inputs outgrow the caches (T >= ~4K),
+/// waits on TLB misses (Latte B1 H8 L64 D64 at 16K: 47.6 -> 24-26 ms).
+template <class Begin, class Body>
+void interleave_heads(index_t heads, index_t Tn, int workers, Begin&& begin, Body&& body) {
+  const index_t groups = std::min<index_t>(heads, workers);
+  parallel_for(groups, workers, [&](index_t g, int worker) {
+    const index_t first = g * heads / groups, last = (g + 1) * heads / groups;
+    std::vector<decltype(begin(index_t{0}))> carries;
+    carries.reserve(static_cast<std::size_t>(last - first));
+    for (index_t i = first; i < last; ++i) carries.push_back(begin(i));
+    for (index_t t0 = 0; t0 < Tn; t0 += interleave_tokens)
+      for (index_t i = first; i < last; ++i)
+        body(i, carries[static_cast<std::size_t>(i - first)], t0,
+             std::min(Tn, t0 + interleave_tokens), worker);
+  });
 }
 
 }  // namespace latte::cpu
