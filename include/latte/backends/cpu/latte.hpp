@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include <Eigen/Core>
@@ -460,74 +461,81 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
   if (Tn == 0 || heads == 0) return;
   constexpr index_t block = 256;
   const int workers = thread_count();
-  struct Scratch {
-    Matrix e, values, gamma, memory;
-    Vector shift, normaliser;
-    RotationStepper<T> rotation;
-  };
-  std::vector<Scratch> scratch(static_cast<std::size_t>(workers));
-  for (Scratch& s : scratch) {
-    s.e.resize(block, L);
-    s.values.resize(block, Dv);
-    s.gamma.resize(block, L);
-    s.memory.resize(L, Dv);
-    s.shift.resize(L);
-    s.normaliser.resize(L);
-    s.rotation = RotationStepper<T>(pairs);
-  }
-  parallel_for(heads, workers, [&](index_t i, int worker) {
-    Scratch& s = scratch[worker];
-    const index_t b = i / H, h = i % H;
-    const double* theta = angles.empty() ? nullptr : angles.data() + h * pairs;
-    auto rows = [&](const TensorView<const T, 4>& x, index_t t0, index_t n) {
+  // Each worker owns a range of heads and walks time block by block for all
+  // of them (as interleave_heads does for the causal scans: the rows of one
+  // token for every head share a page).
+  const index_t groups = std::min<index_t>(heads, workers);
+  parallel_for(groups, workers, [&](index_t g, int) {
+    const index_t first = g * heads / groups, count = (g + 1) * heads / groups - first;
+    Matrix e(block, L), values(block, Dv), gamma(block, L);
+    Matrix shift(count, L), normaliser(count, L), memory(count * L, Dv);
+    std::vector<RotationStepper<T>> rotation(Pos::rotates_values ? count : 0,
+                                             RotationStepper<T>(pairs));
+    auto head = [&](index_t j) { return std::pair<index_t, index_t>{(first + j) / H, (first + j) % H}; };
+    auto theta_of = [&](index_t h) { return angles.empty() ? nullptr : angles.data() + h * pairs; };
+    auto rows = [&](const TensorView<const T, 4>& x, index_t b, index_t h, index_t t0, index_t n) {
       return ConstMap(x.row(b, t0, h), n, x.extent(3), Eigen::OuterStride<>(x.stride(1)));
     };
     // p(s|l) = exp(k_{s,l} - shift_l) / alpha_l, shift_l from the column maximum.
-    s.shift.setConstant(-std::numeric_limits<T>::infinity());
+    shift.setConstant(-std::numeric_limits<T>::infinity());
     for (index_t t = 0; t < Tn; ++t)
-      s.shift = s.shift.cwiseMax(Eigen::Map<const Vector>(k.row(b, t, h), L));
-    for (index_t l = 0; l < L; ++l) s.shift[l] = Stab::reference_for(s.shift[l]);
-    s.normaliser.setZero();
-    s.memory.setZero();
-    if constexpr (Pos::rotates_values) s.rotation.seek(theta, 0);
+      for (index_t j = 0; j < count; ++j) {
+        const auto [b, h] = head(j);
+        shift.row(j) = shift.row(j).cwiseMax(Eigen::Map<const Vector>(k.row(b, t, h), L));
+      }
+    for (index_t j = 0; j < count; ++j)
+      for (index_t l = 0; l < L; ++l) shift(j, l) = Stab::reference_for(shift(j, l));
+    normaliser.setZero();
+    memory.setZero();
+    for (index_t j = 0; j < static_cast<index_t>(rotation.size()); ++j)
+      rotation[j].seek(theta_of(head(j).second), 0);
     for (index_t t0 = 0; t0 < Tn; t0 += block) {
       const index_t n = std::min(block, Tn - t0);
-      auto e = s.e.topRows(n);
-      for (index_t r = 0; r < n; ++r) {
-        const T* key = k.row(b, t0 + r, h);
-        T* row = e.row(r).data();
-        index_t l = 0;
-        constexpr index_t W = simd::width<T>;
-        for (; l + W <= L; l += W)
-          simd::store(row + l, simd::exp(simd::load(key + l) - simd::load(s.shift.data() + l)));
-        for (; l < L; ++l) row[l] = std::exp(key[l] - s.shift[l]);
-      }
-      s.normaliser += e.colwise().sum();
-      if constexpr (Pos::rotates_values) {
-        auto values = s.values.topRows(n);
-        values = rows(v, t0, n);
+      for (index_t j = 0; j < count; ++j) {
+        const auto [b, h] = head(j);
+        auto en = e.topRows(n);
+        const T* row_shift = shift.row(j).data();
         for (index_t r = 0; r < n; ++r) {
-          s.rotation.rotate(values.row(r).data(), /*forward=*/false);  // R^{-s} v_s
-          s.rotation.next();
+          const T* key = k.row(b, t0 + r, h);
+          T* row = en.row(r).data();
+          index_t l = 0;
+          constexpr index_t W = simd::width<T>;
+          for (; l + W <= L; l += W)
+            simd::store(row + l, simd::exp(simd::load(key + l) - simd::load(row_shift + l)));
+          for (; l < L; ++l) row[l] = std::exp(key[l] - row_shift[l]);
         }
-        s.memory.noalias() += e.transpose() * values;
-      } else {
-        s.memory.noalias() += e.transpose() * rows(v, t0, n);
+        normaliser.row(j) += en.colwise().sum();
+        auto memory_j = memory.middleRows(j * L, L);
+        if constexpr (Pos::rotates_values) {
+          auto vn = values.topRows(n);
+          vn = rows(v, b, h, t0, n);
+          for (index_t r = 0; r < n; ++r) {
+            rotation[j].rotate(vn.row(r).data(), /*forward=*/false);  // R^{-s} v_s
+            rotation[j].next();
+          }
+          memory_j.noalias() += en.transpose() * vn;
+        } else {
+          memory_j.noalias() += en.transpose() * rows(v, b, h, t0, n);
+        }
       }
     }
-    if constexpr (Pos::rotates_values) s.rotation.seek(theta, 0);
+    for (index_t j = 0; j < static_cast<index_t>(rotation.size()); ++j)
+      rotation[j].seek(theta_of(head(j).second), 0);
     for (index_t t0 = 0; t0 < Tn; t0 += block) {
       const index_t n = std::min(block, Tn - t0);
-      auto gamma = s.gamma.topRows(n);
-      for (index_t r = 0; r < n; ++r)
-        latent_read_weights(q.row(b, t0 + r, h), s.normaliser.data(), gamma.row(r).data(), L);
-      Map o(out.row(b, t0, h), n, Dv, Eigen::OuterStride<>(out.stride(1)));
-      o.noalias() = gamma * s.memory;
-      if constexpr (Pos::rotates_values)
-        for (index_t r = 0; r < n; ++r) {
-          s.rotation.rotate(out.row(b, t0 + r, h), /*forward=*/true);  // R^t
-          s.rotation.next();
-        }
+      for (index_t j = 0; j < count; ++j) {
+        const auto [b, h] = head(j);
+        auto gn = gamma.topRows(n);
+        for (index_t r = 0; r < n; ++r)
+          latent_read_weights(q.row(b, t0 + r, h), normaliser.row(j).data(), gn.row(r).data(), L);
+        Map o(out.row(b, t0, h), n, Dv, Eigen::OuterStride<>(out.stride(1)));
+        o.noalias() = gn * memory.middleRows(j * L, L);
+        if constexpr (Pos::rotates_values)
+          for (index_t r = 0; r < n; ++r) {
+            rotation[j].rotate(out.row(b, t0 + r, h), /*forward=*/true);  // R^t
+            rotation[j].next();
+          }
+      }
     }
   });
 }
