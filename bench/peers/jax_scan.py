@@ -69,16 +69,13 @@ def best_time(fn, min_time):
     return best
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--t", default="256,1024,4096,16384,65536")
-    parser.add_argument("--min-time", type=float, default=0.3)
-    parser.add_argument("--time-cap", type=float, default=60.0)
-    args = parser.parse_args()
+def run(lengths, min_time, time_cap, backend):
+    """Times both scans at every T in `lengths` and prints latte-compare CSV rows
+    labelled `backend`; a scan is skipped once its extrapolated time passes time_cap."""
     B, H, L, D = 1, 8, 64, 64
     key = jax.random.PRNGKey(0)
     previous = {}
-    for T in [int(x) for x in args.t.split(",")]:
+    for T in lengths:
         ks = jax.random.split(key, 7)
         X = jax.random.normal(ks[0], (B, T, H * D))
         Wq, Wk = (jax.random.normal(k, (H * D, H * L)) / (H * D) ** 0.5 for k in ks[1:3])
@@ -88,12 +85,21 @@ def main():
         flops = 4.0 * B * T * H * L * D
         for name, fn in (("jax_scan_core", lambda: causal_latte_core(Q, K, V)),
                          ("jax_scan_listing1", lambda: causal_latte(Wq, Wk, Wv, H, X))):
-            if name in previous and previous[name][1] * T / previous[name][0] > args.time_cap:
+            if name in previous and previous[name][1] * T / previous[name][0] > time_cap:
                 continue
-            seconds = best_time(fn, args.min_time)
+            seconds = best_time(fn, min_time)
             previous[name] = (T, seconds)
-            print(f"{name},causal,jax,{B},{T},{H},{L},{D},{seconds:.6e},{B * T / seconds:.6e},"
-                  f"{flops / seconds / 1e9:.3f},-1", flush=True)
+            print(f"{name},causal,{backend},{B},{T},{H},{L},{D},{seconds:.6e},"
+                  f"{B * T / seconds:.6e},{flops / seconds / 1e9:.3f},-1", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--t", default="256,1024,4096,16384,65536")
+    parser.add_argument("--min-time", type=float, default=0.3)
+    parser.add_argument("--time-cap", type=float, default=60.0)
+    args = parser.parse_args()
+    run([int(x) for x in args.t.split(",")], args.min_time, args.time_cap, "jax")
 
 
 if __name__ == "__main__":
