@@ -868,10 +868,9 @@ TEST_CASE(
 
 // ======================================== positions at the end of int64 --
 
-/// The saved bytes of a state with its position replaced by `position`; the
-/// offset is walked from the byte format of core/state_storage.hpp (magic,
-/// kind, sizes (name, value), position).
-std::vector<std::byte> with_position(std::vector<std::byte> bytes, std::int64_t position) {
+/// Byte offsets in a saved state (core/state_storage.hpp: magic, kind, sizes
+/// (name, value), position): of each size's value, then of the position.
+std::vector<std::size_t> header_offsets(const std::vector<std::byte>& bytes) {
   std::size_t offset = 8;  // "latteST2"
   auto read_u64 = [&] {
     std::uint64_t value = 0;
@@ -881,9 +880,26 @@ std::vector<std::byte> with_position(std::vector<std::byte> bytes, std::int64_t 
   };
   offset += read_u64();  // kind
   const std::uint64_t sizes = read_u64();
-  for (std::uint64_t i = 0; i < sizes; ++i) offset += read_u64() + sizeof(std::int64_t);
-  std::memcpy(bytes.data() + offset, &position, sizeof position);
+  std::vector<std::size_t> offsets;
+  for (std::uint64_t i = 0; i < sizes; ++i) {
+    offset += read_u64();  // name
+    offsets.push_back(offset);
+    offset += sizeof(std::int64_t);
+  }
+  offsets.push_back(offset);  // position
+  return offsets;
+}
+
+/// The saved bytes with the value at `offset` replaced by `value`.
+std::vector<std::byte> patched(std::vector<std::byte> bytes, std::size_t offset,
+                               std::int64_t value) {
+  std::memcpy(bytes.data() + offset, &value, sizeof value);
   return bytes;
+}
+
+/// The saved bytes of a state with its position replaced by `position`.
+std::vector<std::byte> with_position(const std::vector<std::byte>& bytes, std::int64_t position) {
+  return patched(bytes, header_offsets(bytes).back(), position);
 }
 
 /// `state` restored at INT64_MAX - 1 takes one more token by step; then a
@@ -986,6 +1002,40 @@ TEST_CASE_TEMPLATE("a state at position INT64_MAX refuses more tokens (every mec
         },
         [&](auto& s) { attention.forward(exec::cpu, q, k, v, out.view(), s); }, "lavo");
   }
+}
+
+TEST_CASE("saved states announcing a batch or capacity the buffer cannot hold are refused") {
+  // A corrupted size must be refused before any field count is computed from
+  // it (the fuzzer found batch * heads * latents overflowing in load_state).
+  const index_t H = 2, L = 3, D = 4;
+  const std::int64_t huge = std::int64_t{1} << 62;
+  // `too_many`: a modest size that still exceeds what the saved buffer holds.
+  auto check = [&](const auto& attention, const auto& state, std::size_t size_index,
+                   std::int64_t too_many, const char* needle, const std::string& what) {
+    INFO(what);
+    const std::vector<std::byte> bytes = state.save();
+    const auto offsets = header_offsets(bytes);
+    REQUIRE(size_index + 1 < offsets.size());
+    for (const std::int64_t value : {huge, std::numeric_limits<std::int64_t>::max(), too_many})
+      expect_error(
+          [&] {
+            (void)attention.template load_state<float>(patched(bytes, offsets[size_index], value));
+          },
+          "bytes", needle);
+    CHECK(attention.template load_state<float>(bytes).save() == bytes);
+  };
+  const LatteAttention<Causal, RunningMax, VAPOR> latte({.heads = H, .latents = L, .value_dim = D});
+  check(latte, latte.make_state<float>(1), 0, 3, "saved batch", "latte");
+  const LatteMacchiato<Causal, RunningMax, VAPOR, RoPE> macchiato(
+      {.heads = H, .latents = L, .key_dim = D, .value_dim = D, .window = 2});
+  check(macchiato, macchiato.make_state<float>(1), 0, 3, "saved batch", "macchiato");
+  const LinearAttention<Causal, EluPlusOne> linear({.heads = H, .key_dim = D, .value_dim = D});
+  check(linear, linear.make_state<float>(1), 0, 3, "saved batch", "linear");
+  const Lavo<Causal> lavo({.heads = H, .dim = D, .bases = 2, .window = 2});
+  check(lavo, lavo.make_state<float>(1), 0, 3, "saved batch", "lavo");
+  const SoftmaxAttention<Causal> softmax({.heads = H, .key_dim = D, .value_dim = D});
+  check(softmax, softmax.make_state<float>(1, 5), 0, 3, "saved batch", "softmax batch");
+  check(softmax, softmax.make_state<float>(1, 5), 4, 1000, "saved capacity", "softmax capacity");
 }
 
 // ============================================ state across backends --------

@@ -10,6 +10,7 @@
 // (name, element count), then the fields' data in host byte order. Reading
 // checks magic, kind, sizes and every length before it touches the state,
 // and a rejected buffer leaves the state as it was.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -218,6 +219,35 @@ class StateStorage {
                                  fields[i].name + "[" + std::to_string(fields[i].count) + "]",
                                  header.fields[i].name + "[" +
                                      std::to_string(header.fields[i].count) + "]"));
+  }
+
+  /// The batch a saved header announces (its first size), refused unless it is
+  /// >= 1, the other sizes are those of `sizes_of_one` (this attention's sizes
+  /// at batch 1) and that many sequences fit in `bytes`: field counts computed
+  /// from a corrupted batch would otherwise overflow (found by the fuzzer).
+  /// `fields_for(b)` gives the field table of a batch-b state.
+  template <class FieldsFor>
+  [[nodiscard]] static index_t saved_batch(const Header& header, std::span<const std::byte> bytes,
+                                           std::vector<StateSize> sizes_of_one,
+                                           FieldsFor&& fields_for) {
+    const index_t batch = header.sizes.empty() ? 0 : header.sizes.front().value;
+    detail::require(batch >= 1, "bytes", detail::expected_given("saved batch", ">= 1", batch));
+    sizes_of_one.front().value = batch;
+    detail::require(header.sizes == sizes_of_one, "bytes",
+                    detail::expected_given("saved state sizes", detail::describe_sizes(sizes_of_one),
+                                           detail::describe_sizes(header.sizes)));
+    auto elements = [](const std::vector<StateField>& fields) {
+      std::size_t total = 0;
+      for (const StateField& field : fields) total += field.count;
+      return total;
+    };
+    const std::size_t per_sequence = elements(fields_for(index_t{2})) - elements(fields_for(index_t{1}));
+    const std::size_t fits = bytes.size() / sizeof(T) / std::max<std::size_t>(per_sequence, 1);
+    detail::require(static_cast<std::size_t>(batch) <= fits, "bytes",
+                    detail::expected_given("saved batch", "<= " + std::to_string(fits) +
+                                                              " (what the buffer can hold)",
+                                           batch));
+    return batch;
   }
 
   /// Overwrites this state with saved bytes of the same kind and sizes; all or nothing.

@@ -241,9 +241,10 @@ class Lavo {
     requires(Dir::is_causal)
   [[nodiscard]] State<T> load_state(std::span<const std::byte> bytes) const {
     const auto header = StateStorage<T>::read_header(bytes, kind<T>());
-    const index_t batch = header.sizes.empty() ? 0 : header.sizes.front().value;
-    detail::require(batch >= 1, "bytes", detail::expected_given("saved batch", ">= 1", batch));
     const LavoDims& d = dims_;
+    const index_t batch = StateStorage<T>::saved_batch(
+        header, bytes, State<T>::sizes_for(1, d.heads, d.dim, d.bases, d.window),
+        [&](index_t b) { return State<T>::fields_for(b, d.heads, d.dim, d.bases, d.window); });
     StateStorage<T>::require_layout(
         header, State<T>::sizes_for(batch, d.heads, d.dim, d.bases, d.window),
         State<T>::fields_for(batch, d.heads, d.dim, d.bases, d.window));

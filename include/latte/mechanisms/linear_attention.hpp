@@ -209,8 +209,8 @@ class LinearAttention {
     requires(Dir::is_causal)
   [[nodiscard]] State<T> load_state(std::span<const std::byte> bytes) const {
     const auto header = StateStorage<T>::read_header(bytes, kind<T>());
-    const index_t batch = header.sizes.empty() ? 0 : header.sizes.front().value;
-    detail::require(batch >= 1, "bytes", detail::expected_given("saved batch", ">= 1", batch));
+    const index_t batch = StateStorage<T>::saved_batch(
+        header, bytes, sizes_for(1), [&](index_t b) { return State<T>::fields_for(sizes_for(b)); });
     const auto sizes = sizes_for(batch);
     StateStorage<T>::require_layout(header, sizes, State<T>::fields_for(sizes));
     State<T> state = make_state<T>(batch);

@@ -129,13 +129,23 @@ class SoftmaxAttention {
     const auto header = StateStorage<T>::read_header(bytes, kind<T>());
     detail::require(header.sizes.size() == 5, "bytes",
                     detail::expected_given("saved sizes", 5, header.sizes.size()));
-    const index_t batch = header.sizes[0].value, capacity = header.sizes[4].value;
-    detail::require(batch >= 1, "bytes", detail::expected_given("saved batch", ">= 1", batch));
+    const index_t capacity = header.sizes[4].value;
     const index_t needed = tokens_visible_at_most(1);
     detail::require(capacity >= needed, "bytes",
                     detail::expected_given("saved capacity", ">= " + std::to_string(needed),
                                            capacity));
     const SoftmaxDims& d = dims_;
+    // Bound the capacity by the buffer before any count is computed from it.
+    const index_t per_slot = d.heads * (d.key_dim + d.value_dim);
+    const auto slots_held = static_cast<index_t>(bytes.size() / sizeof(T)) / per_slot;
+    detail::require(capacity <= slots_held, "bytes",
+                    detail::expected_given("saved capacity",
+                                           "<= " + std::to_string(slots_held) +
+                                               " (what the buffer can hold)",
+                                           capacity));
+    const index_t batch = StateStorage<T>::saved_batch(
+        header, bytes, State<T>::sizes_for(1, d.heads, d.key_dim, d.value_dim, capacity),
+        [&](index_t b) { return State<T>::fields_for(b, d.heads, d.key_dim, d.value_dim, capacity); });
     StateStorage<T>::require_layout(
         header, State<T>::sizes_for(batch, d.heads, d.key_dim, d.value_dim, capacity),
         State<T>::fields_for(batch, d.heads, d.key_dim, d.value_dim, capacity));
