@@ -3,9 +3,12 @@
 // latents and zero values.
 #include <doctest/doctest.h>
 
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <limits>
 
+#include "latte/core/angles.hpp"
 #include "oracles/latte_oracle.hpp"
 #include "oracles/softmax_oracle.hpp"
 #include "support.hpp"
@@ -118,6 +121,53 @@ TEST_CASE("Logit spreads up to 1e4 stay finite and exact") {
   random_spreads<double, exec::reference_t>();
   random_spreads<float, exec::cpu_t>();
   random_spreads<double, exec::cpu_t>();
+}
+
+/// The oracle for rotation_cos_sin: position * theta and its reduction in
+/// 80-bit long double, every product exact inside a long double fma, with 2pi
+/// in four chunks of <= 32 bits (Cody and Waite); slow (software fmal) but
+/// independent of the double-fma algorithm under test.
+long double oracle_reduced_angle(std::int64_t position, double theta) {
+  constexpr long double chunk1 = 0x1.921fb544p+2L, chunk2 = 0x1.0b4611a6p-32L,
+                        chunk3 = 0x1.3198a2ep-67L, chunk4 = 0x1.b839a252049c1p-102L;
+  const auto n = static_cast<long double>(position);
+  const auto th = static_cast<long double>(theta);
+  const long double product = n * th;
+  const long double product_error = std::fma(n, th, -product);
+  const long double k = std::nearbyint(product / (chunk1 + chunk2));
+  long double reduced = std::fma(-k, chunk1, product);
+  reduced = std::fma(-k, chunk2, reduced);
+  reduced = std::fma(-k, chunk3, reduced);
+  return std::fma(-k, chunk4, reduced) + product_error;
+}
+
+TEST_CASE("rotation_cos_sin: reduced angles accurate to positions 2^40 (and any int64)") {
+  Rng rng(23);
+  std::uniform_int_distribution<int> magnitude(0, 40);
+  std::uniform_int_distribution<int> pair(0, 31);
+  double worst = 0;
+  for (int i = 0; i < 20000; ++i) {
+    const int bits = magnitude(rng);
+    std::int64_t position = std::uniform_int_distribution<std::int64_t>(
+        0, (std::int64_t{1} << bits))(rng);
+    if (i % 5 == 0) position = -position;
+    const double theta = std::pow(10000.0, -2.0 * pair(rng) / 64.0);  // RoPE / VAPOR schedule
+    const long double angle = oracle_reduced_angle(position, theta);
+    const CosSin got = rotation_cos_sin(position, theta);
+    worst = std::max({worst, (double)std::fabs(got.cos - std::cos(angle)),
+                      (double)std::fabs(got.sin - std::sin(angle))});
+  }
+  INFO("worst |cos/sin - oracle| up to 2^40: " << worst);
+  CHECK(worst <= 1e-15);
+  // Beyond 2^40 the product no longer fits the oracle's precision either; the
+  // values stay finite and on the unit circle for every int64.
+  for (const std::int64_t position : {std::numeric_limits<std::int64_t>::max(),
+                                      std::numeric_limits<std::int64_t>::min(),
+                                      std::int64_t{1} << 53, (std::int64_t{1} << 62) + 12345}) {
+    const CosSin got = rotation_cos_sin(position, 0.5);
+    CHECK(std::isfinite(got.cos));
+    CHECK(std::fabs(got.cos * got.cos + got.sin * got.sin - 1.0) <= 1e-15);
+  }
 }
 
 TEST_CASE("VAPOR at positions up to 1e7 in float32 matches float64 and the oracle") {

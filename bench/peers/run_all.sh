@@ -12,7 +12,7 @@ cmake --build build -j "$(nproc)" --target latte-compare >/dev/null
 threads="$(nproc)"
 export OMP_NUM_THREADS="$threads"
 build/bench/latte-compare --csv --t "$lengths" > "$csv"
-.venv-peers/bin/python bench/peers/sdpa.py --threads "$threads" --t "$lengths" >> "$csv"
+.venv-peers/bin/python bench/peers/sdpa.py --threads "$threads" --t "$lengths" --time-cap 60 >> "$csv"
 peer_lengths=$(echo "$lengths" | tr ',' '\n' | awk '$1 <= 65536' | paste -sd, -)
 .venv-peers/bin/python bench/peers/jax_scan.py --t "$peer_lengths" >> "$csv"
 .venv-peers/bin/python bench/plot.py "$csv" docs/scaling.png
