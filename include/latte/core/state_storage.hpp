@@ -234,14 +234,16 @@ class StateStorage {
     detail::require(batch >= 1, "bytes", detail::expected_given("saved batch", ">= 1", batch));
     sizes_of_one.front().value = batch;
     detail::require(header.sizes == sizes_of_one, "bytes",
-                    detail::expected_given("saved state sizes", detail::describe_sizes(sizes_of_one),
+                    detail::expected_given("saved state sizes",
+                                           detail::describe_sizes(sizes_of_one),
                                            detail::describe_sizes(header.sizes)));
     auto elements = [](const std::vector<StateField>& fields) {
       std::size_t total = 0;
       for (const StateField& field : fields) total += field.count;
       return total;
     };
-    const std::size_t per_sequence = elements(fields_for(index_t{2})) - elements(fields_for(index_t{1}));
+    const std::size_t per_sequence =
+        elements(fields_for(index_t{2})) - elements(fields_for(index_t{1}));
     const std::size_t fits = bytes.size() / sizeof(T) / std::max<std::size_t>(per_sequence, 1);
     detail::require(static_cast<std::size_t>(batch) <= fits, "bytes",
                     detail::expected_given("saved batch", "<= " + std::to_string(fits) +

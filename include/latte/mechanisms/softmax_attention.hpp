@@ -145,7 +145,9 @@ class SoftmaxAttention {
                                            capacity));
     const index_t batch = StateStorage<T>::saved_batch(
         header, bytes, State<T>::sizes_for(1, d.heads, d.key_dim, d.value_dim, capacity),
-        [&](index_t b) { return State<T>::fields_for(b, d.heads, d.key_dim, d.value_dim, capacity); });
+        [&](index_t b) {
+          return State<T>::fields_for(b, d.heads, d.key_dim, d.value_dim, capacity);
+        });
     StateStorage<T>::require_layout(
         header, State<T>::sizes_for(batch, d.heads, d.key_dim, d.value_dim, capacity),
         State<T>::fields_for(batch, d.heads, d.key_dim, d.value_dim, capacity));

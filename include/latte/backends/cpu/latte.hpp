@@ -471,7 +471,9 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
     Matrix shift(count, L), normaliser(count, L), memory(count * L, Dv);
     std::vector<RotationStepper<T>> rotation(Pos::rotates_values ? count : 0,
                                              RotationStepper<T>(pairs));
-    auto head = [&](index_t j) { return std::pair<index_t, index_t>{(first + j) / H, (first + j) % H}; };
+    auto head = [&](index_t j) {
+      return std::pair<index_t, index_t>{(first + j) / H, (first + j) % H};
+    };
     auto theta_of = [&](index_t h) { return angles.empty() ? nullptr : angles.data() + h * pairs; };
     auto rows = [&](const TensorView<const T, 4>& x, index_t b, index_t h, index_t t0, index_t n) {
       return ConstMap(x.row(b, t0, h), n, x.extent(3), Eigen::OuterStride<>(x.stride(1)));
