@@ -160,13 +160,16 @@ TEST_CASE("rotation_cos_sin: reduced angles accurate to positions 2^40 (and any 
   INFO("worst |cos/sin - oracle| up to 2^40: " << worst);
   CHECK(worst <= 1e-15);
   // Beyond 2^40 the product no longer fits the oracle's precision either; the
-  // values stay finite and on the unit circle for every int64.
+  // values stay finite and on the unit circle for every int64 and finite theta.
   for (const std::int64_t position : {std::numeric_limits<std::int64_t>::max(),
                                       std::numeric_limits<std::int64_t>::min(),
                                       std::int64_t{1} << 53, (std::int64_t{1} << 62) + 12345}) {
-    const CosSin got = rotation_cos_sin(position, 0.5);
-    CHECK(std::isfinite(got.cos));
-    CHECK(std::fabs(got.cos * got.cos + got.sin * got.sin - 1.0) <= 1e-15);
+    for (const double theta : {0.5, 1e300, 1e308, std::numeric_limits<double>::max()}) {
+      INFO("position " << position << ", theta " << theta);
+      const CosSin got = rotation_cos_sin(position, theta);  // fuzzer: 1e300 gave NaN
+      CHECK(std::isfinite(got.cos));
+      CHECK(std::fabs(got.cos * got.cos + got.sin * got.sin - 1.0) <= 1e-15);
+    }
   }
 }
 
