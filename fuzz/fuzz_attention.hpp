@@ -365,8 +365,14 @@ class Fuzz {
     if (empty || negative) {
       layout.span = 1;
     } else if (span > double(kMaxElements) || elements > double(kMaxElements)) {
+      // Too large to back with memory. Such a view may still be a valid call
+      // (large padded strides), which latte cannot tell from a raw pointer and
+      // would run on the 1-element buffer: give it a negative leading extent so
+      // that the call is invalid whatever else it is, and must be refused.
       layout.span = 1;
       layout.oversized = true;
+      layout.extents[0] = -1;
+      layout.valid = false;
     } else {
       layout.span = static_cast<index_t>(span);
     }
