@@ -17,6 +17,7 @@
 #include "latte/mechanisms/conv_compressed_attention.hpp"
 #include "oracles/conv_compressed_oracle.hpp"
 #include "oracles/softmax_oracle.hpp"
+#include "expect_error.hpp"
 #include "support.hpp"
 
 namespace {
@@ -603,20 +604,6 @@ TEST_CASE("ConvCompressed: strided views into one fused QKV buffer give bit-iden
 // --------------------------------------------------------------- bad input --
 
 namespace {
-
-template <class F>
-void expect_error(F&& call, std::string_view argument, std::string_view needle = "expected") {
-  CHECK_THROWS_AS(call(), latte::Error);
-  try {
-    call();
-  } catch (const latte::Error& error) {
-    const std::string what = error.what();
-    INFO("what(): " << what);
-    CHECK(error.argument() == std::string(argument));
-    CHECK(what.find(std::string(needle)) != std::string::npos);
-  } catch (...) {
-  }
-}
 
 constexpr index_t kB = 2, kT = 7, kH = 3, kDk = 4, kDv = 5, kM = 2, kLevels = 2;
 const ConvCompressedDims kDims{

@@ -22,6 +22,7 @@
 #include "latte/core/orthonormal_basis.hpp"
 #include "latte/mechanisms/lavo.hpp"
 #include "oracles/lavo_oracle.hpp"
+#include "expect_error.hpp"
 #include "support.hpp"
 
 namespace {
@@ -586,21 +587,6 @@ TEST_CASE("Lavo fp32: a 10^6-token context keeps the memory mean accurate") {
 // --------------------------------------------------------------- bad input --
 
 namespace {
-
-/// `call()` must throw latte::Error naming `argument`, whose message contains `needle`.
-template <class F>
-void expect_error(F&& call, std::string_view argument, std::string_view needle = "expected") {
-  CHECK_THROWS_AS(call(), latte::Error);
-  try {
-    call();
-  } catch (const latte::Error& error) {
-    const std::string what = error.what();
-    INFO("what(): " << what);
-    CHECK(error.argument() == std::string(argument));
-    CHECK(what.find(std::string(needle)) != std::string::npos);
-  } catch (...) {
-  }
-}
 
 constexpr index_t kB = 2, kT = 5, kH = 3, kD = 6, kR = 4, kW = 3;
 constexpr LavoDims kDims{.heads = kH, .dim = kD, .bases = kR, .window = kW};

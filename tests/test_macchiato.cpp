@@ -25,6 +25,7 @@
 #include "oracles/latte_oracle.hpp"
 #include "oracles/macchiato_oracle.hpp"
 #include "oracles/softmax_oracle.hpp"
+#include "expect_error.hpp"
 #include "support.hpp"
 
 namespace {
@@ -668,22 +669,6 @@ TEST_CASE("LatteMacchiato: state size is independent of the context length") {
 // ============================================================== bad input ==
 
 namespace {
-
-/// `call()` must throw latte::Error naming `argument`, whose message contains `needle`.
-template <class F>
-void expect_error(F&& call, std::string_view argument, std::string_view needle = "expected") {
-  CHECK_THROWS_AS(call(), latte::Error);
-  try {
-    call();
-  } catch (const latte::Error& error) {
-    const std::string what = error.what();
-    INFO("what(): " << what);
-    CHECK(error.argument() == std::string(argument));
-    CHECK(what.find("latte: argument '" + std::string(argument) + "'") == 0);
-    CHECK(what.find(std::string(needle)) != std::string::npos);
-  } catch (...) {
-  }
-}
 
 constexpr index_t kB = 2, kT = 5, kH = 3, kL = 4, kDk = 6, kDv = 4, kW = 2;
 constexpr MacchiatoDims kDims{.heads = kH, .latents = kL, .key_dim = kDk, .value_dim = kDv,
