@@ -28,9 +28,11 @@
 #include <latte/attention.hpp>
 #include <latte/mechanisms/conv_compressed_attention.hpp>
 
+#include "conv_compressed_weights.hpp"
+#include "flop_models.hpp"
+
 #include <algorithm>
 #include <array>
-#include <cmath>
 #include <cstdint>
 #include <random>
 
@@ -54,59 +56,13 @@ latte::ConvCompressedDims dims_for(index_t levels) {
           .levels = levels};
 }
 
-/// Variance-preserving random weights (standard deviation 1 / sqrt(fan-in)).
-latte::ConvCompressedParams random_params(const latte::ConvCompressedDims& dims) {
-  latte::ConvCompressedParams params = latte::ConvCompressedParams::zeros(dims);
-  std::mt19937 rng(42);
-  auto fill = [&](auto& tensor, double fan_in) {
-    std::normal_distribution<double> normal(0.0, 1.0 / std::sqrt(fan_in));
-    for (index_t i = 0; i < tensor.size(); ++i) tensor.data()[i] = normal(rng);
-  };
-  const double Dv = double(dims.value_dim);
-  for (auto& w : params.conv_weight) fill(w, double(dims.group_size) * Dv);
-  for (auto& b : params.conv_bias) fill(b, 4.0);
-  for (auto& w : params.level_query) fill(w, Dv);
-  for (auto& w : params.level_key) fill(w, Dv);
-  for (auto& w : params.level_value) fill(w, Dv);
-  fill(params.cross_query, Dv);
-  fill(params.cross_key, Dv);
-  fill(params.cross_value, Dv);
-  return params;
-}
-
 /// One attention per (direction, levels), built once: its random weights take
 /// longer to draw than a benchmark iteration.
 template <class Dir, index_t Levels>
 const latte::ConvCompressedAttention<Dir>& attention() {
   static const latte::ConvCompressedAttention<Dir> attn(dims_for(Levels),
-                                                        random_params(dims_for(Levels)));
+                                                        latte::bench::random_conv_compressed_params(dims_for(Levels)));
   return attn;
-}
-
-/// The flop model above for a whole-sequence forward, per head.
-double forward_flops(index_t T, index_t levels, bool causal) {
-  const double Dk = kDim, Dv = kDim;
-  const index_t left = kGroup - 1, right = causal ? 0 : kGroup - 1;
-  auto window = [&](index_t n) {
-    double keys = 0;
-    for (index_t j = 0; j < n; ++j)
-      keys += double(std::min(j, left) + 1 + std::min(n - 1 - j, right));
-    return 2.0 * keys * (Dk + Dv);
-  };
-  double flops = window(T);
-  index_t n = T;
-  for (index_t level = 1; level <= levels; ++level) {
-    flops += 2.0 * double(n) * Dv * Dv;  // convolution over level - 1
-    n /= kGroup;
-    if (level < levels) flops += double(n) * 2.0 * Dv * (2 * Dk + Dv) + window(n);
-  }
-  std::int64_t span = 1;
-  for (index_t level = 0; level < levels; ++level) span *= kGroup;
-  double reads = 0;
-  for (index_t t = 0; t < T; ++t) reads += causal ? double(t / span) : double(n);
-  flops += double(T) * 2.0 * Dk * Dv + double(n) * 2.0 * Dv * (Dk + Dv) +
-           2.0 * reads * (Dk + Dv);
-  return flops;
 }
 
 void report(benchmark::State& state, index_t tokens, double flops) {
@@ -127,7 +83,8 @@ void conv_compressed_forward(benchmark::State& state) {
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   }
-  report(state, kBatch * T, kBatch * kHeads * forward_flops(T, Levels, Dir::is_causal));
+  report(state, kBatch * T, kBatch * kHeads * latte::bench::conv_compressed_forward_flops(
+                                         T, Levels, kGroup, kDim, kDim, Dir::is_causal));
 }
 
 /// One decode step after `context` tokens. Absorbing a long context by stepping

@@ -30,6 +30,8 @@
 #include <latte/attention.hpp>
 #include <latte/mechanisms/lavo.hpp>
 
+#include "flop_models.hpp"
+
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -55,12 +57,6 @@ latte::Lavo<Dir> make_lavo() {
                           {.basis_seed = 1});
 }
 
-/// Keys the local part of token t sees in a sequence of `length` tokens.
-index_t local_keys(bool causal, index_t t, index_t length) {
-  if (causal) return std::min(t + 1, kWindow);
-  return std::min(length - 1, t + kWindow - 1) - std::max<index_t>(0, t - kWindow + 1) + 1;
-}
-
 void report(benchmark::State& state, index_t tokens, double flops) {
   state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(tokens));
   state.counters["flops"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
@@ -79,10 +75,9 @@ void lavo_forward(benchmark::State& state) {
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   }
-  double per_head = 0;
-  for (index_t t = 0; t < T; ++t)
-    per_head += 4.0 * double(local_keys(Dir::is_causal, t, T)) * kDim + 6.0 * kBases * kDim;
-  report(state, kBatch * T, per_head * kBatch * kHeads);
+  report(state, kBatch * T,
+         latte::bench::lavo_forward_flops(T, kDim, kBases, kWindow, Dir::is_causal) * kBatch *
+             kHeads);
 }
 
 template <class E = latte::exec::reference_t>

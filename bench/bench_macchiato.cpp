@@ -23,6 +23,8 @@
 #include <latte/attention.hpp>
 #include <latte/mechanisms/latte_macchiato.hpp>
 
+#include "flop_models.hpp"
+
 #include <array>
 #include <cstdint>
 #include <random>
@@ -50,7 +52,7 @@ latte::Tensor<float, N> random_tensor(const std::array<index_t, N>& extents, uns
 }
 
 double flops_per_token() {
-  return double(kHeads) * (4.0 * kLatents * kDim + 2.0 * (kWindow + 1) * (kDim + kDim));
+  return double(kHeads) * latte::bench::macchiato_token_flops(kLatents, kDim, kDim, kWindow);
 }
 
 void report(benchmark::State& state, index_t tokens) {

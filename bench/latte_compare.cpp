@@ -18,9 +18,17 @@
 //   decode step (per token):       latte 4*B*H*L*D; softmax 2*B*H*context*(Dk+Dv)
 //   linear causal (elu+1, cosFormer): B*T*H*(4*E*D + 3*E), E = expanded features
 //                                  (Dk for elu+1, 2*Dk for cosFormer; the L column)
+//   macchiato (L latents, window 128 with RoPE), LAVO (r = 64 bases in the L
+//   column, window 64), conv-compression (levels 2, group M = 64 in the L
+//   column): the models of bench/flop_models.hpp.
+// Runs whose cost grows faster than T (softmax; conv-compression's cross part,
+// O(T^2 / M^2)) are skipped past --time-cap, predicted from their previous length.
 // extra_bytes: the peak heap memory allocated during the measured call
 // (counted by this program's operator new), i.e. the kernel's workspace.
 #include <latte/attention.hpp>
+
+#include "conv_compressed_weights.hpp"
+#include "flop_models.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -142,6 +150,23 @@ latte::Tensor<float, N> random_tensor(std::mt19937& rng, const std::array<index_
   return x;
 }
 
+/// Skips a run whose time grows like T^2 once its previous length predicts more
+/// than the time cap.
+struct QuadraticCap {
+  double previous_seconds = 0;
+  index_t previous_t = 0;
+
+  double predicted(index_t T) const {
+    const double ratio = double(T) / double(previous_t);
+    return previous_seconds * ratio * ratio;
+  }
+  bool allows(index_t T, double cap) const { return previous_t == 0 || predicted(T) <= cap; }
+  void record(index_t T, double seconds) {
+    previous_t = T;
+    previous_seconds = seconds;
+  }
+};
+
 std::vector<index_t> parse_lengths(const std::string& text) {
   std::vector<index_t> lengths;
   std::stringstream in(text);
@@ -194,9 +219,21 @@ int main(int argc, char** argv) {
   const latte::CosFormer<latte::Causal> cosformer_causal({H, L, D});  // M = T
   const latte::SoftmaxAttention<latte::Causal, latte::SlidingWindow> softmax_window(
       {H, D, D}, {.left = window});
+  using MacchiatoRope = latte::LatteMacchiato<latte::Causal, latte::RunningMax,
+                                              latte::NoPositional, latte::RoPE>;
+  const MacchiatoRope macchiato(
+      {.heads = H, .latents = L, .key_dim = D, .value_dim = D, .window = window});
+  constexpr index_t lavo_window = 64, conv_levels = 2, conv_group = 64;
+  const latte::Lavo<latte::Causal> lavo_causal(
+      {.heads = H, .dim = D, .bases = L, .window = lavo_window}, {.basis_seed = 1});
+  const latte::Lavo<latte::Bidirectional> lavo_bidirectional(
+      {.heads = H, .dim = D, .bases = L, .window = lavo_window}, {.basis_seed = 1});
+  const latte::ConvCompressedDims conv_dims{.heads = H, .key_dim = D, .value_dim = D,
+                                            .group_size = conv_group, .levels = conv_levels};
+  const latte::ConvCompressedAttention<latte::Causal> conv_causal(
+      conv_dims, latte::bench::random_conv_compressed_params(conv_dims));
   std::mt19937 rng(7);
-  double softmax_previous = 0;
-  index_t softmax_previous_t = 0;
+  QuadraticCap softmax_cap, conv_cap;
 
   for (const index_t T : options.lengths) {
     auto q = random_tensor<4>(rng, {B, T, H, L});
@@ -232,17 +269,38 @@ int main(int argc, char** argv) {
     linear_run("linear_elu", L, [&] { linear_causal.forward(latte::exec::cpu, q, k, v, out.view()); });
     linear_run("cosformer", 2 * L,
                [&] { cosformer_causal.forward(latte::exec::cpu, q, k, v, out.view()); });
-    // The quadratic baseline: skipped when the last length predicts a run past the cap.
-    const double ratio = softmax_previous_t ? double(T) / double(softmax_previous_t) : 0;
-    const double predicted = softmax_previous * ratio * ratio;
-    if (softmax_previous_t == 0 || predicted <= options.time_cap) {
-      softmax_previous = run("softmax", "causal", 2.0 * B * H * (double(T) * (T + 1) / 2) * (D + D),
-                             [&] { softmax_causal.forward(latte::exec::cpu, q, k, v, out.view()); });
-      softmax_previous_t = T;
-    } else if (!options.csv) {
-      std::fprintf(stderr, "  softmax causal T=%td skipped (predicted %.0f s > cap %.0f s)\n", T,
-                   predicted, options.time_cap);
+    // Macchiato: q carries L + 1 columns (column 0 scores the window state), the
+    // window part its own RoPE-rotated queries / keys wq, wk.
+    {
+      auto q_states = random_tensor<4>(rng, {B, T, H, L + 1});
+      auto wq = random_tensor<4>(rng, {B, T, H, D}), wk = random_tensor<4>(rng, {B, T, H, D});
+      run("macchiato", "causal",
+          double(B) * T * H * latte::bench::macchiato_token_flops(L, D, D, window), [&] {
+            macchiato.forward(latte::exec::cpu, q_states, k, wq, wk, v, out.view());
+          });
     }
+    run("lavo", "causal",
+        double(B) * H * latte::bench::lavo_forward_flops(T, D, L, lavo_window, true),
+        [&] { lavo_causal.forward(latte::exec::cpu, q, k, v, out.view()); });
+    run("lavo", "bidirectional",
+        double(B) * H * latte::bench::lavo_forward_flops(T, D, L, lavo_window, false),
+        [&] { lavo_bidirectional.forward(latte::exec::cpu, q, k, v, out.view()); });
+    // Runs that grow like T^2: skipped when the last length predicts a run past the cap.
+    auto capped = [&](QuadraticCap& cap, const char* name, double flops,
+                      const std::function<void()>& f) {
+      if (cap.allows(T, options.time_cap)) {
+        cap.record(T, run(name, "causal", flops, f));
+      } else if (!options.csv) {
+        std::fprintf(stderr, "  %s causal T=%td skipped (predicted %.0f s > cap %.0f s)\n", name, T,
+                     cap.predicted(T), options.time_cap);
+      }
+    };
+    capped(conv_cap, "conv_compressed",
+           double(B) * H *
+               latte::bench::conv_compressed_forward_flops(T, conv_levels, conv_group, D, D, true),
+           [&] { conv_causal.forward(latte::exec::cpu, q, k, v, out.view()); });
+    capped(softmax_cap, "softmax", 2.0 * B * H * (double(T) * (T + 1) / 2) * (D + D),
+           [&] { softmax_causal.forward(latte::exec::cpu, q, k, v, out.view()); });
     // Decode: one token after a context of T tokens.
     {
       auto state = latte_causal.make_state<float>(B);
