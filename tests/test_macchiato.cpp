@@ -309,25 +309,35 @@ void long_sequence_cases() {
       const Inputs<T> in = random_inputs<T>(rng, s, 2.0, 1.0);
       for (bool causal : {true, false}) {
         const Setup setup = random_setup(rng, config, s, causal);
-        Tensor<T, 4> out(in.v.extents());
-        with_config(config, [&]<class LatentPos, class WindowPos>() {
-          if (causal)
-            make_attention<Causal, LatentPos, WindowPos>(s, setup)
-                .forward(exec::reference, in.q, in.k, in.wq, in.wk, in.v, out.view());
-          else
-            make_attention<Bidirectional, LatentPos, WindowPos>(s, setup)
-                .forward(exec::reference, in.q, in.k, in.wq, in.wk, in.v, out.view());
-        });
-        const double error = relative_error(out, oracle_of(setup, in));
-        CHECK_MESSAGE(error <= Tolerance<T>::relative,
-                      kConfigNames[config] << (causal ? " causal" : " bidirectional") << " w=" << w);
-        worst = std::max(worst, error);
-        ++cases;
+        const auto oracle = oracle_of(setup, in);
+        // One head: exec::cpu splits the causal window pass into time segments.
+        for (const bool cpu : {false, true}) {
+          Tensor<T, 4> out(in.v.extents());
+          with_config(config, [&]<class LatentPos, class WindowPos>() {
+            auto run = [&](const auto& attention) {
+              if (cpu)
+                attention.forward(exec::cpu, in.q, in.k, in.wq, in.wk, in.v, out.view());
+              else
+                attention.forward(exec::reference, in.q, in.k, in.wq, in.wk, in.v, out.view());
+            };
+            if (causal)
+              run(make_attention<Causal, LatentPos, WindowPos>(s, setup));
+            else
+              run(make_attention<Bidirectional, LatentPos, WindowPos>(s, setup));
+          });
+          const double error = relative_error(out, oracle);
+          CHECK_MESSAGE(error <= Tolerance<T>::relative,
+                        (cpu ? "cpu " : "reference ") << kConfigNames[config]
+                                                      << (causal ? " causal" : " bidirectional")
+                                                      << " w=" << w);
+          worst = std::max(worst, error);
+          ++cases;
+        }
       }
     }
   }
-  std::printf("[oracle] LatteMacchiato T=1000, w in {1, 37, 999}, both directions, all set-ups "
-              "%s cases=%d max_rel_error=%.3e\n",
+  std::printf("[oracle] LatteMacchiato T=1000, w in {1, 37, 999}, both directions, all set-ups, "
+              "reference and cpu %s cases=%d max_rel_error=%.3e\n",
               dtype_name<T>(), cases, worst);
 }
 
@@ -580,6 +590,45 @@ TEST_CASE("LatteMacchiato: chunked prefill equals one forward and the oracle") {
       chunked(exec::reference);
       chunked(exec::cpu);
     });
+  }
+}
+
+TEST_CASE("LatteMacchiato: one head, long chunks on exec::cpu (time segments) continue a state") {
+  // B = H = 1 and chunks of 650 tokens: the cpu window pass splits a chunk into
+  // time segments; the first reads the state's ring as it was before the call,
+  // the last leaves the newest tokens in it, and steps continue from there.
+  Rng rng(517);
+  for (const index_t w : {1, 37, 120}) {
+    const MacchiatoShape s{1, 1000, 1, 3, 6, 4, w};
+    const Inputs<float> in = random_inputs<float>(rng, s, 2.0, 1.0);
+    for (Config config : {kPlain, kVaporRope, kVaporAllStates}) {
+      const Setup setup = random_setup(rng, config, s, true);
+      const auto oracle = oracle_of(setup, in);
+      with_config(config, [&]<class LatentPos, class WindowPos>() {
+        const auto attention = make_attention<Causal, LatentPos, WindowPos>(s, setup);
+        auto state = attention.template make_state<float>(1, 12345);
+        Tensor<float, 4> out(in.v.extents());
+        index_t first = 0;
+        for (index_t chunk : {300, 650}) {
+          Tensor<float, 4> part({1, chunk, 1, s.value_dim});
+          auto slice = [&](const Tensor<float, 4>& x) { return time_slice(x, first, chunk); };
+          attention.forward(exec::cpu, slice(in.q), slice(in.k), slice(in.wq), slice(in.wk),
+                            slice(in.v), part.view(), state);
+          for (index_t t = 0; t < chunk; ++t) set_time_step(out, first + t, time_step(part, t));
+          first += chunk;
+        }
+        Tensor<float, 3> row({1, 1, s.value_dim});
+        for (; first < s.time; ++first) {
+          attention.step(exec::cpu, state, time_step(in.q, first), time_step(in.k, first),
+                         time_step(in.wq, first), time_step(in.wk, first), time_step(in.v, first),
+                         row.view());
+          set_time_step(out, first, row);
+        }
+        CHECK(state.window_fill() == w + 1);
+        CHECK_MESSAGE(relative_error(out, oracle) <= Tolerance<float>::relative,
+                      kConfigNames[config] << " w=" << w);
+      });
+    }
   }
 }
 

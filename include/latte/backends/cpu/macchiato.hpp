@@ -13,11 +13,12 @@
 // p(0|t), 1 - p(0|t) from reference::macchiato_shares (each from its own sum of
 // exponentials, no 1 - p cancellation).
 //
-// Causal window pass: per (batch, head) and time segment, a ring of the last
-// w + 1 RoPE-rotated keys and values (R^{-s} v_s when VAPOR acts on the window)
-// read with the vectorised KV-cache step; segments prefill their ring from the
-// w tokens before them, so B * H = 1 still uses every core. Workspace per worker:
-// the ring, independent of T. Bidirectional window: the blocked online-softmax
+// Causal window pass: per (batch, head) and time segment, a sliding buffer of
+// the last w RoPE-rotated keys and values (R^{-s} v_s when VAPOR acts on the
+// window) plus one block of queries, attended block by block with the flash
+// step of softmax.hpp; segments prefill their buffer from the w tokens before
+// them, so B * H = 1 still uses every core. Workspace per worker: the buffer,
+// independent of T. Bidirectional window: the blocked online-softmax
 // kernel with a {w, w} window over RoPE-rotated copies of q / k (and rotated
 // values under VAPOR on the window), O(T * H * (2 Dk + Dv)) extra.
 #include <algorithm>
@@ -56,43 +57,59 @@ template <class T>
 /// reads (already rotated by R^t under VAPOR). `ring_of(b, h)` gives the state's
 /// ring (`capacity` = w + 1 slots, `fill` tokens before `first_position`), or
 /// nullptr-keyed rings for a fresh sequence (fill = 0; capacity min(w + 1, T)
-/// suffices then, slot = position % capacity either way).
+/// suffices then, slot = position % capacity either way). Token t sees the
+/// w' = capacity - 1 tokens before it and itself.
+///
+/// Per (batch, head) and time segment the window keys / values live in a
+/// sliding buffer of w' + 8 block_q rows as the window stores them (R^s k_s
+/// under RoPE, R^{-s} v_s under VAPOR on the window); each block of block_q
+/// queries appends its tokens, attends to rows [t0 - w', t0 + block_q) with the
+/// flash step of softmax.hpp (GEMMs where every query of the block sees a whole
+/// key block, row by row on the band's edges); when the buffer is full, the
+/// w' rows later queries still see move to its front. The state's ring is read once at the start and written once
+/// at the end. Workspace per worker: the buffer and one score tile, independent of T.
 template <Positional LatentPos, Positional WindowPos, Real T, class RingOf>
 void macchiato_causal_window(TensorView<const T, 4> q, TensorView<const T, 4> wq,
                              TensorView<const T, 4> wk, TensorView<const T, 4> v,
                              TensorView<T, 4> out, const MacchiatoWindowSpec& spec,
                              std::int64_t first_position, index_t fill, index_t capacity,
                              RingOf&& ring_of) {
+  constexpr index_t block_q = 32, block_k = 32;
   const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), L = q.extent(3) - 1;
   const index_t Dk = wq.extent(3), Dv = v.extent(3);
-  const index_t heads = B * H;
+  const index_t heads = B * H, reach = capacity - 1;  // w'
   if (Tn == 0 || heads == 0) return;
   const double work = double(heads) * double(Tn) * double(std::min(capacity, Tn)) * double(Dk + Dv);
   const int workers = work >= 1 << 18 ? thread_count() : 1;
   // Time segments when there are fewer heads than workers; each must be long
-  // enough that its ring prefill (w tokens) is a small part of its work.
+  // enough that its buffer prefill (w' tokens) is a small part of its work.
   const index_t segments =
       heads >= workers ? 1 : std::clamp<index_t>(Tn / std::max<index_t>(4 * capacity, 256), 1, workers);
   const bool rope = WindowPos::rotates_queries_keys;
   const bool vapor_window = LatentPos::rotates_values && spec.rotate_window_values;
+  // The buffer keeps `slack` tokens beyond what a block needs, so the w' rows
+  // later blocks still see move to its front once per slack / block_q blocks.
+  constexpr index_t slack = 8 * block_q;
+  const index_t rows = reach + slack;
   struct Scratch {
-    std::vector<T> keys, values, query, key, value, read;
-    RotationStepper<T> key_rotation, value_rotation;
+    std::vector<T> keys, values, queries, read;
+    OnlineSoftmaxScratch<T> attend;
+    RotationStepper<T> key_rotation, value_rotation, read_rotation;
   };
   std::vector<Scratch> scratch(static_cast<std::size_t>(workers));
   for (Scratch& s : scratch) {
-    s.keys.resize(static_cast<std::size_t>(capacity * Dk));
-    s.values.resize(static_cast<std::size_t>(capacity * Dv));
-    s.query.resize(static_cast<std::size_t>(Dk));
-    s.key.resize(static_cast<std::size_t>(Dk));
-    s.value.resize(static_cast<std::size_t>(Dv));
-    s.read.resize(static_cast<std::size_t>(Dv));
+    s.keys.resize(static_cast<std::size_t>(rows * Dk));
+    s.values.resize(static_cast<std::size_t>(rows * Dv));
+    s.queries.resize(static_cast<std::size_t>(block_q * Dk));
+    s.read.resize(static_cast<std::size_t>(block_q * Dv));
+    s.attend = OnlineSoftmaxScratch<T>(block_q, block_k, Dv);
     s.key_rotation = RotationStepper<T>(Dk / 2);
     s.value_rotation = RotationStepper<T>(Dv / 2);
+    s.read_rotation = RotationStepper<T>(Dv / 2);
   }
   auto segment_begin = [&](index_t p) { return p * Tn / segments; };
   // With segments, the last one rewrites the state's ring while the first reads
-  // what it held before the call: copy those rings first.
+  // what it held before the call: the first reads a copy.
   std::vector<T> rings_before;
   if (segments > 1) {
     rings_before.resize(static_cast<std::size_t>(heads * capacity * (Dk + Dv)));
@@ -105,77 +122,102 @@ void macchiato_causal_window(TensorView<const T, 4> q, TensorView<const T, 4> wq
     }
   }
   parallel_for(heads * segments, workers, [&](index_t task, int worker) {
-    Scratch& s = scratch[worker];
+    Scratch& s = scratch[static_cast<std::size_t>(worker)];
     const index_t p = task % segments, i = task / segments, b = i / H, h = i % H;
     const index_t begin = segment_begin(p), end = segment_begin(p + 1);
-    // The last segment works in the state's ring (which it leaves after the call);
-    // earlier ones in a private ring (the first starts from a copy of the state's).
-    reference::KVSlots<T> ring = ring_of(b, h);
-    const bool own_ring = ring.keys == nullptr || p + 1 < segments;
-    if (own_ring) {
-      reference::KVSlots<T> mine{s.keys.data(), s.values.data()};
-      if (p == 0 && ring.keys != nullptr) {
-        const T* before = rings_before.data() + i * capacity * (Dk + Dv);
-        std::copy(before, before + capacity * Dk, mine.keys);
-        std::copy(before + capacity * Dk, before + capacity * (Dk + Dv), mine.values);
-      }
-      ring = mine;
+    const reference::KVSlots<T> ring = ring_of(b, h);
+    reference::KVSlots<T> ring_read = ring;
+    if (segments > 1 && ring.keys != nullptr) {
+      T* copy = rings_before.data() + i * capacity * (Dk + Dv);
+      ring_read = {copy, copy + capacity * Dk};
     }
     const double* key_theta = rope ? spec.key_angles->data() + h * (Dk / 2) : nullptr;
     const double* value_theta =
         LatentPos::rotates_values ? spec.value_angles->data() + h * (Dv / 2) : nullptr;
-    // Token t as the window stores it: R^s k_s (RoPE), R^{-s} v_s (VAPOR on the window).
-    auto prepare = [&](index_t t) {
-      const T* key = wk.row(b, t, h);
-      const T* value = v.row(b, t, h);
-      if (rope) {
-        std::copy(key, key + Dk, s.key.data());
-        s.key_rotation.rotate(s.key.data(), true);
-        key = s.key.data();
-      }
-      if (vapor_window) {
-        std::copy(value, value + Dv, s.value.data());
-        s.value_rotation.rotate(s.value.data(), false);
-        value = s.value.data();
-      }
-      return std::pair{key, value};
-    };
-    auto seek = [&](index_t t) {
-      if (rope) s.key_rotation.seek(key_theta, first_position + t);
-      if (vapor_window) s.value_rotation.seek(value_theta, first_position + t);
+    // The buffer holds tokens [first, first + count) (relative to the call; the
+    // state's ring tokens are negative), token t in row t - first.
+    index_t first = begin, count = 0;
+    T* const keys = s.keys.data();
+    T* const values = s.values.data();
+    auto slot_of = [&](index_t t) { return static_cast<index_t>((first_position + t) % capacity); };
+    // Appends token t as the window stores it; the steppers stand at t.
+    auto append = [&](index_t t) {
+      T* key = keys + (t - first) * Dk;
+      T* value = values + (t - first) * Dv;
+      std::copy(wk.row(b, t, h), wk.row(b, t, h) + Dk, key);
+      std::copy(v.row(b, t, h), v.row(b, t, h) + Dv, value);
+      if (rope) s.key_rotation.rotate(key, true);
+      if (vapor_window) s.value_rotation.rotate(value, false);
+      ++count;
     };
     auto advance = [&] {
       if (rope) s.key_rotation.next();
       if (vapor_window) s.value_rotation.next();
     };
-    // Prefill: the w tokens before `begin` (segments > 0 start past 4 (w + 1) tokens).
+    // History: the w' tokens before `begin` (segments p > 0 start past 4 (w' + 1)
+    // tokens), or for the first segment the state's ring (as it was before the call).
+    index_t oldest = begin;
     if (begin > 0) {
-      const index_t from = begin - (capacity - 1);
-      seek(from);
-      for (index_t t = from; t < begin; ++t, advance()) {
-        const auto [key, value] = prepare(t);
-        const index_t slot = static_cast<index_t>((first_position + t) % capacity);
-        std::copy(key, key + Dk, ring.keys + slot * Dk);
-        std::copy(value, value + Dv, ring.values + slot * Dv);
-      }
+      first = oldest = begin - reach;
+      if (rope) s.key_rotation.seek(key_theta, first_position + first);
+      if (vapor_window) s.value_rotation.seek(value_theta, first_position + first);
+      for (index_t t = first; t < begin; ++t, advance()) append(t);
     } else {
-      seek(begin);
-    }
-    for (index_t t = begin; t < end; ++t, advance()) {
-      const std::int64_t position = first_position + t;
-      const T* query = wq.row(b, t, h);
-      if (rope) {
-        std::copy(query, query + Dk, s.query.data());
-        s.key_rotation.rotate(s.query.data(), true);
-        query = s.query.data();
+      const index_t history = ring.keys == nullptr ? 0 : std::min(fill, reach);
+      first = oldest = -history;
+      for (index_t t = first; t < 0; ++t, ++count) {
+        const index_t slot = slot_of(t);
+        std::copy(ring_read.keys + slot * Dk, ring_read.keys + (slot + 1) * Dk,
+                  keys + (t - first) * Dk);
+        std::copy(ring_read.values + slot * Dv, ring_read.values + (slot + 1) * Dv,
+                  values + (t - first) * Dv);
       }
-      const auto [key, value] = prepare(t);
-      const index_t visible = std::min(fill + t + 1, capacity);
-      cpu::softmax_decode_step(query, key, value, s.read.data(), ring, capacity, Dk, Dv,
-                               static_cast<T>(spec.scale), position, visible);
-      if (vapor_window) s.value_rotation.rotate(s.read.data(), true);  // R^t sum p0 R^{-s} v_s
-      reference::macchiato_mix(reference::macchiato_shares(q.row(b, t, h), L), s.read.data(),
-                               out.row(b, t, h), Dv);
+      if (rope) s.key_rotation.seek(key_theta, first_position + begin);
+      if (vapor_window) s.value_rotation.seek(value_theta, first_position + begin);
+    }
+    if (vapor_window) s.read_rotation.seek(value_theta, first_position + begin);
+    auto lowest = [&](index_t t) { return std::max(t - reach, oldest); };
+    for (index_t t0 = begin; t0 < end; t0 += block_q) {
+      const index_t n = std::min(block_q, end - t0);
+      // When the block does not fit, drop the tokens no query from t0 on sees.
+      const index_t drop = count + n > rows ? (t0 - reach) - first : 0;
+      if (drop > 0) {
+        std::copy(keys + drop * Dk, keys + count * Dk, keys);
+        std::copy(values + drop * Dv, values + count * Dv, values);
+        first += drop;
+        count -= drop;
+      }
+      for (index_t r = 0; r < n; ++r, advance()) {
+        const index_t t = t0 + r;
+        append(t);
+        T* query = s.queries.data() + r * Dk;
+        std::copy(wq.row(b, t, h), wq.row(b, t, h) + Dk, query);
+        if (rope) s.key_rotation.rotate(query, true);
+      }
+      // In buffer rows: token t is row t - first.
+      auto lowest_row = [&](index_t row) { return lowest(row + first) - first; };
+      auto highest_row = [](index_t row) { return row; };
+      attend_query_block(s.queries.data(), Dk, t0 - first, n, Dk, Dv,
+                         KeyValueRows<T>{keys, Dk, values, Dv}, lowest_row(t0 - first), block_k,
+                         static_cast<T>(spec.scale), lowest_row, highest_row, s.attend,
+                         s.read.data(), Dv);
+      for (index_t r = 0; r < n; ++r) {
+        T* read = s.read.data() + r * Dv;
+        if (vapor_window) {  // R^t sum p0 R^{-s} v_s
+          s.read_rotation.rotate(read, true);
+          s.read_rotation.next();
+        }
+        reference::macchiato_mix(reference::macchiato_shares(q.row(b, t0 + r, h), L), read,
+                                 out.row(b, t0 + r, h), Dv);
+      }
+    }
+    // The last segment leaves the newest min(capacity, tokens seen) tokens in the state's ring.
+    if (ring.keys != nullptr && p + 1 == segments) {
+      for (index_t t = std::max(first, first + count - capacity); t < first + count; ++t) {
+        std::copy(keys + (t - first) * Dk, keys + (t - first + 1) * Dk, ring.keys + slot_of(t) * Dk);
+        std::copy(values + (t - first) * Dv, values + (t - first + 1) * Dv,
+                  ring.values + slot_of(t) * Dv);
+      }
     }
   });
 }

@@ -25,110 +25,145 @@
 
 namespace latte::cpu {
 
+/// One worker's workspace for attend_query_block: a block_q x block_k score
+/// tile, the block_q x Dv accumulator and three per-row vectors. Independent of T.
+template <Real T>
+struct OnlineSoftmaxScratch {
+  using Matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  Matrix scores, acc;
+  std::vector<T> row_max, row_sum, correction;
+
+  OnlineSoftmaxScratch() = default;
+  OnlineSoftmaxScratch(index_t block_q, index_t block_k, index_t Dv)
+      : scores(block_q, block_k), acc(block_q, Dv), row_max(static_cast<std::size_t>(block_q)),
+        row_sum(static_cast<std::size_t>(block_q)), correction(static_cast<std::size_t>(block_q)) {}
+};
+
+/// Where the keys and values a query block attends to live: key j's row is
+/// keys + j * key_stride (values alike), for every j the block may see.
+template <Real T>
+struct KeyValueRows {
+  const T* keys;
+  index_t key_stride;
+  const T* values;
+  index_t value_stride;
+};
+
+/// The flash step for query rows i0 .. i0 + nq - 1 (q rows `q_stride` apart,
+/// nq <= the scratch's block_q): row t sees keys lowest(t) .. highest(t), both
+/// monotone in t. Keys are visited in blocks of `block_k` from `first_block`
+/// (<= lowest(i0)) up to highest(i0 + nq - 1); for each, S = scale Q K^T
+/// masked to each row's band, then the online-softmax update above. A block
+/// every row sees whole goes through one GEMM with V; a block on the band's
+/// edge multiplies each row's visible keys only, so a NaN or inf in a value
+/// no row may see never reaches it (0 * NaN in a GEMM would). Which path a
+/// block takes depends on the band only, never on the values, so a row's
+/// result is the same bits whatever the rows it cannot see hold.
+/// Writes the normalised rows to out (rows `out_stride` apart).
+template <Real T, class Lowest, class Highest>
+void attend_query_block(const T* q, index_t q_stride, index_t i0, index_t nq, index_t Dk,
+                        index_t Dv, const KeyValueRows<T>& kv, index_t first_block,
+                        index_t block_k, T scale, Lowest&& lowest, Highest&& highest,
+                        OnlineSoftmaxScratch<T>& s, T* out, index_t out_stride) {
+  using Matrix = typename OnlineSoftmaxScratch<T>::Matrix;
+  using ConstMap = Eigen::Map<const Matrix, Eigen::Unaligned, Eigen::OuterStride<>>;
+  using Map = Eigen::Map<Matrix, Eigen::Unaligned, Eigen::OuterStride<>>;
+  constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+  const ConstMap Q(q, nq, Dk, Eigen::OuterStride<>(q_stride));
+  auto acc = s.acc.topRows(nq);
+  acc.setZero();
+  std::fill(s.row_max.begin(), s.row_max.begin() + nq, neg_inf);
+  std::fill(s.row_sum.begin(), s.row_sum.begin() + nq, T(0));
+  // Key range any row of the block may see (lowest/highest are monotone in t).
+  const index_t key_lo = lowest(i0), key_hi = highest(i0 + nq - 1);
+  for (index_t j0 = first_block; j0 <= key_hi; j0 += block_k) {
+    const index_t j_first = std::max(j0, key_lo);
+    const index_t nk = std::min(j0 + block_k, key_hi + 1) - j_first;
+    if (nk <= 0) continue;
+    const ConstMap K(kv.keys + j_first * kv.key_stride, nk, Dk, Eigen::OuterStride<>(kv.key_stride));
+    const ConstMap V(kv.values + j_first * kv.value_stride, nk, Dv,
+                     Eigen::OuterStride<>(kv.value_stride));
+    auto S = s.scores.topLeftCorner(nq, nk);
+    S.noalias() = (Q * K.transpose()) * scale;
+    for (index_t r = 0; r < nq; ++r) {
+      const index_t t = i0 + r, lo = lowest(t), hi = highest(t);
+      T* row = S.row(r).data();
+      T block_max = neg_inf;
+      for (index_t c = 0; c < nk; ++c) {
+        const index_t key = j_first + c;
+        if (key < lo || key > hi) row[c] = neg_inf;
+        // std::max drops a NaN argument: keep it, so NaN stays in the rows that see it.
+        block_max = std::isnan(row[c]) ? row[c] : std::max(block_max, row[c]);
+      }
+      const T m_new = std::isnan(block_max) ? block_max : std::max(s.row_max[r], block_max);
+      if (m_new == neg_inf) {  // nothing allowed yet in this row
+        s.correction[r] = T(1);
+        std::fill(row, row + nk, T(0));
+        continue;
+      }
+      T total = 0;
+      index_t c = 0;
+      constexpr index_t W = simd::width<T>;
+      simd::batch<T> lanes(T(0));
+      for (; c + W <= nk; c += W) {
+        const auto p = simd::exp(simd::load(row + c) - simd::batch<T>(m_new));
+        simd::store(row + c, p);
+        lanes = lanes + p;
+      }
+      for (; c < nk; ++c) {
+        row[c] = std::exp(row[c] - m_new);
+        total += row[c];
+      }
+      total += simd::reduce_add(lanes);
+      s.correction[r] = std::exp(s.row_max[r] - m_new);
+      s.row_sum[r] = s.row_sum[r] * s.correction[r] + total;
+      s.row_max[r] = m_new;
+    }
+    for (index_t r = 0; r < nq; ++r) acc.row(r) *= s.correction[r];
+    if (lowest(i0 + nq - 1) <= j_first && highest(i0) >= j_first + nk - 1) {
+      acc.noalias() += S * V;
+    } else {
+      for (index_t r = 0; r < nq; ++r) {
+        const index_t t = i0 + r;
+        const index_t c_lo = std::max(lowest(t), j_first) - j_first;
+        const index_t c_hi = std::min(highest(t), j_first + nk - 1) - j_first;
+        if (c_hi >= c_lo)
+          acc.row(r).noalias() +=
+              S.row(r).segment(c_lo, c_hi - c_lo + 1) * V.middleRows(c_lo, c_hi - c_lo + 1);
+      }
+    }
+  }
+  Map O(out, nq, Dv, Eigen::OuterStride<>(out_stride));
+  for (index_t r = 0; r < nq; ++r)
+    O.row(r) = s.row_sum[r] > T(0) ? (acc.row(r) / s.row_sum[r]).eval() : acc.row(r).eval();
+}
+
 template <bool Causal, Window Win, Real T>
 void softmax_forward(TensorView<const T, 4> q, TensorView<const T, 4> k, TensorView<const T, 4> v,
                      TensorView<T, 4> out, T scale, const Win& window) {
-  using Matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  using ConstMap = Eigen::Map<const Matrix, Eigen::Unaligned, Eigen::OuterStride<>>;
-  using Map = Eigen::Map<Matrix, Eigen::Unaligned, Eigen::OuterStride<>>;
   constexpr index_t block_q = 64, block_k = 64;
-  constexpr T neg_inf = -std::numeric_limits<T>::infinity();
   const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), Dk = q.extent(3);
   const index_t Dv = v.extent(3);
   if (Tn == 0 || B * H == 0) return;
   const index_t query_blocks = (Tn + block_q - 1) / block_q;
   const int workers = thread_count();
-  struct Scratch {
-    Matrix scores, acc;
-    std::vector<T> row_max, row_sum, correction;
-  };
-  std::vector<Scratch> scratch(static_cast<std::size_t>(workers));
-  for (Scratch& s : scratch) {
-    s.scores.resize(block_q, block_k);
-    s.acc.resize(block_q, Dv);
-    s.row_max.resize(block_q);
-    s.row_sum.resize(block_q);
-    s.correction.resize(block_q);
-  }
+  std::vector<OnlineSoftmaxScratch<T>> scratch(static_cast<std::size_t>(workers),
+                                               OnlineSoftmaxScratch<T>(block_q, block_k, Dv));
   auto lowest = [&](index_t t) { return window.lowest_key(t); };
   auto highest = [&](index_t t) {
     const index_t hi = window.highest_key(t, Tn);
     return Causal ? std::min(hi, t) : hi;
   };
   parallel_for(B * H * query_blocks, workers, [&](index_t task, int worker) {
-    Scratch& s = scratch[worker];
     const index_t qb = task % query_blocks, bh = task / query_blocks;
     const index_t b = bh / H, h = bh % H;
     const index_t i0 = qb * block_q, nq = std::min(block_q, Tn - i0);
-    const ConstMap Q(q.row(b, i0, h), nq, Dk, Eigen::OuterStride<>(q.stride(1)));
-    auto acc = s.acc.topRows(nq);
-    acc.setZero();
-    std::fill(s.row_max.begin(), s.row_max.end(), neg_inf);
-    std::fill(s.row_sum.begin(), s.row_sum.end(), T(0));
-    // Key range any row of the block may see (lowest/highest are monotone in t).
-    const index_t key_lo = lowest(i0), key_hi = highest(i0 + nq - 1);
-    for (index_t j0 = key_lo - key_lo % block_k; j0 <= key_hi; j0 += block_k) {
-      const index_t j_first = std::max(j0, key_lo);
-      const index_t nk = std::min(j0 + block_k, key_hi + 1) - j_first;
-      if (nk <= 0) continue;
-      const ConstMap K(k.row(b, j_first, h), nk, Dk, Eigen::OuterStride<>(k.stride(1)));
-      const ConstMap V(v.row(b, j_first, h), nk, Dv, Eigen::OuterStride<>(v.stride(1)));
-      auto S = s.scores.topLeftCorner(nq, nk);
-      S.noalias() = (Q * K.transpose()) * scale;
-      for (index_t r = 0; r < nq; ++r) {
-        const index_t t = i0 + r, lo = lowest(t), hi = highest(t);
-        T* row = S.row(r).data();
-        T block_max = neg_inf;
-        for (index_t c = 0; c < nk; ++c) {
-          const index_t key = j_first + c;
-          if (key < lo || key > hi) row[c] = neg_inf;
-          // std::max drops a NaN argument: keep it, so NaN stays in the rows that see it.
-          block_max = std::isnan(row[c]) ? row[c] : std::max(block_max, row[c]);
-        }
-        const T m_new = std::isnan(block_max) ? block_max : std::max(s.row_max[r], block_max);
-        if (m_new == neg_inf) {  // nothing allowed yet in this row
-          s.correction[r] = T(1);
-          std::fill(row, row + nk, T(0));
-          continue;
-        }
-        T total = 0;
-        index_t c = 0;
-        constexpr index_t W = simd::width<T>;
-        simd::batch<T> lanes(T(0));
-        for (; c + W <= nk; c += W) {
-          const auto p = simd::exp(simd::load(row + c) - simd::batch<T>(m_new));
-          simd::store(row + c, p);
-          lanes = lanes + p;
-        }
-        for (; c < nk; ++c) {
-          row[c] = std::exp(row[c] - m_new);
-          total += row[c];
-        }
-        total += simd::reduce_add(lanes);
-        s.correction[r] = std::exp(s.row_max[r] - m_new);
-        s.row_sum[r] = s.row_sum[r] * s.correction[r] + total;
-        s.row_max[r] = m_new;
-      }
-      for (index_t r = 0; r < nq; ++r) acc.row(r) *= s.correction[r];
-      // A block on the band's edge holds keys some rows may not see; their
-      // weights are 0, but 0 * (NaN or inf in a value) would still reach those
-      // rows through the GEMM, so such a block multiplies each row's allowed keys only.
-      if (lowest(i0 + nq - 1) <= j_first && highest(i0) >= j_first + nk - 1) {
-        acc.noalias() += S * V;
-      } else {
-        for (index_t r = 0; r < nq; ++r) {
-          const index_t t = i0 + r;
-          const index_t c_lo = std::max(lowest(t), j_first) - j_first;
-          const index_t c_hi = std::min(highest(t), j_first + nk - 1) - j_first;
-          if (c_hi >= c_lo)
-            acc.row(r).noalias() +=
-                S.row(r).segment(c_lo, c_hi - c_lo + 1) * V.middleRows(c_lo, c_hi - c_lo + 1);
-        }
-      }
-    }
-    Map O(out.row(b, i0, h), nq, Dv, Eigen::OuterStride<>(out.stride(1)));
-    for (index_t r = 0; r < nq; ++r)
-      O.row(r) = s.row_sum[r] > T(0) ? (acc.row(r) / s.row_sum[r]).eval() : acc.row(r).eval();
+    const index_t key_lo = lowest(i0);
+    attend_query_block(q.row(b, i0, h), q.stride(1), i0, nq, Dk, Dv,
+                       KeyValueRows<T>{k.row(b, 0, h), k.stride(1), v.row(b, 0, h), v.stride(1)},
+                       key_lo - key_lo % block_k, block_k, scale, lowest, highest,
+                       scratch[static_cast<std::size_t>(worker)], out.row(b, i0, h),
+                       out.stride(1));
   });
 }
 
