@@ -8,6 +8,7 @@
 //   l = l exp(m - m') + rowsum P, O = O exp(m - m') + P V_j;  finally O / l.
 // Only blocks that intersect the causal / sliding-window band are visited,
 // so a window costs O(T * w). Workspace is per worker and independent of T.
+// The decode step is softmax_row_blocked over the ring (softmax_row.hpp).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -18,6 +19,7 @@
 
 #include "latte/backends/cpu/parallel.hpp"
 #include "latte/backends/cpu/simd.hpp"
+#include "latte/backends/cpu/softmax_row.hpp"
 #include "latte/backends/reference/softmax.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
@@ -167,53 +169,44 @@ void softmax_forward(TensorView<const T, 4> q, TensorView<const T, 4> k, TensorV
   });
 }
 
-/// Dot product of two contiguous rows.
-template <Real T>
-[[nodiscard]] inline T dot(const T* a, const T* b, index_t n) noexcept {
-  constexpr index_t W = simd::width<T>;
-  simd::batch<T> lanes(T(0));
-  index_t i = 0;
-  for (; i + W <= n; i += W) lanes = simd::fma(simd::load(a + i), simd::load(b + i), lanes);
-  T total = simd::reduce_add(lanes);
-  for (; i < n; ++i) total += a[i] * b[i];
-  return total;
-}
-
 /// One KV-cache decode step for one (b, h): stores (k, v) at `position`, then
-/// online softmax over the `visible` most recent tokens, oldest first.
+/// softmax over the `visible` most recent tokens, oldest first, taken 64 keys at
+/// a time (softmax_row_blocked): the scores and the value sums of a block are
+/// matrix-vector products over the ring's contiguous runs (a block wraps at
+/// most once), its exponentials one vectorised pass. No allocation.
 template <Real T>
 void softmax_decode_step(const T* q, const T* k, const T* v, T* out, reference::KVSlots<T> slots,
                          index_t capacity, index_t Dk, index_t Dv, T scale,
                          std::int64_t position, index_t visible) noexcept {
-  constexpr index_t W = simd::width<T>;
+  using Vector = Eigen::Matrix<T, Eigen::Dynamic, 1>;
+  using Rows = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using ConstRows = Eigen::Map<const Rows>;
   const index_t slot = static_cast<index_t>(position % capacity);
   std::copy(k, k + Dk, slots.keys + slot * Dk);
   std::copy(v, v + Dv, slots.values + slot * Dv);
-  std::fill(out, out + Dv, T(0));
-  T m = -std::numeric_limits<T>::infinity(), l = 0;
   const std::int64_t oldest = position + 1 - visible;
-  for (index_t j = 0; j < visible; ++j) {
-    const index_t at = static_cast<index_t>((oldest + j) % capacity);
-    const T score = scale * dot(q, slots.keys + at * Dk, Dk);
-    const T m_new = std::max(m, score);
-    const T carry_scale = std::exp(m - m_new), weight = std::exp(score - m_new);
-    l = l * carry_scale + weight;
-    const T* value = slots.values + at * Dv;
-    index_t d = 0;
-    if (carry_scale == T(1)) {
-      for (; d + W <= Dv; d += W)
-        simd::store(out + d, simd::fma(simd::batch<T>(weight), simd::load(value + d),
-                                       simd::load(out + d)));
-    } else {
-      for (; d + W <= Dv; d += W)
-        simd::store(out + d, simd::fma(simd::load(out + d), simd::batch<T>(carry_scale),
-                                       simd::batch<T>(weight) * simd::load(value + d)));
-    }
-    for (; d < Dv; ++d) out[d] = out[d] * carry_scale + weight * value[d];
-    m = m_new;
-  }
-  if (l > T(0))
-    for (index_t d = 0; d < Dv; ++d) out[d] /= l;
+  auto slot_of = [&](index_t j) { return static_cast<index_t>((oldest + j) % capacity); };
+  const Eigen::Map<const Vector> query(q, Dk);
+  softmax_row_blocked(
+      Dv, visible,
+      [&](index_t j0, index_t n, T* p) {
+        for (index_t done = 0; done < n;) {
+          const index_t at = slot_of(j0 + done), run = std::min(n - done, capacity - at);
+          const ConstRows K(slots.keys + at * Dk, run, Dk);
+          Eigen::Map<Vector>(p + done, run).noalias() = scale * (K * query);
+          done += run;
+        }
+      },
+      [&](index_t j0, index_t n, const T* p, T* acc) {
+        for (index_t done = 0; done < n;) {
+          const index_t at = slot_of(j0 + done), run = std::min(n - done, capacity - at);
+          const ConstRows V(slots.values + at * Dv, run, Dv);
+          Eigen::Map<Vector>(acc, Dv).noalias() +=
+              V.transpose() * Eigen::Map<const Vector>(p + done, run);
+          done += run;
+        }
+      },
+      out);
 }
 
 }  // namespace latte::cpu
