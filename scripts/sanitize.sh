@@ -9,7 +9,7 @@
 # Build trees: build-asan/ and build-tsan/ (LATTE_SANITIZE_BUILD_ROOT moves them).
 # Either part alone: scripts/sanitize.sh asan | tsan.
 # LATTE_ASAN_TESTS / LATTE_TSAN_TESTS (space-separated test names) narrow a part to
-# those tests (.ci/run uses them to fit CI's time limit).
+# those tests (.ci/run narrows TSan to the threaded and decode tests to fit CI's time limit).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
