@@ -66,8 +66,9 @@ template <class T>
 /// queries appends its tokens, attends to rows [t0 - w', t0 + block_q) with the
 /// flash step of softmax.hpp (GEMMs where every query of the block sees a whole
 /// key block, row by row on the band's edges); when the buffer is full, the
-/// w' rows later queries still see move to its front. The state's ring is read once at the start and written once
-/// at the end. Workspace per worker: the buffer and one score tile, independent of T.
+/// w' rows later queries still see move to its front. The state's ring is read
+/// once at the start and written once at the end. Workspace per worker: the
+/// buffer and one score tile, independent of T.
 template <Positional LatentPos, Positional WindowPos, Real T, class RingOf>
 void macchiato_causal_window(TensorView<const T, 4> q, TensorView<const T, 4> wq,
                              TensorView<const T, 4> wk, TensorView<const T, 4> v,
@@ -214,7 +215,8 @@ void macchiato_causal_window(TensorView<const T, 4> q, TensorView<const T, 4> wq
     // The last segment leaves the newest min(capacity, tokens seen) tokens in the state's ring.
     if (ring.keys != nullptr && p + 1 == segments) {
       for (index_t t = std::max(first, first + count - capacity); t < first + count; ++t) {
-        std::copy(keys + (t - first) * Dk, keys + (t - first + 1) * Dk, ring.keys + slot_of(t) * Dk);
+        std::copy(keys + (t - first) * Dk, keys + (t - first + 1) * Dk,
+                  ring.keys + slot_of(t) * Dk);
         std::copy(values + (t - first) * Dv, values + (t - first + 1) * Dv,
                   ring.values + slot_of(t) * Dv);
       }

@@ -82,7 +82,8 @@ void attend_query_block(const T* q, index_t q_stride, index_t i0, index_t nq, in
     const index_t j_first = std::max(j0, key_lo);
     const index_t nk = std::min(j0 + block_k, key_hi + 1) - j_first;
     if (nk <= 0) continue;
-    const ConstMap K(kv.keys + j_first * kv.key_stride, nk, Dk, Eigen::OuterStride<>(kv.key_stride));
+    const ConstMap K(kv.keys + j_first * kv.key_stride, nk, Dk,
+                     Eigen::OuterStride<>(kv.key_stride));
     const ConstMap V(kv.values + j_first * kv.value_stride, nk, Dv,
                      Eigen::OuterStride<>(kv.value_stride));
     auto S = s.scores.topLeftCorner(nq, nk);
