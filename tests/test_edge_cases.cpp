@@ -746,7 +746,7 @@ TEST_CASE(
     check_map(LinearAttention<Causal, Relu>({.heads = H, .key_dim = D, .value_dim = D}),
               oracle_relu, "linear relu");
   }
-  SUBCASE("LatteMacchiato<causal, vapor, rope>") {
+  SUBCASE("LatteMacchiato<causal, vapor, rope> (reference and cpu)") {
     // The latent part reads v_s (s <= t) rotated by VAPOR (pairs), the window
     // part reads v_s for t - w <= s <= t (features as they are), so a NaN in
     // feature d0 of v_{s0} reaches the pair of d0 in rows t >= s0. A NaN in a
@@ -757,8 +757,9 @@ TEST_CASE(
     const auto oracle =
         macchiato_oracle({.causal = true, .window = w, .scale = inverse_sqrt(D)}, latent_q,
                          latent_k, q, k, v, rope_schedule(H, D), rope_schedule(H, D));
-    Tensor<double, 4> clean(v.extents());
+    Tensor<double, 4> clean(v.extents()), clean_cpu(v.extents());
     attention.forward(exec::reference, latent_q, latent_k, q, k, v, clean.view());
+    attention.forward(exec::cpu, latent_q, latent_k, q, k, v, clean_cpu.view());
     for (const int which : {0, 1, 2, 3, 4}) {
       auto lq = latent_q, lk = latent_k, wq = q, wk = k, vn = v;
       Tensor<double, 4>* inputs[] = {&lq, &lk, &wq, &wk, &vn};
@@ -777,10 +778,14 @@ TEST_CASE(
             return t >= s0 && d / 2 == d0 / 2;  // value
         }
       };
-      Tensor<double, 4> out(v.extents());
+      Tensor<double, 4> out(v.extents()), out_cpu(v.extents());
       attention.forward(exec::reference, lq, lk, wq, wk, vn, out.view());
       check_nan_isolation(out, clean, oracle, affected,
                           "macchiato, input " + std::to_string(which));
+      // exec::cpu: the window pass's GEMM-or-row choice depends on the band only.
+      attention.forward(exec::cpu, lq, lk, wq, wk, vn, out_cpu.view());
+      check_nan_isolation(out_cpu, clean_cpu, oracle, affected,
+                          "macchiato cpu, input " + std::to_string(which));
     }
   }
   SUBCASE("Lavo<causal>") {
