@@ -116,8 +116,6 @@ template <Real T, class Visible>
 void cross_block(T* out_rows, index_t out_stride, index_t i0, index_t nq, const T* query_weight,
                  const Matrix<T>& keys, const Matrix<T>& values, T scale, Visible&& visible,
                  BlockScratch<T>& s) {
-  using B = simd::batch<T>;
-  constexpr index_t W = simd::width<T>;
   constexpr T neg_inf = -std::numeric_limits<T>::infinity();
   const index_t Dk = keys.cols(), Dv = values.cols();
   const index_t reach = visible(i0 + nq - 1);
@@ -151,19 +149,7 @@ void cross_block(T* out_rows, index_t out_stride, index_t i0, index_t nq, const 
         std::fill(row, row + count, T(0));
         continue;
       }
-      B lanes(T(0));
-      T total = 0;
-      index_t c = 0;
-      for (; c + W <= count; c += W) {
-        const B p = simd::exp(simd::load(row + c) - B(m_new));
-        simd::store(row + c, p);
-        lanes = lanes + p;
-      }
-      for (; c < count; ++c) {
-        row[c] = std::exp(row[c] - m_new);
-        total += row[c];
-      }
-      total += simd::reduce_add(lanes);
+      const T total = simd::exp_shifted_sum(row, count, m_new, row);
       s.correction[r] = std::exp(s.row_max[r] - m_new);
       s.row_sum[r] = s.row_sum[r] * s.correction[r] + total;
       s.row_max[r] = m_new;

@@ -103,18 +103,7 @@ void latent_read_weights(const T* q, const T* normaliser, T* gamma, index_t L) n
     std::fill(gamma, gamma + L, T(0));
     return;
   }
-  B total(T(0));
-  T tail_total = 0;
-  for (l = 0; l + W <= L; l += W) {
-    const B e = simd::exp(simd::load(q + l) - B(q_max));
-    simd::store(gamma + l, e);
-    total = total + e;
-  }
-  for (; l < L; ++l) {
-    gamma[l] = std::exp(q[l] - q_max);
-    tail_total += gamma[l];
-  }
-  const T beta = simd::reduce_add(total) + tail_total;  // eq. 9, shifted by q_max
+  const T beta = simd::exp_shifted_sum(q, L, q_max, gamma);  // eq. 9, shifted by q_max
   const B beta_lanes(beta);
   for (l = 0; l + W <= L; l += W) {
     const B alpha = simd::load(normaliser + l);

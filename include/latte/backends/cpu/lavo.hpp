@@ -147,18 +147,7 @@ void local_block(const T* queries, index_t query_stride, index_t i0, index_t nq,
         std::fill(band, band + n, T(0));
         continue;
       }
-      B lanes(T(0));
-      T total = 0;
-      for (c = 0; c + W <= n; c += W) {
-        const B p = simd::exp(simd::load(band + c) - B(m_new));
-        simd::store(band + c, p);
-        lanes = lanes + p;
-      }
-      for (; c < n; ++c) {
-        band[c] = std::exp(band[c] - m_new);
-        total += band[c];
-      }
-      total += simd::reduce_add(lanes);
+      const T total = simd::exp_shifted_sum(band, n, m_new, band);
       s.correction[r] = std::exp(s.row_max[r] - m_new);
       s.row_sum[r] = s.row_sum[r] * s.correction[r] + total;
       s.row_max[r] = m_new;
@@ -212,18 +201,7 @@ void read_weights(const T* bq, const T* mean, index_t r, T scale, T* weights) no
     std::fill(weights, weights + r, T(0));
     return;
   }
-  B lanes(T(0));
-  T total = 0;
-  for (i = 0; i + W <= r; i += W) {
-    const B e = simd::exp(simd::load(weights + i) - B(score_max));
-    simd::store(weights + i, e);
-    lanes = lanes + e;
-  }
-  for (; i < r; ++i) {
-    weights[i] = std::exp(weights[i] - score_max);
-    total += weights[i];
-  }
-  total += simd::reduce_add(lanes);
+  const T total = simd::exp_shifted_sum(weights, r, score_max, weights);
   for (i = 0; i < r; ++i) weights[i] = weights[i] / total * mean[i];  // p_i H_i
 }
 

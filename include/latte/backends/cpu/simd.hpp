@@ -146,4 +146,25 @@ template <Real T>
 
 #endif
 
+/// out[i] = exp(x[i] - shift) for i < n (out may be x), one vectorised pass and
+/// a scalar tail; returns the sum of the out[i] (the tail's sum plus the lanes').
+/// The softmax kernels' shared inner step: every caller sums in this order.
+template <Real T>
+[[nodiscard]] inline T exp_shifted_sum(const T* x, index_t n, T shift, T* out) noexcept {
+  constexpr auto W = static_cast<index_t>(width<T>);
+  batch<T> lanes(T(0));
+  index_t i = 0;
+  for (; i + W <= n; i += W) {
+    const batch<T> e = simd::exp(simd::load(x + i) - batch<T>(shift));
+    simd::store(out + i, e);
+    lanes = lanes + e;
+  }
+  T total = 0;
+  for (; i < n; ++i) {
+    out[i] = std::exp(x[i] - shift);
+    total += out[i];
+  }
+  return total + simd::reduce_add(lanes);
+}
+
 }  // namespace latte::cpu::simd

@@ -104,20 +104,7 @@ void attend_query_block(const T* q, index_t q_stride, index_t i0, index_t nq, in
         std::fill(row, row + nk, T(0));
         continue;
       }
-      T total = 0;
-      index_t c = 0;
-      constexpr index_t W = simd::width<T>;
-      simd::batch<T> lanes(T(0));
-      for (; c + W <= nk; c += W) {
-        const auto p = simd::exp(simd::load(row + c) - simd::batch<T>(m_new));
-        simd::store(row + c, p);
-        lanes = lanes + p;
-      }
-      for (; c < nk; ++c) {
-        row[c] = std::exp(row[c] - m_new);
-        total += row[c];
-      }
-      total += simd::reduce_add(lanes);
+      const T total = simd::exp_shifted_sum(row, nk, m_new, row);
       s.correction[r] = std::exp(s.row_max[r] - m_new);
       s.row_sum[r] = s.row_sum[r] * s.correction[r] + total;
       s.row_max[r] = m_new;

@@ -45,19 +45,7 @@ void softmax_row_blocked(index_t Dv, index_t count, ScoreBlock&& score_block,
     }
     const T m_new = nan ? std::numeric_limits<T>::quiet_NaN() : std::max(m, block_max);
     if (m_new == neg_inf) continue;  // every score so far is -inf
-    B lanes(T(0));
-    T total = 0;
-    index_t j = 0;
-    for (; j + W <= n; j += W) {
-      const B e = simd::exp(simd::load(p + j) - B(m_new));
-      simd::store(p + j, e);
-      lanes = lanes + e;
-    }
-    for (; j < n; ++j) {
-      p[j] = std::exp(p[j] - m_new);
-      total += p[j];
-    }
-    total += simd::reduce_add(lanes);
+    const T total = simd::exp_shifted_sum(p, n, m_new, p);
     const T carry_scale = std::exp(m - m_new);
     l = l * carry_scale + total;
     index_t d = 0;
