@@ -37,11 +37,11 @@ namespace latte::cpu {
 
 using reference::LatteCarry;
 
-/// Per-worker scratch for the causal scan.
+/// Per-worker scratch for the causal scan (c, w, gamma and rotated values of up to four tokens).
 template <Real T>
 struct LatteScratch {
   LatteScratch(index_t L, index_t Dv)
-      : carry_scale(2 * L), weight(2 * L), gamma(2 * L), rotated(2 * Dv), rotation(Dv / 2),
+      : carry_scale(4 * L), weight(4 * L), gamma(4 * L), rotated(4 * Dv), rotation(Dv / 2),
         rotation_out(Dv / 2) {}
   std::vector<T> carry_scale, weight, gamma, rotated;
   RotationStepper<T> rotation;      // R^{-s} on the values entering the memory
@@ -251,6 +251,60 @@ void update_and_read_pair(T* memory, const T* c, const T* w, const T* gamma, con
   }
 }
 
+/// The Dv pass for four consecutive tokens none of whose keys moved a running
+/// max (every c = 1), over one register block of R vectors: each memory row is
+/// loaded and stored once for four tokens. w/gamma hold token j's values at
+/// [j L, (j + 1) L).
+template <Real T, int R>
+inline void update_read_quad_block(T* memory, index_t Dv, index_t d0, const T* w, const T* gamma,
+                                   const T* const* v, T* const* out, index_t L) noexcept {
+  using B = simd::batch<T>;
+  constexpr index_t W = simd::width<T>;
+  constexpr int K = 4;
+  B value[K][R], acc[K][R];
+  for (int j = 0; j < K; ++j)
+    for (int r = 0; r < R; ++r) {
+      value[j][r] = simd::load(v[j] + d0 + r * W);
+      acc[j][r] = B(T(0));
+    }
+  for (index_t l = 0; l < L; ++l) {
+    T* row = memory + l * Dv + d0;
+    B m[R];
+    for (int r = 0; r < R; ++r) m[r] = simd::load(row + r * W);
+    for (int j = 0; j < K; ++j) {
+      const B weight(w[j * L + l]), read(gamma[j * L + l]);
+      for (int r = 0; r < R; ++r) {
+        m[r] = simd::fma(weight, value[j][r], m[r]);
+        acc[j][r] = simd::fma(read, m[r], acc[j][r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) simd::store(row + r * W, m[r]);
+  }
+  for (int j = 0; j < K; ++j)
+    for (int r = 0; r < R; ++r) simd::store(out[j] + d0 + r * W, acc[j][r]);
+}
+
+/// Four tokens (t .. t+3) without rescaling over the whole Dv pass.
+template <Real T>
+void update_and_read_quad(T* memory, const T* w, const T* gamma, const T* const* v,
+                          T* const* out, index_t L, index_t Dv) noexcept {
+  constexpr index_t W = simd::width<T>;
+  index_t d = 0;
+  for (; d + 2 * W <= Dv; d += 2 * W) update_read_quad_block<T, 2>(memory, Dv, d, w, gamma, v, out, L);
+  for (; d + W <= Dv; d += W) update_read_quad_block<T, 1>(memory, Dv, d, w, gamma, v, out, L);
+  for (index_t e = d; e < Dv; ++e) {
+    T acc[4] = {0, 0, 0, 0};
+    for (index_t l = 0; l < L; ++l) {
+      T& m = memory[l * Dv + e];
+      for (int j = 0; j < 4; ++j) {
+        m += w[j * L + l] * v[j][e];
+        acc[j] += gamma[j * L + l] * m;
+      }
+    }
+    for (int j = 0; j < 4; ++j) out[j][e] = acc[j];
+  }
+}
+
 /// Scans tokens [t0, t1) of one (b, h) from `carry` at absolute position
 /// `position` (of token t0). With `read` false only the state is advanced.
 template <Stabilizer Stab, Positional Pos, Real T>
@@ -294,7 +348,36 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
   for (index_t s = t0; s < std::min(t1, t0 + ahead); ++s) prefetch_token(s);
   index_t t = t0;
   if (read) {
-    // Two tokens per pass over the memory (register blocking in time).
+    // Four tokens per pass over the memory (register blocking in time) while
+    // no running max moves; a quad where one does runs as two pairs, each
+    // token's rescale compiled in or out.
+    auto pair = [&](index_t s, index_t i, bool r1, bool r2, const T* v1, const T* v2) {
+      const T *ci = c + i * L, *wi = w + i * L, *gi = gamma + i * L;
+      T *o1 = out.row(b, s, h), *o2 = out.row(b, s + 1, h);
+      if (r1 && r2) update_and_read_pair<T, true, true>(carry.memory, ci, wi, gi, v1, v2, o1, o2, L, Dv);
+      else if (r1) update_and_read_pair<T, true, false>(carry.memory, ci, wi, gi, v1, v2, o1, o2, L, Dv);
+      else if (r2) update_and_read_pair<T, false, true>(carry.memory, ci, wi, gi, v1, v2, o1, o2, L, Dv);
+      else update_and_read_pair<T, false, false>(carry.memory, ci, wi, gi, v1, v2, o1, o2, L, Dv);
+    };
+    for (; t + 3 < t1; t += 4) {
+      const T* values[4];
+      T* outs[4];
+      bool rescaled[4];
+      for (int j = 0; j < 4; ++j) {
+        prefetch_token(t + ahead + j);
+        values[j] = value_of(t + j, scratch.rotated.data() + j * Dv);
+        outs[j] = out.row(b, t + j, h);
+        rescaled[j] = absorb_keys<Stab>(k.row(b, t + j, h), carry, c + j * L, w + j * L, L);
+        latent_read_weights(q.row(b, t + j, h), carry.normaliser, gamma + j * L, L);
+      }
+      if (rescaled[0] || rescaled[1] || rescaled[2] || rescaled[3]) {
+        pair(t, 0, rescaled[0], rescaled[1], values[0], values[1]);
+        pair(t + 2, 2, rescaled[2], rescaled[3], values[2], values[3]);
+      } else {
+        update_and_read_quad(carry.memory, w, gamma, values, outs, L, Dv);
+      }
+      for (int j = 0; j < 4; ++j) rotate_out(outs[j]);
+    }
     for (; t + 1 < t1; t += 2) {
       prefetch_token(t + ahead);
       prefetch_token(t + ahead + 1);
@@ -304,13 +387,9 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
       latent_read_weights(q.row(b, t, h), carry.normaliser, gamma, L);
       const bool r2 = absorb_keys<Stab>(k.row(b, t + 1, h), carry, c + L, w + L, L);
       latent_read_weights(q.row(b, t + 1, h), carry.normaliser, gamma + L, L);
-      T *o1 = out.row(b, t, h), *o2 = out.row(b, t + 1, h);
-      if (r1 && r2) update_and_read_pair<T, true, true>(carry.memory, c, w, gamma, v1, v2, o1, o2, L, Dv);
-      else if (r1) update_and_read_pair<T, true, false>(carry.memory, c, w, gamma, v1, v2, o1, o2, L, Dv);
-      else if (r2) update_and_read_pair<T, false, true>(carry.memory, c, w, gamma, v1, v2, o1, o2, L, Dv);
-      else update_and_read_pair<T, false, false>(carry.memory, c, w, gamma, v1, v2, o1, o2, L, Dv);
-      rotate_out(o1);
-      rotate_out(o2);
+      pair(t, 0, r1, r2, v1, v2);
+      rotate_out(out.row(b, t, h));
+      rotate_out(out.row(b, t + 1, h));
     }
   }
   for (; t < t1; ++t) {
@@ -464,6 +543,17 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
       return std::pair<index_t, index_t>{(first + j) / H, (first + j) % H};
     };
     auto theta_of = [&](index_t h) { return angles.empty() ? nullptr : angles.data() + h * pairs; };
+    // Rows `ahead` tokens on are requested while this one computes (prefetch.hpp):
+    // the key and value rows of pass 1, the query and output rows of pass 2.
+    constexpr index_t ahead = 4;
+    auto prefetch_inputs = [&](index_t b, index_t t, index_t h) {
+      prefetch_row(k.row(b, t, h), sizeof(T) * L);
+      prefetch_row(v.row(b, t, h), sizeof(T) * Dv);
+    };
+    auto prefetch_outputs = [&](index_t b, index_t t, index_t h) {
+      prefetch_row(q.row(b, t, h), sizeof(T) * L);
+      prefetch_row(out.row(b, t, h), sizeof(T) * Dv);
+    };
     auto rows = [&](const TensorView<const T, 4>& x, index_t b, index_t h, index_t t0, index_t n) {
       return ConstMap(x.row(b, t0, h), n, x.extent(3), Eigen::OuterStride<>(x.stride(1)));
     };
@@ -486,7 +576,9 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
         const auto [b, h] = head(j);
         auto en = e.topRows(n);
         const T* row_shift = shift.row(j).data();
+        for (index_t r = 0; r < std::min(ahead, n); ++r) prefetch_inputs(b, t0 + r, h);
         for (index_t r = 0; r < n; ++r) {
+          if (r + ahead < n) prefetch_inputs(b, t0 + r + ahead, h);
           const T* key = k.row(b, t0 + r, h);
           T* row = en.row(r).data();
           index_t l = 0;
@@ -517,8 +609,11 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
       for (index_t j = 0; j < count; ++j) {
         const auto [b, h] = head(j);
         auto gn = gamma.topRows(n);
-        for (index_t r = 0; r < n; ++r)
+        for (index_t r = 0; r < std::min(ahead, n); ++r) prefetch_outputs(b, t0 + r, h);
+        for (index_t r = 0; r < n; ++r) {
+          if (r + ahead < n) prefetch_outputs(b, t0 + r + ahead, h);
           latent_read_weights(q.row(b, t0 + r, h), normaliser.row(j).data(), gn.row(r).data(), L);
+        }
         Map o(out.row(b, t0, h), n, Dv, Eigen::OuterStride<>(out.stride(1)));
         o.noalias() = gn * memory.middleRows(j * L, L);
         if constexpr (Pos::rotates_values)
