@@ -76,8 +76,8 @@ template <Real T>
 // Horizontal reductions as halving trees (log2(width) dependent steps, no
 // branches): they sit on the per-token chain of the scans' softmax stages.
 // xsimd 8 has no reduce_add / reduce_max, and its hadd trips GCC 12's
-// -Wmaybe-uninitialized inside its AVX-512 shuffles, so AVX-512 batches use
-// the intrinsics and other widths a tree over the stored lanes.
+// -Wmaybe-uninitialized inside its AVX-512 shuffles, so 512-bit batches use
+// the register trees below and other widths a tree over the stored lanes.
 namespace detail {
 template <Real T, class Op>
 [[nodiscard]] inline T reduce_lanes(const batch<T>& x, Op op) noexcept {
