@@ -4,9 +4,11 @@
 // Causal: the exact RunningMax recurrence of paper 000 (eqs. 10-12, App. B.2
 // eq. 21) as a register-blocked scan. Per token, an L-wide stage absorbs the
 // key logits (running max m, rescale c, weight w, normaliser alpha) and forms
-// gamma_l = p(l|t) / alpha_{t,l}; one pass over the L x Dv memory (kept in L1)
+// gamma_l = p(l|t) / alpha_{t,l}; a pass over the L x Dv memory (kept in L1)
 // then updates vtilde_l = c_l vtilde_l + w_l v_t and reads o_t = sum_l gamma_l
-// vtilde_l with the value and output blocks held in registers. Work is split
+// vtilde_l with the value and output blocks held in registers. One pass serves
+// four consecutive tokens while no running max moves, two when one does (each
+// memory row loaded and stored once for all of them). Work is split
 // over (batch, head); when there are fewer heads than threads, time is split
 // into one segment per thread and run in two passes (segment-local states in
 // parallel -> a scan that merges them -> outputs in parallel), so B*H = 1
