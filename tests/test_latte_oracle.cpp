@@ -122,3 +122,44 @@ TEST_CASE_TEMPLATE("Latte causal cpu == oracle at every register-block remainder
   std::printf("[oracle] Latte causal cpu register-block remainders %s cases=%d max_rel_error=%.3e\n",
               dtype_name<T>(), cases, worst);
 }
+
+// The cpu bidirectional pass works in blocks of 64 tokens: each block's column
+// maximum moves the shift of the latents it raises, rescaling what was summed
+// before, and its contractions run in register tiles of 4 latents / 4 rows by
+// 4 vectors with 1-vector and scalar remainders. These cases reach each tile
+// remainder (L mod 4, Dv past the last 4- and 1-vector block, T mod 4 and
+// mod 64) for float and double, with keys that rise along the sequence so
+// that the maximum moves in every block (every rescale path runs), keys whose
+// maximum sits in the first block, and the NoStabilizer form (shift 0).
+TEST_CASE_TEMPLATE("Latte bidirectional cpu == oracle across blocks and tile remainders", T, float,
+                   double) {
+  Rng rng(110);
+  double worst = 0;
+  int cases = 0;
+  for (const index_t Dv : {1, 8, 16, 24, 40, 72})
+    for (const index_t L : {1, 3, 6, 64})
+      for (const index_t Tn : {1, 3, 5, 63, 64, 65, 130, 301})
+        for (const int keys : {0, 1, 2}) {  // rising, falling, NoStabilizer
+          const auto q = random_tensor<T, 4>(rng, {1, Tn, 2, L}, 2.0);
+          auto k = random_tensor<T, 4>(rng, {1, Tn, 2, L}, 1.0);
+          if (keys < 2)  // a drift of 8 logits across the sequence, up or down
+            for (index_t t = 0; t < Tn; ++t)
+              for (index_t h = 0; h < 2; ++h)
+                for (index_t l = 0; l < L; ++l)
+                  k(0, t, h, l) += T((keys == 0 ? 8.0 : -8.0) * double(t) / double(Tn));
+          const auto v = uniform_tensor<T, 4>(rng, {1, Tn, 2, Dv}, -1, 1);
+          const LatteDims dims{.heads = 2, .latents = L, .value_dim = Dv};
+          Tensor<T, 4> out(v.extents());
+          if (keys < 2) LatteAttention<Bidirectional>(dims).forward(exec::cpu, q, k, v, out.view());
+          else LatteAttention<Bidirectional, NoStabilizer>(dims).forward(exec::cpu, q, k, v, out.view());
+          const double error = relative_error(out, latte_oracle(false, q, k, v, {}));
+          CHECK_MESSAGE(error <= Tolerance<T>::relative,
+                        "T=" << Tn << " L=" << L << " Dv=" << Dv << " keys " << keys
+                             << " error=" << error);
+          worst = std::max(worst, error);
+          ++cases;
+        }
+  std::printf("[oracle] Latte bidirectional cpu blocks and tile remainders %s cases=%d "
+              "max_rel_error=%.3e\n",
+              dtype_name<T>(), cases, worst);
+}

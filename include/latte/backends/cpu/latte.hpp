@@ -14,17 +14,19 @@
 // parallel -> a scan that merges them -> outputs in parallel), so B*H = 1
 // still uses every core. Workspace is O(threads * L * Dv), independent of T.
 //
-// Bidirectional: the two contractions of eq. 7 in row blocks: a column
-// maximum of the key logits, then per block E = exp(K - max), alpha += 1^T E,
-// M += E^T V (Eigen GEMM), then O = (softmax(Q) / alpha) M per block.
+// Bidirectional: the two contractions of eq. 7 in blocks of 64 tokens. Pass 1
+// per block: the block's column maximum of the key logits moves the shift
+// (rescaling alpha and M where it moved, as eq. 21 does per token), then
+// E = exp(K - shift), alpha += 1^T E, M += E^T V; pass 2 per block:
+// O = (softmax(Q) / alpha) M. Both contractions are the register-blocked
+// kernels of block_contractions.hpp.
 #include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <utility>
 #include <vector>
 
-#include <Eigen/Core>
-
+#include "latte/backends/cpu/block_contractions.hpp"
 #include "latte/backends/cpu/parallel.hpp"
 #include "latte/backends/cpu/prefetch.hpp"
 #include "latte/backends/cpu/rotation.hpp"
@@ -113,6 +115,41 @@ void latent_read_weights(const T* q, const T* normaliser, T* gamma, index_t L) n
     simd::store(gamma + l, simd::replace_where_equal(alpha, T(0), B(T(0)), g));
   }
   for (; l < L; ++l) gamma[l] = normaliser[l] == T(0) ? T(0) : gamma[l] / (beta * normaliser[l]);
+}
+
+/// For R query rows at once (row r at q + r * stride): e_{r,l} = exp(q_{r,l} -
+/// max_l q_{r,l}) into e + r * L and scale[r] = 1 / sum_l e_{r,l}, so that
+/// p(l|t) = scale e_{t,l} (eq. 9); a row whose logits are all -inf gets e = 0
+/// and scale 0. The R rows' reduction chains are independent and interleave.
+template <Real T, int R>
+void latent_softmax_rows(const T* q, index_t stride, index_t L, T* e, T* scale) noexcept {
+  using B = simd::batch<T>;
+  constexpr index_t W = simd::width<T>;
+  constexpr T lowest = -std::numeric_limits<T>::infinity();
+  T q_max[R], sum[R]{};
+  const index_t vector_end = L - L % W;
+  for (int r = 0; r < R; ++r) {
+    const T* row = q + r * stride;
+    q_max[r] = lowest;
+    if (vector_end > 0) {
+      B running = simd::load(row);
+      for (index_t l = W; l < vector_end; l += W) running = simd::max(running, simd::load(row + l));
+      q_max[r] = simd::reduce_max(running);
+    }
+    for (index_t l = vector_end; l < L; ++l) q_max[r] = std::max(q_max[r], row[l]);
+  }
+  for (int r = 0; r < R; ++r) {
+    const T* row = q + r * stride;
+    T* out = e + r * L;
+    if (q_max[r] == lowest) {
+      std::fill(out, out + L, T(0));
+      scale[r] = T(0);
+      continue;
+    }
+    sum[r] = simd::exp_shifted_sum(row, L, q_max[r], out);
+  }
+  for (int r = 0; r < R; ++r)
+    if (q_max[r] != lowest) scale[r] = T(1) / sum[r];
 }
 
 /// The update half alone (segment-local states of the two-pass scan).
@@ -517,19 +554,19 @@ void latte_causal_step(TensorView<const T, 3> q, TensorView<const T, 3> k,
     }
 }
 
-/// Bidirectional Latte (eqs. 5-7; VAPOR eq. 22) in row blocks of `block` tokens.
+/// Bidirectional Latte (eqs. 5-7; VAPOR eq. 22) in blocks of `block` tokens.
 template <Stabilizer Stab, Positional Pos, Real T>
 void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
                                  TensorView<const T, 4> v, TensorView<T, 4> out,
                                  const std::vector<double>& angles) {
-  using Matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  using Vector = Eigen::Matrix<T, 1, Eigen::Dynamic>;
-  using ConstMap = Eigen::Map<const Matrix, Eigen::Unaligned, Eigen::OuterStride<>>;
-  using Map = Eigen::Map<Matrix, Eigen::Unaligned, Eigen::OuterStride<>>;
+  using Batch = simd::batch<T>;
+  constexpr index_t W = simd::width<T>;
   const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), L = q.extent(3);
   const index_t Dv = v.extent(3), pairs = Dv / 2, heads = B * H;
   if (Tn == 0 || heads == 0) return;
-  constexpr index_t block = 256;
+  // 64 tokens: the block's keys and values (2 x 16 KiB for L = Dv = 64, fp32)
+  // stay in L1 while the contraction streams them once per 4 latents.
+  constexpr index_t block = 64;
   const int workers = thread_count();
   // Each worker owns a range of heads and walks time block by block for all
   // of them (as interleave_heads does for the causal scans: the rows of one
@@ -537,16 +574,23 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
   const index_t groups = std::min<index_t>(heads, workers);
   parallel_for(groups, workers, [&](index_t g, int) {
     const index_t first = g * heads / groups, count = (g + 1) * heads / groups - first;
-    Matrix e(block, L), values(block, Dv), gamma(block, L);
-    Matrix shift(count, L), normaliser(count, L), memory(count * L, Dv);
+    std::vector<T> keys(block * L), values(block * Dv), gamma(block * L), block_max(L);
+    std::vector<T> row_scale(block);
+    // Per head: the column maximum of the keys seen so far, the shift it
+    // gives (Stab::reference_for), alpha_l and the memory M = sum_s e_{s,l} v_s.
+    std::vector<T> column_max(count * L, -std::numeric_limits<T>::infinity());
+    std::vector<T> shift(count * L), normaliser(count * L, T(0)), memory(count * L * Dv, T(0));
+    for (index_t i = 0; i < count * L; ++i) shift[i] = Stab::reference_for(column_max[i]);
     std::vector<RotationStepper<T>> rotation(Pos::rotates_values ? count : 0,
                                              RotationStepper<T>(pairs));
     auto head = [&](index_t j) {
       return std::pair<index_t, index_t>{(first + j) / H, (first + j) % H};
     };
     auto theta_of = [&](index_t h) { return angles.empty() ? nullptr : angles.data() + h * pairs; };
-    // Rows `ahead` tokens on are requested while this one computes (prefetch.hpp):
-    // the key and value rows of pass 1, the query and output rows of pass 2.
+    // Prefetch (prefetch.hpp): while a block is worked on, the same rows of the
+    // head's next block are requested into L2 (they are read a whole round of
+    // heads later); the first block of each head, which nothing requested,
+    // asks for its rows `ahead` tokens on into L1.
     constexpr index_t ahead = 4;
     auto prefetch_inputs = [&](index_t b, index_t t, index_t h) {
       prefetch_row(k.row(b, t, h), sizeof(T) * L);
@@ -556,68 +600,130 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
       prefetch_row(q.row(b, t, h), sizeof(T) * L);
       prefetch_row(out.row(b, t, h), sizeof(T) * Dv);
     };
-    auto rows = [&](const TensorView<const T, 4>& x, index_t b, index_t h, index_t t0, index_t n) {
-      return ConstMap(x.row(b, t0, h), n, x.extent(3), Eigen::OuterStride<>(x.stride(1)));
+    auto prefetch_next_inputs = [&](index_t b, index_t t, index_t h) {
+      if (t >= Tn) return;
+      prefetch_row_to_l2(k.row(b, t, h), sizeof(T) * L);
+      prefetch_row_to_l2(v.row(b, t, h), sizeof(T) * Dv);
     };
-    // p(s|l) = exp(k_{s,l} - shift_l) / alpha_l, shift_l from the column maximum.
-    shift.setConstant(-std::numeric_limits<T>::infinity());
-    for (index_t t = 0; t < Tn; ++t)
-      for (index_t j = 0; j < count; ++j) {
-        const auto [b, h] = head(j);
-        shift.row(j) = shift.row(j).cwiseMax(Eigen::Map<const Vector>(k.row(b, t, h), L));
-      }
-    for (index_t j = 0; j < count; ++j)
-      for (index_t l = 0; l < L; ++l) shift(j, l) = Stab::reference_for(shift(j, l));
-    normaliser.setZero();
-    memory.setZero();
+    auto prefetch_next_outputs = [&](index_t b, index_t t, index_t h) {
+      if (t >= Tn) return;
+      prefetch_row_to_l2(q.row(b, t, h), sizeof(T) * L);
+      prefetch_row_to_l2(out.row(b, t, h), sizeof(T) * Dv);
+    };
     for (index_t j = 0; j < static_cast<index_t>(rotation.size()); ++j)
       rotation[j].seek(theta_of(head(j).second), 0);
+    // Pass 1: alpha_l = sum_s exp(k_{s,l} - shift_l) and M_l = sum_s exp(k_{s,l} -
+    // shift_l) R^{-s} v_s, the shift following the column maximum block by block.
     for (index_t t0 = 0; t0 < Tn; t0 += block) {
       const index_t n = std::min(block, Tn - t0);
       for (index_t j = 0; j < count; ++j) {
         const auto [b, h] = head(j);
-        auto en = e.topRows(n);
-        const T* row_shift = shift.row(j).data();
-        for (index_t r = 0; r < std::min(ahead, n); ++r) prefetch_inputs(b, t0 + r, h);
+        T* alpha = normaliser.data() + j * L;
+        T* shift_j = shift.data() + j * L;
+        T* max_j = column_max.data() + j * L;
+        T* memory_j = memory.data() + j * L * Dv;
+        // The block's keys, copied to a contiguous block, and their column maximum.
+        std::fill(block_max.begin(), block_max.end(), -std::numeric_limits<T>::infinity());
+        const bool first_block = t0 == 0;
+        if (first_block)
+          for (index_t r = 0; r < std::min(ahead, n); ++r) prefetch_inputs(b, t0 + r, h);
         for (index_t r = 0; r < n; ++r) {
-          if (r + ahead < n) prefetch_inputs(b, t0 + r + ahead, h);
+          if (first_block && r + ahead < n) prefetch_inputs(b, t0 + r + ahead, h);
+          prefetch_next_inputs(b, t0 + block + r, h);
           const T* key = k.row(b, t0 + r, h);
-          T* row = en.row(r).data();
+          T* row = keys.data() + r * L;
           index_t l = 0;
-          constexpr index_t W = simd::width<T>;
-          for (; l + W <= L; l += W)
-            simd::store(row + l, simd::exp(simd::load(key + l) - simd::load(row_shift + l)));
-          for (; l < L; ++l) row[l] = std::exp(key[l] - row_shift[l]);
+          for (; l + W <= L; l += W) {
+            const Batch x = simd::load(key + l);
+            simd::store(row + l, x);
+            simd::store(block_max.data() + l, simd::max(simd::load(block_max.data() + l), x));
+          }
+          for (; l < L; ++l) {
+            row[l] = key[l];
+            block_max[l] = std::max(block_max[l], key[l]);
+          }
         }
-        normaliser.row(j) += en.colwise().sum();
-        auto memory_j = memory.middleRows(j * L, L);
-        if constexpr (Pos::rotates_values) {
-          auto vn = values.topRows(n);
-          vn = rows(v, b, h, t0, n);
+        // Where the maximum moved, the shift moves with it and what was summed
+        // under the old shift is rescaled (as RunningMax's eq. 21, once per block).
+        for (index_t l = 0; l < L; ++l) {
+          if (!(block_max[l] > max_j[l])) continue;
+          const T moved = Stab::reference_for(block_max[l]);
+          if (max_j[l] != -std::numeric_limits<T>::infinity() && moved != shift_j[l]) {
+            const T scale = std::exp(shift_j[l] - moved);
+            alpha[l] *= scale;
+            for (index_t d = 0; d < Dv; ++d) memory_j[l * Dv + d] *= scale;
+          }
+          max_j[l] = block_max[l];
+          shift_j[l] = moved;
+        }
+        // e_{s,l} = exp(k_{s,l} - shift_l) in place; alpha_l += sum_s e_{s,l}.
+        index_t l = 0;
+        for (; l + W <= L; l += W) {
+          const Batch reference = simd::load(shift_j + l);
+          Batch sum(T(0));
           for (index_t r = 0; r < n; ++r) {
-            rotation[j].rotate(vn.row(r).data(), /*forward=*/false);  // R^{-s} v_s
+            T* x = keys.data() + r * L + l;
+            const Batch e = simd::exp(simd::load(x) - reference);
+            simd::store(x, e);
+            sum = sum + e;
+          }
+          simd::store(alpha + l, simd::load(alpha + l) + sum);
+        }
+        for (; l < L; ++l) {
+          T sum = 0;
+          for (index_t r = 0; r < n; ++r) {
+            T& x = keys[r * L + l];
+            x = std::exp(x - shift_j[l]);
+            sum += x;
+          }
+          alpha[l] += sum;
+        }
+        for (index_t r = 0; r < n; ++r) {
+          const T* value = v.row(b, t0 + r, h);
+          T* row = values.data() + r * Dv;
+          std::copy(value, value + Dv, row);
+          if constexpr (Pos::rotates_values) {
+            rotation[j].rotate(row, /*forward=*/false);  // R^{-s} v_s
             rotation[j].next();
           }
-          memory_j.noalias() += en.transpose() * vn;
-        } else {
-          memory_j.noalias() += en.transpose() * rows(v, b, h, t0, n);
         }
+        accumulate_outer_products(keys.data(), n, L, values.data(), memory_j, Dv);
       }
+    }
+    // Pass 2: o_t = R^t sum_l p(l|t) M_l / alpha_l, p(l|t) = e_{t,l} / sum_l e_{t,l}.
+    // M_l <- M_l / alpha_l = sum_s p(s|l) R^{-s} v_s (zero for an empty latent).
+    for (index_t i = 0; i < count * L; ++i) {
+      T* row = memory.data() + i * Dv;
+      if (normaliser[i] == T(0)) std::fill(row, row + Dv, T(0));
+      else
+        for (index_t d = 0; d < Dv; ++d) row[d] /= normaliser[i];
     }
     for (index_t j = 0; j < static_cast<index_t>(rotation.size()); ++j)
       rotation[j].seek(theta_of(head(j).second), 0);
+    const index_t q_stride = q.stride(1);
     for (index_t t0 = 0; t0 < Tn; t0 += block) {
       const index_t n = std::min(block, Tn - t0);
       for (index_t j = 0; j < count; ++j) {
         const auto [b, h] = head(j);
-        auto gn = gamma.topRows(n);
-        for (index_t r = 0; r < std::min(ahead, n); ++r) prefetch_outputs(b, t0 + r, h);
-        for (index_t r = 0; r < n; ++r) {
-          if (r + ahead < n) prefetch_outputs(b, t0 + r + ahead, h);
-          latent_read_weights(q.row(b, t0 + r, h), normaliser.row(j).data(), gn.row(r).data(), L);
+        const bool first_block = t0 == 0;
+        if (first_block)
+          for (index_t r = 0; r < std::min(ahead, n); ++r) prefetch_outputs(b, t0 + r, h);
+        index_t r = 0;
+        for (; r + 2 <= n; r += 2) {
+          for (index_t i = r; i < r + 2; ++i) {
+            if (first_block && i + ahead < n) prefetch_outputs(b, t0 + i + ahead, h);
+            prefetch_next_outputs(b, t0 + block + i, h);
+          }
+          latent_softmax_rows<T, 2>(q.row(b, t0 + r, h), q_stride, L, gamma.data() + r * L,
+                                    row_scale.data() + r);
         }
-        Map o(out.row(b, t0, h), n, Dv, Eigen::OuterStride<>(out.stride(1)));
-        o.noalias() = gn * memory.middleRows(j * L, L);
+        if (r < n) {
+          prefetch_next_outputs(b, t0 + block + r, h);
+          latent_softmax_rows<T, 1>(q.row(b, t0 + r, h), q_stride, L, gamma.data() + r * L,
+                                    row_scale.data() + r);
+        }
+        read_memory_rows(gamma.data(), n, L, memory.data() + j * L * Dv, Dv, out.row(b, t0, h),
+                         out.stride(1), row_scale.data());
         if constexpr (Pos::rotates_values)
           for (index_t r = 0; r < n; ++r) {
             rotation[j].rotate(out.row(b, t0 + r, h), /*forward=*/true);  // R^t

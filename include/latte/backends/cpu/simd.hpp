@@ -60,6 +60,20 @@ template <Real T>
   return xsimd::max(a, b);
 }
 
+/// Keeps `x` in a register: with enough registers free, GCC still folds a
+/// vector loaded once for several FMAs into each of them as a memory operand
+/// (one load per FMA instead of one in all), which makes the register tiles of
+/// block_contractions.hpp wait on loads. An empty asm that takes and returns
+/// the register stops that and emits nothing.
+template <Real T>
+inline void hold_in_register(batch<T>& x) noexcept {
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+  asm("" : "+v"(x.data));
+#else
+  (void)x;
+#endif
+}
+
 /// Lanes of `x` where `key` equals `value` take `if_equal`, the others keep `x`.
 template <Real T>
 [[nodiscard]] inline batch<T> replace_where_equal(const batch<T>& key, T value,
@@ -183,6 +197,8 @@ template <Real T>
 [[nodiscard]] inline batch<T> max(const batch<T>& a, const batch<T>& b) noexcept {
   return batch<T>(std::max(a.value, b.value));
 }
+template <Real T>
+inline void hold_in_register(batch<T>&) noexcept {}
 template <Real T>
 [[nodiscard]] inline batch<T> replace_where_equal(const batch<T>& key, T value,
                                                   const batch<T>& if_equal,

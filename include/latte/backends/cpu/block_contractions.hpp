@@ -1,0 +1,142 @@
+#pragma once
+// The two contractions of a block of n tokens with an L x Dv memory, register
+// blocked for the bidirectional Latte pass (paper 000 eq. 7):
+//
+//   accumulate_outer_products:  M[l][d] += sum_s e[s][l] v[s][d]   (M += E^T V)
+//   read_memory_rows:           o[s][d]  = c_s sum_l g[s][l] M[l][d]   (O = diag(c) G M)
+//
+// Both keep a tile of 4 x 4 SIMD vectors of accumulators in registers and
+// stream the other operand through it: for each step, 4 vector loads and 4
+// broadcasts feed 16 FMAs. E, V and G are contiguous n x L / n x Dv blocks the
+// caller has just written (so they sit in L1); the outputs of read_memory_rows
+// go straight to their strided rows. Eigen's GEMM on these shapes (n = 64..256,
+// L = Dv = 64) spends a quarter of its time packing operands, and an
+// assignment to a strided destination first clears it; these need neither.
+// Accumulation runs over s (resp. l) in order, one FMA per term.
+#include <cstddef>
+
+#include "latte/backends/cpu/simd.hpp"
+#include "latte/core/types.hpp"
+
+namespace latte::cpu {
+
+namespace detail {
+
+/// M[l0 + i][d0 + c W ..] += sum_s e[s][l0 + i] v[s][d0 + c W ..], i < RL, c < CV.
+template <Real T, int RL, int CV>
+inline void outer_products_tile(const T* e, index_t n, index_t L, const T* v, index_t Dv,
+                                T* memory, index_t l0, index_t d0) noexcept {
+  using B = simd::batch<T>;
+  constexpr index_t W = simd::width<T>;
+  B acc[RL][CV];
+  for (int i = 0; i < RL; ++i)
+    for (int c = 0; c < CV; ++c) acc[i][c] = simd::load(memory + (l0 + i) * Dv + d0 + c * W);
+  for (index_t s = 0; s < n; ++s) {
+    B value[CV];
+    for (int c = 0; c < CV; ++c) {
+      value[c] = simd::load(v + s * Dv + d0 + c * W);
+      simd::hold_in_register(value[c]);
+    }
+    for (int i = 0; i < RL; ++i) {
+      const B weight(e[s * L + l0 + i]);
+      for (int c = 0; c < CV; ++c) acc[i][c] = simd::fma(weight, value[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < RL; ++i)
+    for (int c = 0; c < CV; ++c) simd::store(memory + (l0 + i) * Dv + d0 + c * W, acc[i][c]);
+}
+
+template <Real T, int CV>
+inline void outer_products_columns(const T* e, index_t n, index_t L, const T* v, index_t Dv,
+                                   T* memory, index_t d0) noexcept {
+  index_t l0 = 0;
+  for (; l0 + 4 <= L; l0 += 4) outer_products_tile<T, 4, CV>(e, n, L, v, Dv, memory, l0, d0);
+  switch (L - l0) {
+    case 3: outer_products_tile<T, 3, CV>(e, n, L, v, Dv, memory, l0, d0); break;
+    case 2: outer_products_tile<T, 2, CV>(e, n, L, v, Dv, memory, l0, d0); break;
+    case 1: outer_products_tile<T, 1, CV>(e, n, L, v, Dv, memory, l0, d0); break;
+    default: break;
+  }
+}
+
+/// o[s0 + r][d0 + c W ..] = scale[s0 + r] sum_l g[s0 + r][l] M[l][d0 + c W ..],
+/// r < R, c < CV.
+template <Real T, int R, int CV>
+inline void read_tile(const T* g, index_t L, const T* memory, index_t Dv, const T* scale, T* out,
+                      index_t out_stride, index_t s0, index_t d0) noexcept {
+  using B = simd::batch<T>;
+  constexpr index_t W = simd::width<T>;
+  B acc[R][CV];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < CV; ++c) acc[r][c] = B(T(0));
+  for (index_t l = 0; l < L; ++l) {
+    B row[CV];
+    for (int c = 0; c < CV; ++c) {
+      row[c] = simd::load(memory + l * Dv + d0 + c * W);
+      simd::hold_in_register(row[c]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const B weight(g[(s0 + r) * L + l]);
+      for (int c = 0; c < CV; ++c) acc[r][c] = simd::fma(weight, row[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const B row_scale(scale[s0 + r]);
+    for (int c = 0; c < CV; ++c)
+      simd::store(out + (s0 + r) * out_stride + d0 + c * W, acc[r][c] * row_scale);
+  }
+}
+
+template <Real T, int CV>
+inline void read_columns(const T* g, index_t n, index_t L, const T* memory, index_t Dv,
+                         const T* scale, T* out, index_t out_stride, index_t d0) noexcept {
+  index_t s0 = 0;
+  for (; s0 + 4 <= n; s0 += 4) read_tile<T, 4, CV>(g, L, memory, Dv, scale, out, out_stride, s0, d0);
+  switch (n - s0) {
+    case 3: read_tile<T, 3, CV>(g, L, memory, Dv, scale, out, out_stride, s0, d0); break;
+    case 2: read_tile<T, 2, CV>(g, L, memory, Dv, scale, out, out_stride, s0, d0); break;
+    case 1: read_tile<T, 1, CV>(g, L, memory, Dv, scale, out, out_stride, s0, d0); break;
+    default: break;
+  }
+}
+
+}  // namespace detail
+
+/// memory[l][d] += sum_{s < n} e[s][l] v[s][d]: e is n x L and v n x Dv, both
+/// contiguous; memory is L x Dv, contiguous.
+template <Real T>
+void accumulate_outer_products(const T* e, index_t n, index_t L, const T* v, T* memory,
+                               index_t Dv) noexcept {
+  constexpr index_t W = simd::width<T>;
+  index_t d0 = 0;
+  for (; d0 + 4 * W <= Dv; d0 += 4 * W) detail::outer_products_columns<T, 4>(e, n, L, v, Dv, memory, d0);
+  for (; d0 + W <= Dv; d0 += W) detail::outer_products_columns<T, 1>(e, n, L, v, Dv, memory, d0);
+  for (; d0 < Dv; ++d0)  // columns past the last full vector
+    for (index_t l = 0; l < L; ++l) {
+      T sum = memory[l * Dv + d0];
+      for (index_t s = 0; s < n; ++s) sum += e[s * L + l] * v[s * Dv + d0];
+      memory[l * Dv + d0] = sum;
+    }
+}
+
+/// out[s][d] = scale[s] sum_{l < L} g[s][l] memory[l][d] for s < n: g is
+/// n x L, contiguous; memory L x Dv, contiguous; output row s at
+/// out + s * out_stride.
+template <Real T>
+void read_memory_rows(const T* g, index_t n, index_t L, const T* memory, index_t Dv, T* out,
+                      index_t out_stride, const T* scale) noexcept {
+  constexpr index_t W = simd::width<T>;
+  index_t d0 = 0;
+  for (; d0 + 4 * W <= Dv; d0 += 4 * W)
+    detail::read_columns<T, 4>(g, n, L, memory, Dv, scale, out, out_stride, d0);
+  for (; d0 + W <= Dv; d0 += W)
+    detail::read_columns<T, 1>(g, n, L, memory, Dv, scale, out, out_stride, d0);
+  for (; d0 < Dv; ++d0)
+    for (index_t s = 0; s < n; ++s) {
+      T sum = 0;
+      for (index_t l = 0; l < L; ++l) sum += g[s * L + l] * memory[l * Dv + d0];
+      out[s * out_stride + d0] = sum * scale[s];
+    }
+}
+
+}  // namespace latte::cpu
