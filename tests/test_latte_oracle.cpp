@@ -6,6 +6,10 @@
 #include <cstdio>
 #include <numbers>
 
+#if defined(LATTE_WITH_OPENMP)
+#include <omp.h>
+#endif
+
 #include "oracles/latte_oracle.hpp"
 #include "support.hpp"
 
@@ -126,40 +130,61 @@ TEST_CASE_TEMPLATE("Latte causal cpu == oracle at every register-block remainder
 // The cpu bidirectional pass works in blocks of 64 tokens: each block's column
 // maximum moves the shift of the latents it raises, rescaling what was summed
 // before, and its contractions run in register tiles of 4 latents / 4 rows by
-// 4 vectors with 1-vector and scalar remainders. These cases reach each tile
-// remainder (L mod 4, Dv past the last 4- and 1-vector block, T mod 4 and
-// mod 64) for float and double, with keys that rise along the sequence so
-// that the maximum moves in every block (every rescale path runs), keys whose
-// maximum sits in the first block, and the NoStabilizer form (shift 0).
-TEST_CASE_TEMPLATE("Latte bidirectional cpu == oracle across blocks and tile remainders", T, float,
-                   double) {
+// 4 vectors with 1-vector and scalar remainders. With fewer heads than
+// threads each head's sequence is cut into segments of whole blocks whose
+// sums are merged. These cases reach each tile remainder (L mod 4, Dv past
+// the last 4- and 1-vector block, T mod 4 and mod 64) for float and double,
+// with keys that rise along the sequence (the maximum moves in every block
+// and every later segment holds the larger maximum), keys that fall (the
+// first block holds it), and the NoStabilizer form (shift 0); with 3 threads,
+// one head runs as 3 segments (VAPOR seeks its rotation at each) and two as
+// one segment each.
+TEST_CASE_TEMPLATE("Latte bidirectional cpu == oracle across blocks, segments and tile remainders",
+                   T, float, double) {
+#if defined(LATTE_WITH_OPENMP)
+  const int threads_before = omp_get_max_threads();
+  omp_set_num_threads(3);
+#endif
   Rng rng(110);
   double worst = 0;
   int cases = 0;
-  for (const index_t Dv : {1, 8, 16, 24, 40, 72})
+  for (const index_t Dv : {2, 8, 16, 24, 40, 72})
     for (const index_t L : {1, 3, 6, 64})
       for (const index_t Tn : {1, 3, 5, 63, 64, 65, 130, 301})
-        for (const int keys : {0, 1, 2}) {  // rising, falling, NoStabilizer
-          const auto q = random_tensor<T, 4>(rng, {1, Tn, 2, L}, 2.0);
-          auto k = random_tensor<T, 4>(rng, {1, Tn, 2, L}, 1.0);
+        for (const int keys : {0, 1, 2, 3}) {  // rising, falling, NoStabilizer, VAPOR
+          const index_t H = 1 + cases % 2;
+          const auto q = random_tensor<T, 4>(rng, {1, Tn, H, L}, 2.0);
+          auto k = random_tensor<T, 4>(rng, {1, Tn, H, L}, 1.0);
           if (keys < 2)  // a drift of 8 logits across the sequence, up or down
             for (index_t t = 0; t < Tn; ++t)
-              for (index_t h = 0; h < 2; ++h)
+              for (index_t h = 0; h < H; ++h)
                 for (index_t l = 0; l < L; ++l)
                   k(0, t, h, l) += T((keys == 0 ? 8.0 : -8.0) * double(t) / double(Tn));
-          const auto v = uniform_tensor<T, 4>(rng, {1, Tn, 2, Dv}, -1, 1);
-          const LatteDims dims{.heads = 2, .latents = L, .value_dim = Dv};
+          const auto v = uniform_tensor<T, 4>(rng, {1, Tn, H, Dv}, -1, 1);
+          const LatteDims dims{.heads = H, .latents = L, .value_dim = Dv};
           Tensor<T, 4> out(v.extents());
-          if (keys < 2) LatteAttention<Bidirectional>(dims).forward(exec::cpu, q, k, v, out.view());
-          else LatteAttention<Bidirectional, NoStabilizer>(dims).forward(exec::cpu, q, k, v, out.view());
-          const double error = relative_error(out, latte_oracle(false, q, k, v, {}));
+          std::vector<long double> angles;
+          if (keys < 2) {
+            LatteAttention<Bidirectional>(dims).forward(exec::cpu, q, k, v, out.view());
+          } else if (keys == 2) {
+            LatteAttention<Bidirectional, NoStabilizer>(dims).forward(exec::cpu, q, k, v,
+                                                                      out.view());
+          } else {
+            LatteAttention<Bidirectional, RunningMax, VAPOR>(dims).forward(exec::cpu, q, k, v,
+                                                                           out.view());
+            angles = oracle_angles({}, H, Dv);
+          }
+          const double error = relative_error(out, latte_oracle(false, q, k, v, angles));
           CHECK_MESSAGE(error <= Tolerance<T>::relative,
-                        "T=" << Tn << " L=" << L << " Dv=" << Dv << " keys " << keys
-                             << " error=" << error);
+                        "T=" << Tn << " H=" << H << " L=" << L << " Dv=" << Dv << " keys "
+                             << keys << " error=" << error);
           worst = std::max(worst, error);
           ++cases;
         }
-  std::printf("[oracle] Latte bidirectional cpu blocks and tile remainders %s cases=%d "
+#if defined(LATTE_WITH_OPENMP)
+  omp_set_num_threads(threads_before);
+#endif
+  std::printf("[oracle] Latte bidirectional cpu blocks, segments and tile remainders %s cases=%d "
               "max_rel_error=%.3e\n",
               dtype_name<T>(), cases, worst);
 }

@@ -561,6 +561,7 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
                                  const std::vector<double>& angles) {
   using Batch = simd::batch<T>;
   constexpr index_t W = simd::width<T>;
+  constexpr T lowest = -std::numeric_limits<T>::infinity();
   const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), L = q.extent(3);
   const index_t Dv = v.extent(3), pairs = Dv / 2, heads = B * H;
   if (Tn == 0 || heads == 0) return;
@@ -568,68 +569,73 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
   // stay in L1 while the contraction streams them once per 4 latents.
   constexpr index_t block = 64;
   const int workers = thread_count();
-  // Each worker owns a range of heads and walks time block by block for all
-  // of them (as interleave_heads does for the causal scans: the rows of one
-  // token for every head share a page).
+  // Work items: with at least as many heads as workers, each worker owns a
+  // range of heads and walks the whole sequence block by block for all of
+  // them (as interleave_heads does for the causal scans: the rows of one token
+  // for every head share a page). With fewer heads, each head's sequence is
+  // cut into `segments` ranges of whole blocks, whose sums are merged before
+  // the outputs are read, so B*H = 1 still uses every core.
   const index_t groups = std::min<index_t>(heads, workers);
-  parallel_for(groups, workers, [&](index_t g, int) {
-    const index_t first = g * heads / groups, count = (g + 1) * heads / groups - first;
-    std::vector<T> keys(block * L), values(block * Dv), gamma(block * L), block_max(L);
-    std::vector<T> row_scale(block);
-    // Per head: the column maximum of the keys seen so far, the shift it
-    // gives (Stab::reference_for), alpha_l and the memory M = sum_s e_{s,l} v_s.
-    std::vector<T> column_max(count * L, -std::numeric_limits<T>::infinity());
-    std::vector<T> shift(count * L), normaliser(count * L, T(0)), memory(count * L * Dv, T(0));
-    for (index_t i = 0; i < count * L; ++i) shift[i] = Stab::reference_for(column_max[i]);
-    std::vector<RotationStepper<T>> rotation(Pos::rotates_values ? count : 0,
+  const index_t segments =
+      std::clamp<index_t>(workers / groups, 1, std::max<index_t>(1, (Tn + block - 1) / block));
+  const index_t items = groups * segments;
+  auto head_range = [&](index_t item) {
+    const index_t g = item / segments;
+    return std::pair<index_t, index_t>{g * heads / groups, (g + 1) * heads / groups};
+  };
+  auto time_range = [&](index_t item) {
+    const index_t blocks = (Tn + block - 1) / block, s = item % segments;
+    return std::pair<index_t, index_t>{s * blocks / segments * block,
+                                       std::min(Tn, (s + 1) * blocks / segments * block)};
+  };
+  // Per head and segment: the column maximum of its keys, the shift it gives
+  // (Stab::reference_for), alpha_l and the memory M_l = sum_s e_{s,l} R^{-s} v_s.
+  const index_t states = heads * segments;
+  std::vector<T> column_max(states * L, lowest), shift(states * L, Stab::reference_for(lowest));
+  std::vector<T> normaliser(states * L, T(0)), memory(states * L * Dv, T(0));
+  auto state_of = [&](index_t head, index_t segment) { return head * segments + segment; };
+  auto theta_of = [&](index_t h) { return angles.empty() ? nullptr : angles.data() + h * pairs; };
+  // Prefetch (prefetch.hpp): while a block is worked on, the same rows of the
+  // head's next block are requested into L2 (they are read a whole round of
+  // heads later); the first block of each range, which nothing requested,
+  // asks for its rows `ahead` tokens on into L1.
+  constexpr index_t ahead = 4;
+
+  // Pass 1: alpha_l = sum_s exp(k_{s,l} - shift_l) and M_l = sum_s exp(k_{s,l} -
+  // shift_l) R^{-s} v_s, the shift following the column maximum block by block.
+  parallel_for(items, workers, [&](index_t item, int) {
+    const auto [first, last] = head_range(item);
+    const auto [begin, end] = time_range(item);
+    const index_t segment = item % segments;
+    std::vector<T> keys(block * L), values(block * Dv), block_max(L);
+    std::vector<RotationStepper<T>> rotation(Pos::rotates_values ? last - first : 0,
                                              RotationStepper<T>(pairs));
-    auto head = [&](index_t j) {
-      return std::pair<index_t, index_t>{(first + j) / H, (first + j) % H};
-    };
-    auto theta_of = [&](index_t h) { return angles.empty() ? nullptr : angles.data() + h * pairs; };
-    // Prefetch (prefetch.hpp): while a block is worked on, the same rows of the
-    // head's next block are requested into L2 (they are read a whole round of
-    // heads later); the first block of each head, which nothing requested,
-    // asks for its rows `ahead` tokens on into L1.
-    constexpr index_t ahead = 4;
-    auto prefetch_inputs = [&](index_t b, index_t t, index_t h) {
-      prefetch_row(k.row(b, t, h), sizeof(T) * L);
-      prefetch_row(v.row(b, t, h), sizeof(T) * Dv);
-    };
-    auto prefetch_outputs = [&](index_t b, index_t t, index_t h) {
-      prefetch_row(q.row(b, t, h), sizeof(T) * L);
-      prefetch_row(out.row(b, t, h), sizeof(T) * Dv);
-    };
-    auto prefetch_next_inputs = [&](index_t b, index_t t, index_t h) {
-      if (t >= Tn) return;
-      prefetch_row_to_l2(k.row(b, t, h), sizeof(T) * L);
-      prefetch_row_to_l2(v.row(b, t, h), sizeof(T) * Dv);
-    };
-    auto prefetch_next_outputs = [&](index_t b, index_t t, index_t h) {
-      if (t >= Tn) return;
-      prefetch_row_to_l2(q.row(b, t, h), sizeof(T) * L);
-      prefetch_row_to_l2(out.row(b, t, h), sizeof(T) * Dv);
-    };
     for (index_t j = 0; j < static_cast<index_t>(rotation.size()); ++j)
-      rotation[j].seek(theta_of(head(j).second), 0);
-    // Pass 1: alpha_l = sum_s exp(k_{s,l} - shift_l) and M_l = sum_s exp(k_{s,l} -
-    // shift_l) R^{-s} v_s, the shift following the column maximum block by block.
-    for (index_t t0 = 0; t0 < Tn; t0 += block) {
-      const index_t n = std::min(block, Tn - t0);
-      for (index_t j = 0; j < count; ++j) {
-        const auto [b, h] = head(j);
-        T* alpha = normaliser.data() + j * L;
-        T* shift_j = shift.data() + j * L;
-        T* max_j = column_max.data() + j * L;
-        T* memory_j = memory.data() + j * L * Dv;
+      rotation[j].seek(theta_of((first + j) % H), begin);
+    for (index_t t0 = begin; t0 < end; t0 += block) {
+      const index_t n = std::min(block, end - t0);
+      const bool first_block = t0 == begin;
+      for (index_t j = first; j < last; ++j) {
+        const index_t b = j / H, h = j % H, state = state_of(j, segment);
+        T* alpha = normaliser.data() + state * L;
+        T* shift_j = shift.data() + state * L;
+        T* max_j = column_max.data() + state * L;
+        T* memory_j = memory.data() + state * L * Dv;
         // The block's keys, copied to a contiguous block, and their column maximum.
-        std::fill(block_max.begin(), block_max.end(), -std::numeric_limits<T>::infinity());
-        const bool first_block = t0 == 0;
-        if (first_block)
-          for (index_t r = 0; r < std::min(ahead, n); ++r) prefetch_inputs(b, t0 + r, h);
+        std::fill(block_max.begin(), block_max.end(), lowest);
+        for (index_t r = 0; first_block && r < std::min(ahead, n); ++r) {
+          prefetch_row(k.row(b, t0 + r, h), sizeof(T) * L);
+          prefetch_row(v.row(b, t0 + r, h), sizeof(T) * Dv);
+        }
         for (index_t r = 0; r < n; ++r) {
-          if (first_block && r + ahead < n) prefetch_inputs(b, t0 + r + ahead, h);
-          prefetch_next_inputs(b, t0 + block + r, h);
+          if (first_block && r + ahead < n) {
+            prefetch_row(k.row(b, t0 + r + ahead, h), sizeof(T) * L);
+            prefetch_row(v.row(b, t0 + r + ahead, h), sizeof(T) * Dv);
+          }
+          if (t0 + block + r < end) {
+            prefetch_row_to_l2(k.row(b, t0 + block + r, h), sizeof(T) * L);
+            prefetch_row_to_l2(v.row(b, t0 + block + r, h), sizeof(T) * Dv);
+          }
           const T* key = k.row(b, t0 + r, h);
           T* row = keys.data() + r * L;
           index_t l = 0;
@@ -648,7 +654,7 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
         for (index_t l = 0; l < L; ++l) {
           if (!(block_max[l] > max_j[l])) continue;
           const T moved = Stab::reference_for(block_max[l]);
-          if (max_j[l] != -std::numeric_limits<T>::infinity() && moved != shift_j[l]) {
+          if (max_j[l] != lowest && moved != shift_j[l]) {
             const T scale = std::exp(shift_j[l] - moved);
             alpha[l] *= scale;
             for (index_t d = 0; d < Dv; ++d) memory_j[l * Dv + d] *= scale;
@@ -683,51 +689,96 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
           T* row = values.data() + r * Dv;
           std::copy(value, value + Dv, row);
           if constexpr (Pos::rotates_values) {
-            rotation[j].rotate(row, /*forward=*/false);  // R^{-s} v_s
-            rotation[j].next();
+            rotation[j - first].rotate(row, /*forward=*/false);  // R^{-s} v_s
+            rotation[j - first].next();
           }
         }
         accumulate_outer_products(keys.data(), n, L, values.data(), memory_j, Dv);
       }
     }
-    // Pass 2: o_t = R^t sum_l p(l|t) M_l / alpha_l, p(l|t) = e_{t,l} / sum_l e_{t,l}.
-    // M_l <- M_l / alpha_l = sum_s p(s|l) R^{-s} v_s (zero for an empty latent).
-    for (index_t i = 0; i < count * L; ++i) {
-      T* row = memory.data() + i * Dv;
-      if (normaliser[i] == T(0)) std::fill(row, row + Dv, T(0));
-      else
-        for (index_t d = 0; d < Dv; ++d) row[d] /= normaliser[i];
+  });
+
+  // Merge the segments of each head into its first (shifting each to the
+  // largest column maximum), then M_l <- M_l / alpha_l = sum_s p(s|l) R^{-s} v_s
+  // (zero for an empty latent).
+  for (index_t j = 0; j < heads; ++j) {
+    const index_t into = state_of(j, 0);
+    for (index_t segment = 1; segment < segments; ++segment) {
+      const index_t from = state_of(j, segment);
+      for (index_t l = 0; l < L; ++l) {
+        const T from_max = column_max[from * L + l], into_max = column_max[into * L + l];
+        if (from_max == lowest) continue;  // nothing summed there
+        T* target = memory.data() + (into * L + l) * Dv;
+        const T* source = memory.data() + (from * L + l) * Dv;
+        if (into_max == lowest || from_max > into_max) {
+          // the merged shift is the other segment's: rescale what is here
+          const T scale = into_max == lowest ? T(0) : std::exp(shift[into * L + l] - shift[from * L + l]);
+          normaliser[into * L + l] *= scale;
+          for (index_t d = 0; d < Dv; ++d) target[d] *= scale;
+          column_max[into * L + l] = from_max;
+          shift[into * L + l] = shift[from * L + l];
+        }
+        const T scale = std::exp(shift[from * L + l] - shift[into * L + l]);
+        normaliser[into * L + l] += scale * normaliser[from * L + l];
+        for (index_t d = 0; d < Dv; ++d) target[d] += scale * source[d];
+      }
     }
+    for (index_t l = 0; l < L; ++l) {
+      T* row = memory.data() + (into * L + l) * Dv;
+      const T alpha = normaliser[into * L + l];
+      if (alpha == T(0)) std::fill(row, row + Dv, T(0));
+      else
+        for (index_t d = 0; d < Dv; ++d) row[d] /= alpha;
+    }
+  }
+
+  // Pass 2: o_t = R^t sum_l p(l|t) M_l / alpha_l, p(l|t) = e_{t,l} / sum_l e_{t,l}.
+  const index_t q_stride = q.stride(1);
+  parallel_for(items, workers, [&](index_t item, int) {
+    const auto [first, last] = head_range(item);
+    const auto [begin, end] = time_range(item);
+    std::vector<T> gamma(block * L), row_scale(block);
+    std::vector<RotationStepper<T>> rotation(Pos::rotates_values ? last - first : 0,
+                                             RotationStepper<T>(pairs));
     for (index_t j = 0; j < static_cast<index_t>(rotation.size()); ++j)
-      rotation[j].seek(theta_of(head(j).second), 0);
-    const index_t q_stride = q.stride(1);
-    for (index_t t0 = 0; t0 < Tn; t0 += block) {
-      const index_t n = std::min(block, Tn - t0);
-      for (index_t j = 0; j < count; ++j) {
-        const auto [b, h] = head(j);
-        const bool first_block = t0 == 0;
-        if (first_block)
-          for (index_t r = 0; r < std::min(ahead, n); ++r) prefetch_outputs(b, t0 + r, h);
+      rotation[j].seek(theta_of((first + j) % H), begin);
+    for (index_t t0 = begin; t0 < end; t0 += block) {
+      const index_t n = std::min(block, end - t0);
+      const bool first_block = t0 == begin;
+      for (index_t j = first; j < last; ++j) {
+        const index_t b = j / H, h = j % H;
+        auto prefetch = [&](index_t r) {
+          if (first_block && r + ahead < n) {
+            prefetch_row(q.row(b, t0 + r + ahead, h), sizeof(T) * L);
+            prefetch_row(out.row(b, t0 + r + ahead, h), sizeof(T) * Dv);
+          }
+          if (t0 + block + r < end) {
+            prefetch_row_to_l2(q.row(b, t0 + block + r, h), sizeof(T) * L);
+            prefetch_row_to_l2(out.row(b, t0 + block + r, h), sizeof(T) * Dv);
+          }
+        };
+        for (index_t r = 0; first_block && r < std::min(ahead, n); ++r) {
+          prefetch_row(q.row(b, t0 + r, h), sizeof(T) * L);
+          prefetch_row(out.row(b, t0 + r, h), sizeof(T) * Dv);
+        }
         index_t r = 0;
         for (; r + 2 <= n; r += 2) {
-          for (index_t i = r; i < r + 2; ++i) {
-            if (first_block && i + ahead < n) prefetch_outputs(b, t0 + i + ahead, h);
-            prefetch_next_outputs(b, t0 + block + i, h);
-          }
+          prefetch(r);
+          prefetch(r + 1);
           latent_softmax_rows<T, 2>(q.row(b, t0 + r, h), q_stride, L, gamma.data() + r * L,
                                     row_scale.data() + r);
         }
         if (r < n) {
-          prefetch_next_outputs(b, t0 + block + r, h);
+          prefetch(r);
           latent_softmax_rows<T, 1>(q.row(b, t0 + r, h), q_stride, L, gamma.data() + r * L,
                                     row_scale.data() + r);
         }
-        read_memory_rows(gamma.data(), n, L, memory.data() + j * L * Dv, Dv, out.row(b, t0, h),
-                         out.stride(1), row_scale.data());
+        read_memory_rows(gamma.data(), n, L, memory.data() + state_of(j, 0) * L * Dv, Dv,
+                         out.row(b, t0, h), out.stride(1), row_scale.data());
         if constexpr (Pos::rotates_values)
-          for (index_t r = 0; r < n; ++r) {
-            rotation[j].rotate(out.row(b, t0 + r, h), /*forward=*/true);  // R^t
-            rotation[j].next();
+          for (index_t i = 0; i < n; ++i) {
+            rotation[j - first].rotate(out.row(b, t0 + i, h), /*forward=*/true);  // R^t
+            rotation[j - first].next();
           }
       }
     }
