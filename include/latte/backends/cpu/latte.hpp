@@ -19,7 +19,9 @@
 // (rescaling alpha and M where it moved, as eq. 21 does per token), then
 // E = exp(K - shift), alpha += 1^T E, M += E^T V; pass 2 per block:
 // O = (softmax(Q) / alpha) M. Both contractions are the register-blocked
-// kernels of block_contractions.hpp.
+// kernels of block_contractions.hpp. With fewer heads than threads, each
+// head's sequence is split into segments whose sums are merged between the
+// two passes.
 #include <algorithm>
 #include <cstdint>
 #include <limits>
