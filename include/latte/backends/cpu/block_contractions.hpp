@@ -6,7 +6,7 @@
 //   read_memory_rows:           o[s][d]  = c_s sum_l g[s][l] M[l][d]   (O = diag(c) G M)
 //
 // Both keep a tile of 4 x 4 SIMD vectors of accumulators in registers and
-// stream the other operand through it: for each step, 4 vector loads and 4
+// stream the other operand through it (one core, fma_tile): for each step, 4 vector loads and 4
 // broadcasts feed 16 FMAs. E, V and G are contiguous n x L / n x Dv blocks the
 // caller has just written (so they sit in L1); the outputs of read_memory_rows
 // go straight to their strided rows. Eigen's GEMM on these shapes (n = 256,
@@ -23,6 +23,27 @@ namespace latte::cpu {
 
 namespace detail {
 
+/// The tile core of both contractions: acc[i][c] += sum_{s < steps}
+/// a[i * a_row + s * a_step] b[s * b_step + c W ..], i < R, c < CV. Each step
+/// loads CV vectors of b once (held in registers) and broadcasts R scalars of a.
+template <Real T, int R, int CV>
+inline void fma_tile(simd::batch<T> (&acc)[R][CV], const T* a, index_t a_row, index_t a_step,
+                     const T* b, index_t b_step, index_t steps) noexcept {
+  using B = simd::batch<T>;
+  constexpr index_t W = simd::width<T>;
+  for (index_t s = 0; s < steps; ++s) {
+    B vector[CV];
+    for (int c = 0; c < CV; ++c) {
+      vector[c] = simd::load(b + s * b_step + c * W);
+      simd::hold_in_register(vector[c]);
+    }
+    for (int i = 0; i < R; ++i) {
+      const B scalar(a[i * a_row + s * a_step]);
+      for (int c = 0; c < CV; ++c) acc[i][c] = simd::fma(scalar, vector[c], acc[i][c]);
+    }
+  }
+}
+
 /// M[l0 + i][d0 + c W ..] += sum_s e[s][l0 + i] v[s][d0 + c W ..], i < RL, c < CV.
 template <Real T, int RL, int CV>
 inline void outer_products_tile(const T* e, index_t n, index_t L, const T* v, index_t Dv,
@@ -32,17 +53,7 @@ inline void outer_products_tile(const T* e, index_t n, index_t L, const T* v, in
   B acc[RL][CV];
   for (int i = 0; i < RL; ++i)
     for (int c = 0; c < CV; ++c) acc[i][c] = simd::load(memory + (l0 + i) * Dv + d0 + c * W);
-  for (index_t s = 0; s < n; ++s) {
-    B value[CV];
-    for (int c = 0; c < CV; ++c) {
-      value[c] = simd::load(v + s * Dv + d0 + c * W);
-      simd::hold_in_register(value[c]);
-    }
-    for (int i = 0; i < RL; ++i) {
-      const B weight(e[s * L + l0 + i]);
-      for (int c = 0; c < CV; ++c) acc[i][c] = simd::fma(weight, value[c], acc[i][c]);
-    }
-  }
+  fma_tile<T, RL, CV>(acc, e + l0, /*a_row=*/1, /*a_step=*/L, v + d0, /*b_step=*/Dv, n);
   for (int i = 0; i < RL; ++i)
     for (int c = 0; c < CV; ++c) simd::store(memory + (l0 + i) * Dv + d0 + c * W, acc[i][c]);
 }
@@ -70,17 +81,7 @@ inline void read_tile(const T* g, index_t L, const T* memory, index_t Dv, const 
   B acc[R][CV];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < CV; ++c) acc[r][c] = B(T(0));
-  for (index_t l = 0; l < L; ++l) {
-    B row[CV];
-    for (int c = 0; c < CV; ++c) {
-      row[c] = simd::load(memory + l * Dv + d0 + c * W);
-      simd::hold_in_register(row[c]);
-    }
-    for (int r = 0; r < R; ++r) {
-      const B weight(g[(s0 + r) * L + l]);
-      for (int c = 0; c < CV; ++c) acc[r][c] = simd::fma(weight, row[c], acc[r][c]);
-    }
-  }
+  fma_tile<T, R, CV>(acc, g + s0 * L, /*a_row=*/L, /*a_step=*/1, memory + d0, /*b_step=*/Dv, L);
   for (int r = 0; r < R; ++r) {
     const B row_scale(scale[s0 + r]);
     for (int c = 0; c < CV; ++c)

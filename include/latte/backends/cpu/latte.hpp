@@ -97,21 +97,15 @@ template <Real T>
 void latent_read_weights(const T* q, const T* normaliser, T* gamma, index_t L) noexcept {
   using B = simd::batch<T>;
   constexpr index_t W = simd::width<T>;
-  T q_max = -std::numeric_limits<T>::infinity();
-  index_t l = 0;
-  if (L >= W) {
-    B running = simd::load(q);
-    for (l = W; l + W <= L; l += W) running = simd::max(running, simd::load(q + l));
-    q_max = simd::reduce_max(running);
-  }
-  for (; l < L; ++l) q_max = std::max(q_max, q[l]);
+  const T q_max = simd::max_of(q, L);
   if (q_max == -std::numeric_limits<T>::infinity()) {
     std::fill(gamma, gamma + L, T(0));
     return;
   }
   const T beta = simd::exp_shifted_sum(q, L, q_max, gamma);  // eq. 9, shifted by q_max
   const B beta_lanes(beta);
-  for (l = 0; l + W <= L; l += W) {
+  index_t l = 0;
+  for (; l + W <= L; l += W) {
     const B alpha = simd::load(normaliser + l);
     const B g = simd::load(gamma + l) / (beta_lanes * alpha);
     simd::store(gamma + l, simd::replace_where_equal(alpha, T(0), B(T(0)), g));
@@ -125,21 +119,9 @@ void latent_read_weights(const T* q, const T* normaliser, T* gamma, index_t L) n
 /// and scale 0. The R rows' reduction chains are independent and interleave.
 template <Real T, int R>
 void latent_softmax_rows(const T* q, index_t stride, index_t L, T* e, T* scale) noexcept {
-  using B = simd::batch<T>;
-  constexpr index_t W = simd::width<T>;
   constexpr T lowest = -std::numeric_limits<T>::infinity();
   T q_max[R], sum[R]{};
-  const index_t vector_end = L - L % W;
-  for (int r = 0; r < R; ++r) {
-    const T* row = q + r * stride;
-    q_max[r] = lowest;
-    if (vector_end > 0) {
-      B running = simd::load(row);
-      for (index_t l = W; l < vector_end; l += W) running = simd::max(running, simd::load(row + l));
-      q_max[r] = simd::reduce_max(running);
-    }
-    for (index_t l = vector_end; l < L; ++l) q_max[r] = std::max(q_max[r], row[l]);
-  }
+  for (int r = 0; r < R; ++r) q_max[r] = simd::max_of(q + r * stride, L);
   for (int r = 0; r < R; ++r) {
     const T* row = q + r * stride;
     T* out = e + r * L;
@@ -597,11 +579,31 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
   std::vector<T> normaliser(states * L, T(0)), memory(states * L * Dv, T(0));
   auto state_of = [&](index_t head, index_t segment) { return head * segments + segment; };
   auto theta_of = [&](index_t h) { return angles.empty() ? nullptr : angles.data() + h * pairs; };
-  // Prefetch (prefetch.hpp): while a block is worked on, the same rows of the
-  // head's next block are requested into L2 (they are read a whole round of
-  // heads later); the first block of each range, which nothing requested,
-  // asks for its rows `ahead` tokens on into L1.
+  // Prefetch (prefetch.hpp), the same for both passes' two row streams x and y
+  // (keys and values, then queries and outputs): at row r of the block at t0,
+  // the same row of the next block of the range [.., end) is requested into L2
+  // (it is read a whole round of heads later); in the first block of a range,
+  // which nothing requested, the row `ahead` tokens on is requested into L1
+  // (rows 0 .. ahead - 1 by prefetch_first_rows).
   constexpr index_t ahead = 4;
+  auto prefetch_first_rows = [&](const auto& x, const auto& y, index_t b, index_t h, index_t t0,
+                                 index_t n) {
+    for (index_t r = 0; r < std::min(ahead, n); ++r) {
+      prefetch_row(x.row(b, t0 + r, h), sizeof(T) * x.extent(3));
+      prefetch_row(y.row(b, t0 + r, h), sizeof(T) * y.extent(3));
+    }
+  };
+  auto prefetch_ahead = [&](const auto& x, const auto& y, index_t b, index_t h, index_t t0,
+                            index_t r, index_t n, index_t end, bool first_block) {
+    if (first_block && r + ahead < n) {
+      prefetch_row(x.row(b, t0 + r + ahead, h), sizeof(T) * x.extent(3));
+      prefetch_row(y.row(b, t0 + r + ahead, h), sizeof(T) * y.extent(3));
+    }
+    if (t0 + block + r < end) {
+      prefetch_row<CacheLevel::l2>(x.row(b, t0 + block + r, h), sizeof(T) * x.extent(3));
+      prefetch_row<CacheLevel::l2>(y.row(b, t0 + block + r, h), sizeof(T) * y.extent(3));
+    }
+  };
 
   // Pass 1: alpha_l = sum_s exp(k_{s,l} - shift_l) and M_l = sum_s exp(k_{s,l} -
   // shift_l) R^{-s} v_s, the shift following the column maximum block by block.
@@ -625,19 +627,9 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
         T* memory_j = memory.data() + state * L * Dv;
         // The block's keys, copied to a contiguous block, and their column maximum.
         std::fill(block_max.begin(), block_max.end(), lowest);
-        for (index_t r = 0; first_block && r < std::min(ahead, n); ++r) {
-          prefetch_row(k.row(b, t0 + r, h), sizeof(T) * L);
-          prefetch_row(v.row(b, t0 + r, h), sizeof(T) * Dv);
-        }
+        if (first_block) prefetch_first_rows(k, v, b, h, t0, n);
         for (index_t r = 0; r < n; ++r) {
-          if (first_block && r + ahead < n) {
-            prefetch_row(k.row(b, t0 + r + ahead, h), sizeof(T) * L);
-            prefetch_row(v.row(b, t0 + r + ahead, h), sizeof(T) * Dv);
-          }
-          if (t0 + block + r < end) {
-            prefetch_row_to_l2(k.row(b, t0 + block + r, h), sizeof(T) * L);
-            prefetch_row_to_l2(v.row(b, t0 + block + r, h), sizeof(T) * Dv);
-          }
+          prefetch_ahead(k, v, b, h, t0, r, n, end, first_block);
           const T* key = k.row(b, t0 + r, h);
           T* row = keys.data() + r * L;
           index_t l = 0;
@@ -749,20 +741,8 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
       const bool first_block = t0 == begin;
       for (index_t j = first; j < last; ++j) {
         const index_t b = j / H, h = j % H;
-        auto prefetch = [&](index_t r) {
-          if (first_block && r + ahead < n) {
-            prefetch_row(q.row(b, t0 + r + ahead, h), sizeof(T) * L);
-            prefetch_row(out.row(b, t0 + r + ahead, h), sizeof(T) * Dv);
-          }
-          if (t0 + block + r < end) {
-            prefetch_row_to_l2(q.row(b, t0 + block + r, h), sizeof(T) * L);
-            prefetch_row_to_l2(out.row(b, t0 + block + r, h), sizeof(T) * Dv);
-          }
-        };
-        for (index_t r = 0; first_block && r < std::min(ahead, n); ++r) {
-          prefetch_row(q.row(b, t0 + r, h), sizeof(T) * L);
-          prefetch_row(out.row(b, t0 + r, h), sizeof(T) * Dv);
-        }
+        auto prefetch = [&](index_t r) { prefetch_ahead(q, out, b, h, t0, r, n, end, first_block); };
+        if (first_block) prefetch_first_rows(q, out, b, h, t0, n);
         index_t r = 0;
         for (; r + 2 <= n; r += 2) {
           prefetch(r);

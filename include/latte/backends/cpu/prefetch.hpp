@@ -13,43 +13,32 @@ namespace latte::cpu {
 
 inline constexpr std::size_t cache_line_bytes = 64;
 
+/// Where a prefetch puts the line: L1 (prefetcht0, for rows used within a few
+/// tokens) or L2 only (prefetcht1, for rows used thousands of cycles later,
+/// which L1 would evict first).
+enum class CacheLevel { l1, l2 };
+
 /// Asks for the cache line holding `p`. x86 uses inline asm: GCC 12 deletes
 /// __builtin_prefetch when it sits alone in a loop or in a chain of three or
 /// more conditionals (measured: no prefetch left in the scan's machine code).
+template <CacheLevel Level = CacheLevel::l1>
 inline void prefetch_line(const char* p) noexcept {
 #if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
-  asm volatile("prefetcht0 %0" : : "m"(*p));
+  if constexpr (Level == CacheLevel::l1) asm volatile("prefetcht0 %0" : : "m"(*p));
+  else asm volatile("prefetcht1 %0" : : "m"(*p));
 #elif defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(p, 0, 3);
-#else
-  (void)p;
-#endif
-}
-
-/// Asks for the cache line holding `p` into L2 only (prefetcht1): for data
-/// wanted thousands of cycles from now, which would be evicted from L1 first.
-inline void prefetch_line_to_l2(const char* p) noexcept {
-#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
-  asm volatile("prefetcht1 %0" : : "m"(*p));
-#elif defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(p, 0, 2);
+  __builtin_prefetch(p, 0, Level == CacheLevel::l1 ? 3 : 2);
 #else
   (void)p;
 #endif
 }
 
 /// Hints that the `bytes` bytes from `row` will be used soon (read or written).
+template <CacheLevel Level = CacheLevel::l1>
 inline void prefetch_row(const void* row, std::size_t bytes) noexcept {
   const char* p = static_cast<const char*>(row);
   for (std::size_t offset = 0; offset < bytes; offset += cache_line_bytes)
-    prefetch_line(p + offset);
-}
-
-/// Hints that the `bytes` bytes from `row` will be used later (into L2).
-inline void prefetch_row_to_l2(const void* row, std::size_t bytes) noexcept {
-  const char* p = static_cast<const char*>(row);
-  for (std::size_t offset = 0; offset < bytes; offset += cache_line_bytes)
-    prefetch_line_to_l2(p + offset);
+    prefetch_line<Level>(p + offset);
 }
 
 }  // namespace latte::cpu

@@ -216,6 +216,21 @@ template <Real T>
 
 #endif
 
+/// max_i x[i] for i < n (-inf when n = 0): one vectorised pass and a scalar tail.
+template <Real T>
+[[nodiscard]] inline T max_of(const T* x, index_t n) noexcept {
+  constexpr auto W = static_cast<index_t>(width<T>);
+  T result = -std::numeric_limits<T>::infinity();
+  index_t i = 0;
+  if (n >= W) {
+    batch<T> running = simd::load(x);
+    for (i = W; i + W <= n; i += W) running = simd::max(running, simd::load(x + i));
+    result = simd::reduce_max(running);
+  }
+  for (; i < n; ++i) result = std::max(result, x[i]);
+  return result;
+}
+
 /// out[i] = exp(x[i] - shift) for i < n (out may be x), one vectorised pass and
 /// a scalar tail; returns the sum of the out[i] (the tail's sum plus the lanes').
 /// The softmax kernels' shared inner step: every caller sums in this order.
