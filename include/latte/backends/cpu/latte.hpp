@@ -608,8 +608,10 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
   // Pass 1: alpha_l = sum_s exp(k_{s,l} - shift_l) and M_l = sum_s exp(k_{s,l} -
   // shift_l) R^{-s} v_s, the shift following the column maximum block by block.
   parallel_for(items, workers, [&](index_t item, int) {
-    const auto [first, last] = head_range(item);
-    const auto [begin, end] = time_range(item);
+    // Plain variables, not structured bindings: lambdas below capture them
+    // (C++20 allows capturing a binding; clang before 16 rejects it).
+    const index_t first = head_range(item).first, last = head_range(item).second;
+    const index_t begin = time_range(item).first, end = time_range(item).second;
     const index_t segment = item % segments;
     std::vector<T> keys(block * L), values(block * Dv), block_max(L);
     std::vector<RotationStepper<T>> rotation(Pos::rotates_values ? last - first : 0,
@@ -729,8 +731,10 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
   // Pass 2: o_t = R^t sum_l p(l|t) M_l / alpha_l, p(l|t) = e_{t,l} / sum_l e_{t,l}.
   const index_t q_stride = q.stride(1);
   parallel_for(items, workers, [&](index_t item, int) {
-    const auto [first, last] = head_range(item);
-    const auto [begin, end] = time_range(item);
+    // Plain variables, not structured bindings: lambdas below capture them
+    // (C++20 allows capturing a binding; clang before 16 rejects it).
+    const index_t first = head_range(item).first, last = head_range(item).second;
+    const index_t begin = time_range(item).first, end = time_range(item).second;
     std::vector<T> gamma(block * L), row_scale(block);
     std::vector<RotationStepper<T>> rotation(Pos::rotates_values ? last - first : 0,
                                              RotationStepper<T>(pairs));
