@@ -1,7 +1,8 @@
 #pragma once
 // Replaces the global operator new/delete of the test executable that includes
 // this header (include it from exactly one .cpp) with a counting pair over
-// malloc/free, so a test can assert that a call allocates nothing:
+// malloc/free (aligned_alloc/free for the over-aligned forms), so a test can
+// assert that a call allocates nothing:
 //   const long before = latte::test::allocations.load(); ...; allocations.load() - before
 #include <atomic>
 #include <cstdlib>
@@ -23,3 +24,14 @@ void* operator new(std::size_t bytes) {
 }
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+
+// The over-aligned forms too (latte::HugePageAllocator, hence latte::Tensor, uses them).
+void* operator new(std::size_t bytes, std::align_val_t alignment) {
+  latte::test::allocations.fetch_add(1);
+  const auto align = static_cast<std::size_t>(alignment);
+  const std::size_t rounded = (bytes + align - 1) / align * align;  // aligned_alloc wants a multiple
+  if (void* p = std::aligned_alloc(align, rounded ? rounded : align)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }

@@ -23,6 +23,18 @@ long allocations_in_steps(const Attention& attention, E e, State& state, const I
 }
 }  // namespace
 
+TEST_CASE("the counter sees plain and over-aligned allocations (latte::Tensor's)") {
+  long before = allocations.load();
+  { const Tensor<float, 2> small({3, 5}); }
+  CHECK(allocations.load() - before == 1);
+  before = allocations.load();
+  { const Tensor<float, 2> large({1024, 1024}); }  // 4 MiB: the 2 MiB-aligned form
+  CHECK(allocations.load() - before == 1);
+  before = allocations.load();
+  { const std::vector<int> plain(7); }
+  CHECK(allocations.load() - before == 1);
+}
+
 TEST_CASE_TEMPLATE("Latte step allocates nothing", E, exec::reference_t, exec::cpu_t) {
   Rng rng(501);
   const index_t B = 2, H = 3, L = 17, Dv = 10;

@@ -4,8 +4,10 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <new>
 #include <ostream>
 #include <stdexcept>
 #include <string>
@@ -13,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "expect_error.hpp"
 #include "support.hpp"
 
 namespace {
@@ -329,6 +332,30 @@ TEST_CASE("Tensor converts to mutable and const views of the same storage") {
   CHECK(latte::TensorView<float, 2>().empty());
 }
 
+TEST_CASE("HugePageAllocator: 2 MiB alignment from 2 MiB up, 64 bytes below; Tensor uses it") {
+  using Allocator = latte::HugePageAllocator<float>;
+  constexpr std::size_t huge = Allocator::huge_page_bytes;
+  const auto address = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p); };
+  Allocator allocator;
+  for (const std::size_t count : {std::size_t{1}, std::size_t{17}, huge / sizeof(float) - 1,
+                                  huge / sizeof(float), 3 * huge / sizeof(float) + 5}) {
+    float* block = allocator.allocate(count);
+    const std::size_t expected = count * sizeof(float) >= huge ? huge : 64;
+    CHECK(address(block) % expected == 0);
+    block[0] = 1.0f;  // both ends are ours to write
+    block[count - 1] = 2.0f;
+    allocator.deallocate(block, count);
+  }
+  const latte::Tensor<float, 3> large({64, 8, 1024}, 0.5f);  // 2 MiB exactly
+  CHECK(address(large.data()) % huge == 0);
+  CHECK(large.data()[large.size() - 1] == 0.5f);
+  const latte::Tensor<double, 1> small({3}, 0.25);
+  CHECK(address(small.data()) % 64 == 0);
+  CHECK_THROWS_AS((void)allocator.allocate(std::size_t(-1) / 2), std::bad_array_new_length);
+  std::vector<float, Allocator> buffer(1 << 20, 1.0f);  // the spelling the header documents
+  CHECK(address(buffer.data()) % huge == 0);
+}
+
 TEST_CASE("Tensors pass straight into forward") {
   const CausalLatte attention({.heads = 2, .latents = 3, .value_dim = 4});
   Rng rng(6);
@@ -455,6 +482,8 @@ TEST_CASE("latte::Error names the argument and is a std::invalid_argument") {
   CHECK(std::string(error.what()) ==
         "latte: argument 'values': dimension T (time): expected 128, given 127");
   CHECK_THROWS_AS(((void)latte::Tensor<float, 2>({2, -1})), std::invalid_argument);
+  latte::test::expect_error([] { (void)latte::Tensor<float, 2>({2, -1}); }, "extents",
+                            "non-negative, given [2, -1]");
 }
 
 TEST_CASE("version macros agree") {

@@ -1,12 +1,15 @@
 #pragma once
 // latte::Tensor<T, N> — a small owning, contiguous, row-major tensor for
 // examples and tests. Production callers own their memory and pass views.
+// Storage comes from HugePageAllocator: long-sequence tensors sit on 2 MiB
+// pages where the system allows it (see huge_page_allocator.hpp for why).
 #include <algorithm>
 #include <array>
 #include <cstddef>
 #include <vector>
 
 #include "latte/core/error.hpp"
+#include "latte/core/huge_page_allocator.hpp"
 #include "latte/core/tensor_view.hpp"
 
 namespace latte {
@@ -20,8 +23,8 @@ class Tensor {
   explicit Tensor(const extents_type& extents, T fill = T{}) : extents_(extents) {
     index_t count = 1;
     for (index_t e : extents_) {
-      detail::require(e >= 0, "extents",
-                      "extents must be non-negative, given " + format_extents(extents_));
+      if (e < 0)  // the message is built only on failure: constructing allocates once
+        throw Error("extents", "extents must be non-negative, given " + format_extents(extents_));
       count *= e;
     }
     storage_.assign(static_cast<std::size_t>(count), fill);
@@ -50,7 +53,7 @@ class Tensor {
 
  private:
   extents_type extents_{};
-  std::vector<T> storage_;
+  std::vector<T, HugePageAllocator<T>> storage_;
 };
 
 }  // namespace latte
