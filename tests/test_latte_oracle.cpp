@@ -94,13 +94,15 @@ TEST_CASE("Latte bidirectional VAPOR == oracle (float, double)") {
                                                  108);
 }
 
-// The cpu causal scan runs four tokens per memory pass while no running max
-// moves (two pairs when one does, then a pair and a single token at the end)
+// The cpu causal scan works in runs of 16 tokens (each run's latent stage,
+// then its memory passes), four tokens per pass while no running max moves
+// (two pairs when one does, then a pair and a single token at a run's end)
 // and splits Dv into register blocks of 2 and 1 vectors and a scalar tail.
 // The random shapes above have Dv in {1, 5, 64} only; these widths reach every
 // block remainder for float (16 lanes) and double (8 lanes) under AVX-512 and
-// AVX2, at lengths that end on each of the quad, pair and single paths, with
-// keys scaled so that maxima move often (rescaling quads) or almost never.
+// AVX2, at lengths that end a run on each of the quad, pair and single paths
+// (first run or a later one), with keys scaled so that maxima move often
+// (rescaling quads) or almost never.
 TEST_CASE_TEMPLATE("Latte causal cpu == oracle at every register-block remainder", T, float,
                    double) {
   Rng rng(109);
@@ -108,7 +110,7 @@ TEST_CASE_TEMPLATE("Latte causal cpu == oracle at every register-block remainder
   int cases = 0;
   for (const index_t Dv : {8, 16, 24, 40, 72})
     for (const index_t L : {3, 64})
-      for (const index_t Tn : {1, 2, 3, 4, 5, 6, 7, 13, 301})
+      for (const index_t Tn : {1, 2, 3, 4, 5, 6, 7, 13, 16, 17, 18, 19, 35, 301})
         for (const double key_scale : {0.1, 8.0}) {
           const auto q = random_tensor<T, 4>(rng, {1, Tn, 2, L}, 2.0);
           const auto k = random_tensor<T, 4>(rng, {1, Tn, 2, L}, key_scale);

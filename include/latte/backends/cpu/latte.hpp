@@ -43,12 +43,17 @@ namespace latte::cpu {
 
 using reference::LatteCarry;
 
-/// Per-worker scratch for the causal scan (c, w, gamma and rotated values of up to four tokens).
+/// Tokens whose latent stage (absorb_keys, latent_read_weights) the causal
+/// scan runs before their passes over the memory.
+inline constexpr index_t stage_tokens = 16;
+
+/// Per-worker scratch for the causal scan (c, w, gamma of `stage_tokens`
+/// tokens, rotated values of up to four).
 template <Real T>
 struct LatteScratch {
   LatteScratch(index_t L, index_t Dv)
-      : carry_scale(4 * L), weight(4 * L), gamma(4 * L), rotated(4 * Dv), rotation(Dv / 2),
-        rotation_out(Dv / 2) {}
+      : carry_scale(stage_tokens * L), weight(stage_tokens * L), gamma(stage_tokens * L),
+        rotated(4 * Dv), rotation(Dv / 2), rotation_out(Dv / 2) {}
   std::vector<T> carry_scale, weight, gamma, rotated;
   RotationStepper<T> rotation;      // R^{-s} on the values entering the memory
   RotationStepper<T> rotation_out;  // R^{t} on the outputs, one token behind at most
@@ -359,21 +364,25 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
   };
   // Rows `ahead` tokens on are requested while this token computes (prefetch.hpp).
   constexpr index_t ahead = 4;
-  auto prefetch_token = [&](index_t s) {
+  auto prefetch_token = [&]<CacheLevel Level = CacheLevel::l1>(index_t s) {
     if (s >= t1) return;
-    prefetch_row(k.row(b, s, h), sizeof(T) * L);
-    prefetch_row(v.row(b, s, h), sizeof(T) * Dv);
+    prefetch_row<Level>(k.row(b, s, h), sizeof(T) * L);
+    prefetch_row<Level>(v.row(b, s, h), sizeof(T) * Dv);
     if (read) {
-      prefetch_row(q.row(b, s, h), sizeof(T) * L);
-      prefetch_row(out.row(b, s, h), sizeof(T) * Dv);
+      prefetch_row<Level>(q.row(b, s, h), sizeof(T) * L);
+      prefetch_row<Level>(out.row(b, s, h), sizeof(T) * Dv);
     }
   };
-  for (index_t s = t0; s < std::min(t1, t0 + ahead); ++s) prefetch_token(s);
   index_t t = t0;
   if (read) {
-    // Four tokens per pass over the memory (register blocking in time) while
-    // no running max moves; a quad where one does runs as two pairs, each
-    // token's rescale compiled in or out.
+    // Per run of `stage_tokens` tokens: first every token's latent stage
+    // (exps and reductions over L that need only the running max and the
+    // normaliser, not the memory), so that the core overlaps consecutive
+    // tokens' latency chains instead of waiting out each between two passes
+    // over the memory; then the passes, four tokens per pass while no running
+    // max moves (register blocking in time), a quad where one does as two
+    // pairs with each token's rescale compiled in or out. The run's stage
+    // requests the next run's rows into L2.
     auto pair = [&](index_t s, index_t i, bool r1, bool r2, const T* v1, const T* v2) {
       const T *ci = c + i * L, *wi = w + i * L, *gi = gamma + i * L;
       T *o1 = out.row(b, s, h), *o2 = out.row(b, s + 1, h);
@@ -382,47 +391,54 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
       else if (r2) update_and_read_pair<T, false, true>(carry.memory, ci, wi, gi, v1, v2, o1, o2, L, Dv);
       else update_and_read_pair<T, false, false>(carry.memory, ci, wi, gi, v1, v2, o1, o2, L, Dv);
     };
-    for (; t + 3 < t1; t += 4) {
-      const T* values[4];
-      T* outs[4];
-      bool rescaled[4];
-      for (int j = 0; j < 4; ++j) {
-        prefetch_token(t + ahead + j);
-        values[j] = value_of(t + j, scratch.rotated.data() + j * Dv);
-        outs[j] = out.row(b, t + j, h);
+    for (index_t s = t0; s < std::min(t1, t0 + stage_tokens); ++s) prefetch_token(s);
+    while (t < t1) {
+      const index_t n = std::min(stage_tokens, t1 - t);
+      bool rescaled[stage_tokens];
+      for (index_t j = 0; j < n; ++j) {
+        prefetch_token.template operator()<CacheLevel::l2>(t + stage_tokens + j);
         rescaled[j] = absorb_keys<Stab>(k.row(b, t + j, h), carry, c + j * L, w + j * L, L);
         latent_read_weights(q.row(b, t + j, h), carry.normaliser, gamma + j * L, L);
       }
-      if (rescaled[0] || rescaled[1] || rescaled[2] || rescaled[3]) {
-        pair(t, 0, rescaled[0], rescaled[1], values[0], values[1]);
-        pair(t + 2, 2, rescaled[2], rescaled[3], values[2], values[3]);
-      } else {
-        update_and_read_quad(carry.memory, w, gamma, values, outs, L, Dv);
+      index_t j = 0;
+      for (; j + 3 < n; j += 4) {
+        const T* values[4];
+        T* outs[4];
+        for (int i = 0; i < 4; ++i) {
+          values[i] = value_of(t + j + i, scratch.rotated.data() + i * Dv);
+          outs[i] = out.row(b, t + j + i, h);
+        }
+        if (rescaled[j] || rescaled[j + 1] || rescaled[j + 2] || rescaled[j + 3]) {
+          pair(t + j, j, rescaled[j], rescaled[j + 1], values[0], values[1]);
+          pair(t + j + 2, j + 2, rescaled[j + 2], rescaled[j + 3], values[2], values[3]);
+        } else {
+          update_and_read_quad(carry.memory, w + j * L, gamma + j * L, values, outs, L, Dv);
+        }
+        for (int i = 0; i < 4; ++i) rotate_out(outs[i]);
       }
-      for (int j = 0; j < 4; ++j) rotate_out(outs[j]);
+      for (; j + 1 < n; j += 2) {
+        const T* v1 = value_of(t + j, scratch.rotated.data());
+        const T* v2 = value_of(t + j + 1, scratch.rotated.data() + Dv);
+        pair(t + j, j, rescaled[j], rescaled[j + 1], v1, v2);
+        rotate_out(out.row(b, t + j, h));
+        rotate_out(out.row(b, t + j + 1, h));
+      }
+      if (j < n) {
+        T* o = out.row(b, t + j, h);
+        update_and_read(carry.memory, c + j * L, w + j * L, gamma + j * L,
+                        value_of(t + j, scratch.rotated.data()), o, L, Dv, rescaled[j]);
+        rotate_out(o);
+      }
+      t += n;
     }
-    for (; t + 1 < t1; t += 2) {
-      prefetch_token(t + ahead);
-      prefetch_token(t + ahead + 1);
-      const T* v1 = value_of(t, scratch.rotated.data());
-      const T* v2 = value_of(t + 1, scratch.rotated.data() + Dv);
-      const bool r1 = absorb_keys<Stab>(k.row(b, t, h), carry, c, w, L);
-      latent_read_weights(q.row(b, t, h), carry.normaliser, gamma, L);
-      const bool r2 = absorb_keys<Stab>(k.row(b, t + 1, h), carry, c + L, w + L, L);
-      latent_read_weights(q.row(b, t + 1, h), carry.normaliser, gamma + L, L);
-      pair(t, 0, r1, r2, v1, v2);
-      rotate_out(out.row(b, t, h));
-      rotate_out(out.row(b, t + 1, h));
-    }
+    return;
   }
-  for (; t < t1; ++t) {
+  for (index_t s = t0; s < std::min(t1, t0 + ahead); ++s) prefetch_token(s);
+  for (; t < t1; ++t) {  // state only: one token per pass
     prefetch_token(t + ahead);
     const T* value = value_of(t, scratch.rotated.data());
     const bool rescale = absorb_keys<Stab>(k.row(b, t, h), carry, c, w, L);
-    T* o = read ? out.row(b, t, h) : nullptr;
-    if (read) latent_read_weights(q.row(b, t, h), carry.normaliser, gamma, L);
-    update_and_read(carry.memory, c, w, gamma, value, o, L, Dv, rescale);
-    rotate_out(o);
+    update_and_read(carry.memory, c, w, gamma, value, static_cast<T*>(nullptr), L, Dv, rescale);
   }
 }
 
