@@ -381,8 +381,10 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
     // tokens' latency chains instead of waiting out each between two passes
     // over the memory; then the passes, four tokens per pass while no running
     // max moves (register blocking in time), a quad where one does as two
-    // pairs with each token's rescale compiled in or out. The run's stage
-    // requests the next run's rows into L2.
+    // pairs with each token's rescale compiled in or out. Each token's pass
+    // requests the same token of the next run into L2 (spread over the
+    // passes: issued all at once from the stage, on 4 KiB pages, they came
+    // too late), and the stage requests rows four tokens on into L1.
     auto pair = [&](index_t s, index_t i, bool r1, bool r2, const T* v1, const T* v2) {
       const T *ci = c + i * L, *wi = w + i * L, *gi = gamma + i * L;
       T *o1 = out.row(b, s, h), *o2 = out.row(b, s + 1, h);
@@ -396,7 +398,7 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
       const index_t n = std::min(stage_tokens, t1 - t);
       bool rescaled[stage_tokens];
       for (index_t j = 0; j < n; ++j) {
-        prefetch_token.template operator()<CacheLevel::l2>(t + stage_tokens + j);
+        if (j + ahead < n) prefetch_token(t + j + ahead);
         rescaled[j] = absorb_keys<Stab>(k.row(b, t + j, h), carry, c + j * L, w + j * L, L);
         latent_read_weights(q.row(b, t + j, h), carry.normaliser, gamma + j * L, L);
       }
@@ -405,6 +407,7 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
         const T* values[4];
         T* outs[4];
         for (int i = 0; i < 4; ++i) {
+          prefetch_token.template operator()<CacheLevel::l2>(t + stage_tokens + j + i);
           values[i] = value_of(t + j + i, scratch.rotated.data() + i * Dv);
           outs[i] = out.row(b, t + j + i, h);
         }
@@ -417,6 +420,8 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
         for (int i = 0; i < 4; ++i) rotate_out(outs[i]);
       }
       for (; j + 1 < n; j += 2) {
+        prefetch_token.template operator()<CacheLevel::l2>(t + stage_tokens + j);
+        prefetch_token.template operator()<CacheLevel::l2>(t + stage_tokens + j + 1);
         const T* v1 = value_of(t + j, scratch.rotated.data());
         const T* v2 = value_of(t + j + 1, scratch.rotated.data() + Dv);
         pair(t + j, j, rescaled[j], rescaled[j + 1], v1, v2);
@@ -424,6 +429,7 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
         rotate_out(out.row(b, t + j + 1, h));
       }
       if (j < n) {
+        prefetch_token.template operator()<CacheLevel::l2>(t + stage_tokens + j);
         T* o = out.row(b, t + j, h);
         update_and_read(carry.memory, c + j * L, w + j * L, gamma + j * L,
                         value_of(t + j, scratch.rotated.data()), o, L, Dv, rescaled[j]);
