@@ -6,7 +6,8 @@
 // key logits (running max m, rescale c, weight w, normaliser alpha) and forms
 // gamma_l = p(l|t) / alpha_{t,l}; a pass over the L x Dv memory (kept in L1)
 // then updates vtilde_l = c_l vtilde_l + w_l v_t and reads o_t = sum_l gamma_l
-// vtilde_l with the value and output blocks held in registers. One pass serves
+// vtilde_l with the value and output blocks held in registers. Tokens go in
+// runs of 16: the stages of the run first, then its passes. One pass serves
 // four consecutive tokens while no running max moves, two when one does (each
 // memory row loaded and stored once for all of them). Work is split
 // over (batch, head); when there are fewer heads than threads, time is split
