@@ -359,7 +359,7 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
   };
   auto rotate_out = [&](T* o) {
     if constexpr (Pos::rotates_values) {  // R^t, at the output token's position
-      if (o) scratch.rotation_out.rotate(o, /*forward=*/true);
+      scratch.rotation_out.rotate(o, /*forward=*/true);
       scratch.rotation_out.next();
     }
   };
@@ -374,6 +374,7 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
       prefetch_row<Level>(out.row(b, s, h), sizeof(T) * Dv);
     }
   };
+  for (index_t s = t0; s < std::min(t1, t0 + ahead); ++s) prefetch_token(s);
   index_t t = t0;
   if (read) {
     // Per run of `stage_tokens` tokens: first every token's latent stage
@@ -394,7 +395,9 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
       else if (r2) update_and_read_pair<T, false, true>(carry.memory, ci, wi, gi, v1, v2, o1, o2, L, Dv);
       else update_and_read_pair<T, false, false>(carry.memory, ci, wi, gi, v1, v2, o1, o2, L, Dv);
     };
-    for (index_t s = t0; s < std::min(t1, t0 + stage_tokens); ++s) prefetch_token(s);
+    auto prefetch_next_run = [&](index_t j) {
+      prefetch_token.template operator()<CacheLevel::l2>(t + stage_tokens + j);
+    };
     while (t < t1) {
       const index_t n = std::min(stage_tokens, t1 - t);
       bool rescaled[stage_tokens];
@@ -408,7 +411,7 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
         const T* values[4];
         T* outs[4];
         for (int i = 0; i < 4; ++i) {
-          prefetch_token.template operator()<CacheLevel::l2>(t + stage_tokens + j + i);
+          prefetch_next_run(j + i);
           values[i] = value_of(t + j + i, scratch.rotated.data() + i * Dv);
           outs[i] = out.row(b, t + j + i, h);
         }
@@ -421,8 +424,8 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
         for (int i = 0; i < 4; ++i) rotate_out(outs[i]);
       }
       for (; j + 1 < n; j += 2) {
-        prefetch_token.template operator()<CacheLevel::l2>(t + stage_tokens + j);
-        prefetch_token.template operator()<CacheLevel::l2>(t + stage_tokens + j + 1);
+        prefetch_next_run(j);
+        prefetch_next_run(j + 1);
         const T* v1 = value_of(t + j, scratch.rotated.data());
         const T* v2 = value_of(t + j + 1, scratch.rotated.data() + Dv);
         pair(t + j, j, rescaled[j], rescaled[j + 1], v1, v2);
@@ -430,7 +433,7 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
         rotate_out(out.row(b, t + j + 1, h));
       }
       if (j < n) {
-        prefetch_token.template operator()<CacheLevel::l2>(t + stage_tokens + j);
+        prefetch_next_run(j);
         T* o = out.row(b, t + j, h);
         update_and_read(carry.memory, c + j * L, w + j * L, gamma + j * L,
                         value_of(t + j, scratch.rotated.data()), o, L, Dv, rescaled[j]);
@@ -440,7 +443,6 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
     }
     return;
   }
-  for (index_t s = t0; s < std::min(t1, t0 + ahead); ++s) prefetch_token(s);
   for (; t < t1; ++t) {  // state only: one token per pass
     prefetch_token(t + ahead);
     const T* value = value_of(t, scratch.rotated.data());
