@@ -19,6 +19,7 @@
 //   std::vector<float, latte::HugePageAllocator<float>> keys(T * H * L);
 #include <cstddef>
 #include <new>
+#include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -64,5 +65,14 @@ struct HugePageAllocator {
     return bytes >= huge_page_bytes ? huge_page_bytes : small;
   }
 };
+
+/// A std::vector on HugePageAllocator: 64-byte aligned, so no vector load of
+/// it straddles two cache lines (std::vector's 16-byte alignment lets three
+/// zmm loads in four do so), and on 2 MiB pages when large. Decode states and
+/// the CPU kernels' workspaces live in these: the same Latte decode step
+/// measured 2.0 to 2.7 us depending on where std::vector put its state, and
+/// 2.0 us for every state once aligned.
+template <class T>
+using AlignedVector = std::vector<T, HugePageAllocator<T>>;
 
 }  // namespace latte

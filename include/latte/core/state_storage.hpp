@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "latte/core/error.hpp"
+#include "latte/core/huge_page_allocator.hpp"
 #include "latte/core/types.hpp"
 
 namespace latte {
@@ -258,7 +259,7 @@ class StateStorage {
     Header header;
     read_header_into(source, kind_, header);
     require_layout(header, sizes_, fields_);
-    std::vector<std::vector<T>> data;
+    std::vector<AlignedVector<T>> data;
     data.reserve(fields_.size());
     for (const StateField& field : fields_) {
       data.emplace_back(field.count);
@@ -315,7 +316,7 @@ class StateStorage {
   std::vector<StateSize> sizes_;
   std::vector<StateField> fields_;
   std::int64_t position_ = 0;
-  std::vector<std::vector<T>> data_;
+  std::vector<AlignedVector<T>> data_;
 };
 
 }  // namespace latte

@@ -103,7 +103,7 @@ class ConvCompressedState : public StateStorage<T> {
 
  private:
   ConvCompressedStateShape shape_{};
-  std::vector<T> scratch_;
+  AlignedVector<T> scratch_;
 };
 
 }  // namespace latte

@@ -55,7 +55,7 @@ class LatteState : public StateStorage<T> {
   [[nodiscard]] T* scratch() noexcept { return scratch_.data(); }
 
  private:
-  std::vector<T> scratch_;
+  AlignedVector<T> scratch_;
 };
 
 }  // namespace latte

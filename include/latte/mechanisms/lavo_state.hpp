@@ -64,7 +64,7 @@ class LavoState : public StateStorage<T> {
   [[nodiscard]] T* scratch() noexcept { return scratch_.data(); }
 
  private:
-  std::vector<T> scratch_;
+  AlignedVector<T> scratch_;
 };
 
 }  // namespace latte

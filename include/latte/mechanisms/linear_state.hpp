@@ -62,7 +62,7 @@ class LinearState : public StateStorage<T> {
   [[nodiscard]] T* scratch() noexcept { return scratch_.data(); }
 
  private:
-  std::vector<T> scratch_;
+  AlignedVector<T> scratch_;
 };
 
 }  // namespace latte

@@ -117,7 +117,7 @@ class MacchiatoState : public StateStorage<T> {
     return static_cast<index_t>(fill);
   }
 
-  std::vector<T> scratch_;
+  AlignedVector<T> scratch_;
 };
 
 }  // namespace latte

@@ -37,6 +37,7 @@
 #include "latte/backends/cpu/softmax.hpp"
 #include "latte/backends/cpu/softmax_row.hpp"
 #include "latte/backends/reference/conv_compressed.hpp"
+#include "latte/core/huge_page_allocator.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
 #include "latte/policies/window.hpp"
@@ -62,7 +63,7 @@ struct BlockScratch {
       : query(block_rows, Dk), scores(block_rows, block_keys), acc(block_rows, Dv),
         row_max(block_rows), row_sum(block_rows), correction(block_rows) {}
   Matrix<T> query, scores, acc;
-  std::vector<T> row_max, row_sum, correction;
+  AlignedVector<T> row_max, row_sum, correction;
 };
 
 /// The compressed sequences of one head (reused from head to head).
@@ -385,7 +386,7 @@ void conv_compressed_forward_with_state(TensorView<const T, 4> q, TensorView<con
   if (Bn == 0 || Tn == 0) return;
   const index_t Dk = w.key_dim, Dv = w.value_dim, per_worker = 4 * Dv + 2 * Dk;
   const int workers = thread_count();
-  std::vector<T> buffer(static_cast<std::size_t>(workers * per_worker));
+  AlignedVector<T> buffer(static_cast<std::size_t>(workers * per_worker));
   parallel_for(Bn * H, workers, [&](index_t bh, int worker) {
     const index_t b = bh / H, h = bh % H;
     T* p = buffer.data() + worker * per_worker;

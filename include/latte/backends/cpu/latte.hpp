@@ -35,6 +35,7 @@
 #include "latte/backends/cpu/rotation.hpp"
 #include "latte/backends/cpu/simd.hpp"
 #include "latte/backends/reference/latte.hpp"
+#include "latte/core/huge_page_allocator.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
 #include "latte/policies/positional.hpp"
@@ -55,7 +56,7 @@ struct LatteScratch {
   LatteScratch(index_t L, index_t Dv)
       : carry_scale(stage_tokens * L), weight(stage_tokens * L), gamma(stage_tokens * L),
         rotated(4 * Dv), rotation(Dv / 2), rotation_out(Dv / 2) {}
-  std::vector<T> carry_scale, weight, gamma, rotated;
+  AlignedVector<T> carry_scale, weight, gamma, rotated;
   RotationStepper<T> rotation;      // R^{-s} on the values entering the memory
   RotationStepper<T> rotation_out;  // R^{t} on the outputs, one token behind at most
 };
@@ -499,7 +500,7 @@ void latte_causal_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
   }
   // Two passes over `segments` time segments, one (b, h) at a time.
   const index_t carry_size = 2 * L + L * Dv;
-  std::vector<T> storage(static_cast<std::size_t>(2 * segments * carry_size));
+  AlignedVector<T> storage(static_cast<std::size_t>(2 * segments * carry_size));
   auto carry_at = [&](index_t slot) {
     T* base = storage.data() + slot * carry_size;
     return LatteCarry<T>{base, base + L, base + 2 * L};
@@ -600,8 +601,8 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
   // Per head and segment: the column maximum of its keys, the shift it gives
   // (Stab::reference_for), alpha_l and the memory M_l = sum_s e_{s,l} R^{-s} v_s.
   const index_t states = heads * segments;
-  std::vector<T> column_max(states * L, lowest), shift(states * L, Stab::reference_for(lowest));
-  std::vector<T> normaliser(states * L, T(0)), memory(states * L * Dv, T(0));
+  AlignedVector<T> column_max(states * L, lowest), shift(states * L, Stab::reference_for(lowest));
+  AlignedVector<T> normaliser(states * L, T(0)), memory(states * L * Dv, T(0));
   auto state_of = [&](index_t head, index_t segment) { return head * segments + segment; };
   auto theta_of = [&](index_t h) { return angles.empty() ? nullptr : angles.data() + h * pairs; };
   // Prefetch (prefetch.hpp), the same for both passes' two row streams x and y
@@ -638,7 +639,7 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
     const index_t first = head_range(item).first, last = head_range(item).second;
     const index_t begin = time_range(item).first, end = time_range(item).second;
     const index_t segment = item % segments;
-    std::vector<T> keys(block * L), values(block * Dv), block_max(L);
+    AlignedVector<T> keys(block * L), values(block * Dv), block_max(L);
     std::vector<RotationStepper<T>> rotation(Pos::rotates_values ? last - first : 0,
                                              RotationStepper<T>(pairs));
     for (index_t j = 0; j < static_cast<index_t>(rotation.size()); ++j)
@@ -760,7 +761,7 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
     // (C++20 allows capturing a binding; clang before 16 rejects it).
     const index_t first = head_range(item).first, last = head_range(item).second;
     const index_t begin = time_range(item).first, end = time_range(item).second;
-    std::vector<T> gamma(block * L), row_scale(block);
+    AlignedVector<T> gamma(block * L), row_scale(block);
     std::vector<RotationStepper<T>> rotation(Pos::rotates_values ? last - first : 0,
                                              RotationStepper<T>(pairs));
     for (index_t j = 0; j < static_cast<index_t>(rotation.size()); ++j)

@@ -40,6 +40,7 @@
 #include "latte/backends/cpu/simd.hpp"
 #include "latte/backends/cpu/softmax_row.hpp"
 #include "latte/backends/reference/lavo.hpp"
+#include "latte/core/huge_page_allocator.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
 
@@ -67,8 +68,8 @@ struct Scratch {
         row_max(block_rows), row_sum(block_rows), correction(block_rows), mean(r),
         window_sum(r), memory_sum(r), memory_compensation(r) {}
   Matrix<T> scores, acc, global, projected, query_bases, read;
-  std::vector<T> row_max, row_sum, correction, mean, window_sum, memory_sum, memory_compensation;
-  std::vector<T> history_keys, history_values;  // [pre x d], oldest first
+  AlignedVector<T> row_max, row_sum, correction, mean, window_sum, memory_sum, memory_compensation;
+  AlignedVector<T> history_keys, history_values;  // [pre x d], oldest first
 };
 
 /// Where the keys and values of one (batch, head) come from: key j >= 0 is the
@@ -274,10 +275,10 @@ void lavo_causal_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
   // Per (b, h, segment): incoming memory (sum, compensation) and window sum, and
   // pass 1's outgoing window totals and open-window sum.
   const auto per_segment = static_cast<std::size_t>(heads_total * S * r);
-  std::vector<T> start_sum(per_segment, T(0)), start_comp(per_segment, T(0)),
+  AlignedVector<T> start_sum(per_segment, T(0)), start_comp(per_segment, T(0)),
       start_window(per_segment, T(0)), delta_sum(per_segment, T(0)),
       delta_comp(per_segment, T(0)), end_window(per_segment, T(0));
-  auto at = [&](std::vector<T>& field, index_t bh, index_t seg) {
+  auto at = [&](AlignedVector<T>& field, index_t bh, index_t seg) {
     return field.data() + (bh * S + seg) * r;
   };
   for (index_t bh = 0; bh < heads_total; ++bh) {
@@ -456,8 +457,8 @@ void lavo_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4>
   scratch.reserve(static_cast<std::size_t>(workers));
   for (int i = 0; i < workers; ++i) scratch.emplace_back(d, r);
   const auto per_segment = static_cast<std::size_t>(heads_total * S * r);
-  std::vector<T> seg_sum(per_segment, T(0)), seg_comp(per_segment, T(0));
-  std::vector<T> mean(static_cast<std::size_t>(heads_total * r));
+  AlignedVector<T> seg_sum(per_segment, T(0)), seg_comp(per_segment, T(0));
+  AlignedVector<T> mean(static_cast<std::size_t>(heads_total * r));
 
   parallel_for(heads_total * S, workers, [&](index_t task, int worker) {
     Scratch<T>& s = scratch[worker];
@@ -519,8 +520,8 @@ void lavo_cross_forward(TensorView<const T, 4> q, TensorView<const T, 4> source,
   scratch.reserve(static_cast<std::size_t>(workers));
   for (int i = 0; i < workers; ++i) scratch.emplace_back(d, r);
   const auto per_segment = static_cast<std::size_t>(heads_total * S_source * r);
-  std::vector<T> seg_sum(per_segment, T(0)), seg_comp(per_segment, T(0));
-  std::vector<T> mean(static_cast<std::size_t>(heads_total * r), T(0));
+  AlignedVector<T> seg_sum(per_segment, T(0)), seg_comp(per_segment, T(0));
+  AlignedVector<T> mean(static_cast<std::size_t>(heads_total * r), T(0));
 
   if (Ts > 0) {
     parallel_for(heads_total * S_source, workers, [&](index_t task, int worker) {

@@ -39,6 +39,7 @@
 #include "latte/backends/cpu/simd.hpp"
 #include "latte/backends/reference/linear.hpp"
 #include "latte/core/angles.hpp"
+#include "latte/core/huge_page_allocator.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
 #include "latte/policies/feature_map.hpp"
@@ -128,8 +129,8 @@ struct LinearScratch {
         query_denominator(key_numerator.size()),
         denominator(static_cast<std::size_t>(block)),
         rotation(spec.feature_dim / 2) {}
-  std::vector<T> phi, key_numerator, key_denominator, query_numerator, query_denominator;
-  std::vector<T> denominator;  // e'(q_t) . z_t per token of the block
+  AlignedVector<T> phi, key_numerator, key_denominator, query_numerator, query_denominator;
+  AlignedVector<T> denominator;  // e'(q_t) . z_t per token of the block
   RotationStepper<T> rotation;
   Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> scores;  // chunked form
 };
@@ -473,7 +474,7 @@ void linear_causal_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
   const index_t pieces = (workers + segments - 2) / (segments - 1);
   const index_t carry_size = E * Dv + E;
   const index_t partial_slots = (segments - 1) * pieces;
-  std::vector<T> storage(static_cast<std::size_t>((partial_slots + segments) * carry_size));
+  AlignedVector<T> storage(static_cast<std::size_t>((partial_slots + segments) * carry_size));
   auto carry_at = [&](index_t slot) {
     T* base = storage.data() + slot * carry_size;
     return LinearCarry<T>{base, base + E * Dv};
@@ -604,7 +605,7 @@ void linear_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 
   const index_t carry_size = E * Dv + E;
   std::vector<LinearScratch<T>> scratch(static_cast<std::size_t>(workers),
                                         LinearScratch<T>(spec, linear_block));
-  std::vector<T> storage(static_cast<std::size_t>((parts == 1 ? workers : parts) * carry_size));
+  AlignedVector<T> storage(static_cast<std::size_t>((parts == 1 ? workers : parts) * carry_size));
   auto carry_at = [&](index_t slot) {
     T* base = storage.data() + slot * carry_size;
     return LinearCarry<T>{base, base + E * Dv};

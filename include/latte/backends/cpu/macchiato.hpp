@@ -30,6 +30,7 @@
 #include "latte/backends/cpu/rotation.hpp"
 #include "latte/backends/cpu/softmax.hpp"
 #include "latte/backends/reference/macchiato.hpp"
+#include "latte/core/huge_page_allocator.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
 #include "latte/policies/positional.hpp"
@@ -93,7 +94,7 @@ void macchiato_causal_window(TensorView<const T, 4> q, TensorView<const T, 4> wq
   constexpr index_t slack = 8 * block_q;
   const index_t rows = reach + slack;
   struct Scratch {
-    std::vector<T> keys, values, queries, read;
+    AlignedVector<T> keys, values, queries, read;
     OnlineSoftmaxScratch<T> attend;
     RotationStepper<T> key_rotation, value_rotation, read_rotation;
   };
@@ -111,7 +112,7 @@ void macchiato_causal_window(TensorView<const T, 4> q, TensorView<const T, 4> wq
   auto segment_begin = [&](index_t p) { return p * Tn / segments; };
   // With segments, the last one rewrites the state's ring while the first reads
   // what it held before the call: the first reads a copy.
-  std::vector<T> rings_before;
+  AlignedVector<T> rings_before;
   if (segments > 1) {
     rings_before.resize(static_cast<std::size_t>(heads * capacity * (Dk + Dv)));
     for (index_t i = 0; i < heads; ++i) {

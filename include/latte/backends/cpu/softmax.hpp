@@ -21,6 +21,7 @@
 #include "latte/backends/cpu/simd.hpp"
 #include "latte/backends/cpu/softmax_row.hpp"
 #include "latte/backends/reference/softmax.hpp"
+#include "latte/core/huge_page_allocator.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
 #include "latte/policies/window.hpp"
@@ -33,7 +34,7 @@ template <Real T>
 struct OnlineSoftmaxScratch {
   using Matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   Matrix scores, acc;
-  std::vector<T> row_max, row_sum, correction;
+  AlignedVector<T> row_max, row_sum, correction;
 
   OnlineSoftmaxScratch() = default;
   OnlineSoftmaxScratch(index_t block_q, index_t block_k, index_t Dv)
