@@ -26,7 +26,7 @@
 // Runs whose cost grows faster than T (softmax; conv-compression's cross part,
 // O(T^2 / M^2)) are skipped past --time-cap, predicted from their previous length.
 // extra_bytes: the peak heap memory allocated during the measured call
-// (counted by this program's operator new), i.e. the kernel's workspace.
+// (counted by this program's operator new, plain and over-aligned), i.e. the kernel's workspace.
 #include <latte/attention.hpp>
 
 #include "conv_compressed_weights.hpp"
@@ -79,6 +79,35 @@ void operator delete(void* p, std::size_t) noexcept { operator delete(p); }
 void* operator new[](std::size_t bytes) { return operator new(bytes); }
 void operator delete[](void* p) noexcept { operator delete(p); }
 void operator delete[](void* p, std::size_t) noexcept { operator delete(p); }
+// The over-aligned forms too: latte::HugePageAllocator (Tensor, AlignedVector,
+// hence the kernels' workspaces) allocates through them. The size sits in the
+// `alignment` bytes before the block.
+void* operator new(std::size_t bytes, std::align_val_t alignment) {
+  const auto align = std::max<std::size_t>(static_cast<std::size_t>(alignment), 16);
+  const std::size_t total = (bytes + 2 * align - 1) / align * align;  // header + block, a multiple
+  void* p = std::aligned_alloc(align, total);
+  if (!p) throw std::bad_alloc();
+  *static_cast<std::size_t*>(p) = bytes;
+  note_alloc(bytes);
+  return static_cast<char*>(p) + align;
+}
+void operator delete(void* p, std::align_val_t alignment) noexcept {
+  if (!p) return;
+  const auto align = std::max<std::size_t>(static_cast<std::size_t>(alignment), 16);
+  char* base = static_cast<char*>(p) - align;
+  heap_now.fetch_sub(static_cast<long long>(*reinterpret_cast<std::size_t*>(base)));
+  std::free(base);
+}
+void operator delete(void* p, std::size_t, std::align_val_t alignment) noexcept {
+  operator delete(p, alignment);
+}
+void* operator new[](std::size_t bytes, std::align_val_t alignment) {
+  return operator new(bytes, alignment);
+}
+void operator delete[](void* p, std::align_val_t alignment) noexcept { operator delete(p, alignment); }
+void operator delete[](void* p, std::size_t, std::align_val_t alignment) noexcept {
+  operator delete(p, alignment);
+}
 
 namespace {
 
