@@ -7,7 +7,8 @@
 //   mechanism,direction,backend,B,T,H,L,D,seconds,tokens_per_s,gflops,extra_bytes
 // and one row per run (an `fma_peak` row first: this machine's measured FMA
 // throughput in the gflops column, the best of 16 samples taken before and
-// after the runs, so kernels can be stated as a fraction of it). Without --csv it prints a table of times and ratios against the
+// after the runs, so kernels can be stated as a fraction of it). Without
+// --csv it prints a table of times and ratios against the
 // softmax baseline measured in the same run. Peers (PyTorch SDPA, the paper's
 // JAX scan) append rows to the same CSV from bench/peers/.
 //
@@ -26,7 +27,8 @@
 // Runs whose cost grows faster than T (softmax; conv-compression's cross part,
 // O(T^2 / M^2)) are skipped past --time-cap, predicted from their previous length.
 // extra_bytes: the peak heap memory allocated during the measured call
-// (counted by this program's operator new, plain and over-aligned), i.e. the kernel's workspace.
+// (counted by this program's operator new, plain and over-aligned), i.e. the
+// kernel's workspace.
 #include <latte/attention.hpp>
 
 #include "conv_compressed_weights.hpp"
