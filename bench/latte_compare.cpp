@@ -130,18 +130,24 @@ struct Row {
   long long extra_bytes;
 };
 
+/// Wall time of one call of f() and the peak heap it allocated.
+std::pair<double, long long> timed_call(const std::function<void()>& f) {
+  const long long before = heap_now.load();
+  heap_peak.store(before);
+  const auto start = Clock::now();
+  f();
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return {seconds, heap_peak.load() - before};
+}
+
 /// Best-of-repeats wall time of f() and the peak heap it allocated.
 std::pair<double, long long> measure(const std::function<void()>& f, double min_time,
                                      int max_runs = 1000) {
   double best = 1e300, spent = 0;
   long long extra = 0;
   for (int run = 0; run < max_runs && (run < 2 || spent < min_time); ++run) {
-    const long long before = heap_now.load();
-    heap_peak.store(before);
-    const auto start = Clock::now();
-    f();
-    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-    extra = std::max(extra, heap_peak.load() - before);
+    const auto [seconds, bytes] = timed_call(f);
+    extra = std::max(extra, bytes);
     best = std::min(best, seconds);
     spent += seconds;
     if (seconds > 2.0) break;  // long runs: one timed repeat is enough
@@ -399,13 +405,11 @@ int main(int argc, char** argv) {
     for (int round = 0; round < 1000 && (round < 3 || spent < options.min_time * contexts);
          ++round)
       for (std::size_t i = 0; i < contexts; ++i) {
-        const long long before = heap_now.load();
-        heap_peak.store(before);
-        const auto start = Clock::now();
-        for (int s = 0; s < steps_per_call; ++s)
-          latte_causal.step(latte::exec::cpu, decode_states[i].second, q1, k1, v1, o1.view());
-        const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-        extra[i] = std::max(extra[i], heap_peak.load() - before);
+        const auto [seconds, bytes] = timed_call([&] {
+          for (int s = 0; s < steps_per_call; ++s)
+            latte_causal.step(latte::exec::cpu, decode_states[i].second, q1, k1, v1, o1.view());
+        });
+        extra[i] = std::max(extra[i], bytes);
         best[i] = std::min(best[i], seconds / steps_per_call);
         spent += seconds;
       }

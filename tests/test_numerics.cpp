@@ -111,11 +111,12 @@ void random_spreads() {
 
 }  // namespace
 
+namespace {
+
 /// Largest error of the cpu backend's vector exp over `xs`, in units in the
-/// last place of the exact result (std::exp in long double, rounded to T; a
-/// subnormal result's unit is the smallest subnormal). Lanes whose exact
-/// result overflows T must give inf, and lanes whose exact result rounds to 0
-/// must give 0 or the smallest subnormal.
+/// last place of the exact result (std::exp in long double, rounded to T; the
+/// unit of a subnormal or zero result is the smallest subnormal). Lanes whose
+/// exact result overflows T must give inf.
 template <class T>
 double simd_exp_max_ulp(const std::vector<T>& xs) {
   constexpr auto W = static_cast<index_t>(cpu::simd::width<T>);
@@ -140,6 +141,8 @@ double simd_exp_max_ulp(const std::vector<T>& xs) {
   }
   return worst;
 }
+
+}  // namespace
 
 TEST_CASE_TEMPLATE("cpu exp: within 2 ulp everywhere, subnormal and infinite ends, NaN kept", T,
                    float, double) {
