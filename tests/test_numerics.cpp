@@ -3,11 +3,13 @@
 // latents and zero values.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <random>
 
 #include "latte/backends/cpu/simd.hpp"
 #include "latte/core/angles.hpp"
@@ -179,6 +181,44 @@ TEST_CASE_TEMPLATE("cpu exp: within 2 ulp everywhere, subnormal and infinite end
   CHECK(std::isfinite(exp_of(std::nextafter(std::log(std::numeric_limits<T>::max()), T(0)))));
   std::vector<T> subnormal_args{std::log(std::numeric_limits<T>::min()) - T(2)};
   CHECK(simd_exp_max_ulp(subnormal_args) <= 2.0);
+}
+
+TEST_CASE_TEMPLATE("cpu reduce_add_each / reduce_max_each: lane j has the bits of batch j's reduction",
+                   T, float, double) {
+  // The batched softmax stage (latent_softmax_exps) reduces a whole group of
+  // rows with one transposing tree; the decode step reduces its one row with
+  // reduce_add / reduce_max. Their bits must agree, and lanes whose
+  // magnitudes span 2^-40 .. 2^40 make every misplaced pair show.
+  constexpr std::size_t W = cpu::simd::width<T>;
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<double> exponent(-40.0, 40.0);
+  std::bernoulli_distribution negative(0.5);
+  for (int trial = 0; trial < 200; ++trial) {
+    std::vector<T> lanes(W * W);
+    for (T& x : lanes) x = T((negative(rng) ? -1.0 : 1.0) * std::exp2(exponent(rng)));
+    if (trial % 7 == 0) lanes[trial % (W * W)] = -std::numeric_limits<T>::infinity();
+    std::vector<cpu::simd::batch<T>> rows;
+    for (std::size_t j = 0; j < W; ++j) rows.push_back(cpu::simd::load(lanes.data() + j * W));
+    std::vector<T> sums(W), maxima(W);
+    cpu::simd::store(sums.data(), cpu::simd::reduce_add_each(rows.data()));
+    cpu::simd::store(maxima.data(), cpu::simd::reduce_max_each(rows.data()));
+    for (std::size_t j = 0; j < W; ++j) {
+      CAPTURE(trial);
+      CAPTURE(j);
+      const T one_sum = cpu::simd::reduce_add(rows[j]);
+      CHECK(std::memcmp(&sums[j], &one_sum, sizeof(T)) == 0);
+      CHECK(maxima[j] == *std::max_element(lanes.begin() + j * W, lanes.begin() + (j + 1) * W));
+      // and the sum is a sum: within W rounding errors of the exact one
+      long double exact = 0, magnitude = 0;
+      for (std::size_t i = 0; i < W; ++i) {
+        exact += lanes[j * W + i];
+        magnitude += std::fabs(static_cast<long double>(lanes[j * W + i]));
+      }
+      if (std::isfinite(static_cast<double>(exact)))
+        CHECK(std::fabs(static_cast<double>(sums[j] - exact)) <=
+              double(W) * std::numeric_limits<T>::epsilon() * static_cast<double>(magnitude));
+    }
+  }
 }
 
 TEST_CASE("Key logits [1, 10, 1000]: RunningMax exact, NoStabilizer overflows") {

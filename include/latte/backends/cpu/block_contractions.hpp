@@ -46,16 +46,19 @@ inline void fma_tile(simd::batch<T> (&acc)[R][CV], const T* a, index_t a_row, in
 
 /// M[l0 + i][d0 + c W ..] += sum_s e[s][l0 + i] v[s][d0 + c W ..], i < RL, c < CV.
 template <Real T, int RL, int CV>
-inline void outer_products_tile(const T* e, index_t n, index_t L, const T* v, index_t Dv,
+LATTE_FLATTEN void outer_products_tile(const T* e, index_t n, index_t L, const T* v, index_t Dv,
                                 T* memory, index_t l0, index_t d0) noexcept {
   using B = simd::batch<T>;
   constexpr index_t W = simd::width<T>;
   B acc[RL][CV];
-  for (int i = 0; i < RL; ++i)
-    for (int c = 0; c < CV; ++c) acc[i][c] = simd::load(memory + (l0 + i) * Dv + d0 + c * W);
+  T* tile = memory + l0 * Dv + d0;
+  simd::unrolled<RL * CV>([&](auto k) {
+    acc[k / CV][k % CV] = simd::load(tile + (k / CV) * Dv + (k % CV) * W);
+  });
   fma_tile<T, RL, CV>(acc, e + l0, /*a_row=*/1, /*a_step=*/L, v + d0, /*b_step=*/Dv, n);
-  for (int i = 0; i < RL; ++i)
-    for (int c = 0; c < CV; ++c) simd::store(memory + (l0 + i) * Dv + d0 + c * W, acc[i][c]);
+  simd::unrolled<RL * CV>([&](auto k) {
+    simd::store(tile + (k / CV) * Dv + (k % CV) * W, acc[k / CV][k % CV]);
+  });
 }
 
 template <Real T, int CV>
@@ -74,19 +77,18 @@ inline void outer_products_columns(const T* e, index_t n, index_t L, const T* v,
 /// o[s0 + r][d0 + c W ..] = scale[s0 + r] sum_l g[s0 + r][l] M[l][d0 + c W ..],
 /// r < R, c < CV.
 template <Real T, int R, int CV>
-inline void read_tile(const T* g, index_t L, const T* memory, index_t Dv, const T* scale, T* out,
+LATTE_FLATTEN void read_tile(const T* g, index_t L, const T* memory, index_t Dv, const T* scale, T* out,
                       index_t out_stride, index_t s0, index_t d0) noexcept {
   using B = simd::batch<T>;
   constexpr index_t W = simd::width<T>;
   B acc[R][CV];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < CV; ++c) acc[r][c] = B(T(0));
+  simd::unrolled<R * CV>([&](auto k) { acc[k / CV][k % CV] = B(T(0)); });
   fma_tile<T, R, CV>(acc, g + s0 * L, /*a_row=*/L, /*a_step=*/1, memory + d0, /*b_step=*/Dv, L);
-  for (int r = 0; r < R; ++r) {
-    const B row_scale(scale[s0 + r]);
-    for (int c = 0; c < CV; ++c)
-      simd::store(out + (s0 + r) * out_stride + d0 + c * W, acc[r][c] * row_scale);
-  }
+  T* tile = out + s0 * out_stride + d0;
+  simd::unrolled<R * CV>([&](auto k) {
+    simd::store(tile + (k / CV) * out_stride + (k % CV) * W,
+                acc[k / CV][k % CV] * B(scale[s0 + k / CV]));
+  });
 }
 
 template <Real T, int CV>

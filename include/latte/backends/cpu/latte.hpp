@@ -98,18 +98,76 @@ bool absorb_keys(const T* k, LatteCarry<T> carry, T* c, T* w, index_t L) noexcep
   return rescaled;
 }
 
-/// gamma_l = p(l|t) / alpha_l (eq. 11); zero for an empty latent (alpha = 0)
-/// and for a query whose logits are all -inf.
+/// The query half of the latent stage for n rows (row r at q + r * stride):
+/// e_{r,l} = exp(q_{r,l} - max_l q_{r,l}) into e + r * L and beta[r] =
+/// sum_l e_{r,l}, so that p(l|t) = e_{t,l} / beta_t (eq. 9). A row whose
+/// logits are all -inf gets e = 0 and beta = 0. Rows go `width` at a time:
+/// their maxima and sums are reduced together (simd::reduce_*_each), the bits
+/// max_of and exp_shifted_sum give row by row, which is what one row (a
+/// decode step) or a latent count that is not a multiple of the width uses.
 template <Real T>
-void latent_read_weights(const T* q, const T* normaliser, T* gamma, index_t L) noexcept {
+void latent_softmax_exps(const T* q, index_t stride, index_t n, index_t L, T* e,
+                         T* beta) noexcept {
   using B = simd::batch<T>;
   constexpr index_t W = simd::width<T>;
-  const T q_max = simd::max_of(q, L);
-  if (q_max == -std::numeric_limits<T>::infinity()) {
+  constexpr T lowest = -std::numeric_limits<T>::infinity();
+  auto one_row = [&](index_t r) {
+    const T* row = q + r * stride;
+    const T q_max = simd::max_of(row, L);
+    if (q_max == lowest) {
+      std::fill(e + r * L, e + (r + 1) * L, T(0));
+      beta[r] = T(0);
+    } else {
+      beta[r] = simd::exp_shifted_sum(row, L, q_max, e + r * L);
+    }
+  };
+  if (W == 1 || n == 1 || L == 0 || L % W != 0) {
+    for (index_t r = 0; r < n; ++r) one_row(r);
+    return;
+  }
+  for (index_t r0 = 0; r0 < n; r0 += W) {
+    const index_t rows = std::min(W, n - r0);
+    B lanes[W];
+    for (index_t j = 0; j < W; ++j) {  // rows past n: zeros, reduced and ignored
+      lanes[j] = B(T(0));
+      if (j >= rows) continue;
+      const T* row = q + (r0 + j) * stride;
+      lanes[j] = simd::load(row);
+      for (index_t l = W; l < L; l += W) lanes[j] = simd::max(lanes[j], simd::load(row + l));
+    }
+    alignas(64) T row_max[W], row_sum[W];
+    simd::store(row_max, simd::reduce_max_each(static_cast<const B*>(lanes)));
+    for (index_t j = 0; j < rows; ++j) {
+      const T* row = q + (r0 + j) * stride;
+      T* out = e + (r0 + j) * L;
+      lanes[j] = B(T(0));
+      if (row_max[j] == lowest) {
+        std::fill(out, out + L, T(0));
+        continue;
+      }
+      const B shift(row_max[j]);
+      for (index_t l = 0; l < L; l += W) {
+        const B x = simd::exp(simd::load(row + l) - shift);
+        simd::store(out + l, x);
+        lanes[j] = lanes[j] + x;
+      }
+    }
+    simd::store(row_sum, simd::reduce_add_each(static_cast<const B*>(lanes)));
+    std::copy(row_sum, row_sum + rows, beta + r0);
+  }
+}
+
+/// gamma_l = p(l|t) / alpha_l = e_l / (beta alpha_l) (eq. 11) in place over
+/// latent_softmax_exps' e and beta; zero for an empty latent (alpha = 0) and
+/// for a query whose logits are all -inf (beta = 0).
+template <Real T>
+void latent_read_finish(T* gamma, T beta, const T* normaliser, index_t L) noexcept {
+  using B = simd::batch<T>;
+  constexpr index_t W = simd::width<T>;
+  if (beta == T(0)) {
     std::fill(gamma, gamma + L, T(0));
     return;
   }
-  const T beta = simd::exp_shifted_sum(q, L, q_max, gamma);  // eq. 9, shifted by q_max
   const B beta_lanes(beta);
   index_t l = 0;
   for (; l + W <= L; l += W) {
@@ -120,27 +178,12 @@ void latent_read_weights(const T* q, const T* normaliser, T* gamma, index_t L) n
   for (; l < L; ++l) gamma[l] = normaliser[l] == T(0) ? T(0) : gamma[l] / (beta * normaliser[l]);
 }
 
-/// For R query rows at once (row r at q + r * stride): e_{r,l} = exp(q_{r,l} -
-/// max_l q_{r,l}) into e + r * L and scale[r] = 1 / sum_l e_{r,l}, so that
-/// p(l|t) = scale e_{t,l} (eq. 9); a row whose logits are all -inf gets e = 0
-/// and scale 0. The R rows' reduction chains are independent and interleave.
-template <Real T, int R>
-void latent_softmax_rows(const T* q, index_t stride, index_t L, T* e, T* scale) noexcept {
-  constexpr T lowest = -std::numeric_limits<T>::infinity();
-  T q_max[R], sum[R]{};
-  for (int r = 0; r < R; ++r) q_max[r] = simd::max_of(q + r * stride, L);
-  for (int r = 0; r < R; ++r) {
-    const T* row = q + r * stride;
-    T* out = e + r * L;
-    if (q_max[r] == lowest) {
-      std::fill(out, out + L, T(0));
-      scale[r] = T(0);
-      continue;
-    }
-    sum[r] = simd::exp_shifted_sum(row, L, q_max[r], out);
-  }
-  for (int r = 0; r < R; ++r)
-    if (q_max[r] != lowest) scale[r] = T(1) / sum[r];
+/// gamma_l = p(l|t) / alpha_l (eq. 11) for one query (the decode step).
+template <Real T>
+void latent_read_weights(const T* q, const T* normaliser, T* gamma, index_t L) noexcept {
+  T beta;
+  latent_softmax_exps(q, 0, 1, L, gamma, &beta);
+  latent_read_finish(gamma, beta, normaliser, L);
 }
 
 /// The update half alone (segment-local states of the two-pass scan).
@@ -225,18 +268,18 @@ void update_and_read(T* memory, const T* c, const T* w, const T* gamma, const T*
 /// L1 traffic of the scan. c/w/gamma hold the token-t values at [0, L) and
 /// the token-(t+1) values at [L, 2L).
 template <Real T, int R, bool Rescale1, bool Rescale2>
-inline void update_read_pair_block(T* memory, index_t Dv, index_t d0, const T* c, const T* w,
-                                   const T* gamma, const T* v1, const T* v2, T* out1, T* out2,
-                                   index_t L) noexcept {
+LATTE_FLATTEN void update_read_pair_block(T* memory, index_t Dv, index_t d0, const T* c,
+                                          const T* w, const T* gamma, const T* v1, const T* v2,
+                                          T* out1, T* out2, index_t L) noexcept {
   using B = simd::batch<T>;
   constexpr index_t W = simd::width<T>;
   B value1[R], value2[R], acc1[R], acc2[R];
-  for (int r = 0; r < R; ++r) {
+  simd::unrolled<R>([&](auto r) {  // constant indices (simd::unrolled)
     value1[r] = simd::load(v1 + d0 + r * W);
     value2[r] = simd::load(v2 + d0 + r * W);
     acc1[r] = B(T(0));
     acc2[r] = B(T(0));
-  }
+  });
   for (index_t l = 0; l < L; ++l) {
     T* row = memory + l * Dv + d0;
     const B w1(w[l]), w2(w[L + l]), g1(gamma[l]), g2(gamma[L + l]);
@@ -250,10 +293,10 @@ inline void update_read_pair_block(T* memory, index_t Dv, index_t d0, const T* c
       simd::store(row + r * W, m);
     }
   }
-  for (int r = 0; r < R; ++r) {
+  simd::unrolled<R>([&](auto r) {
     simd::store(out1 + d0 + r * W, acc1[r]);
     simd::store(out2 + d0 + r * W, acc2[r]);
-  }
+  });
 }
 
 template <Real T, bool Rescale1, bool Rescale2>
@@ -286,17 +329,17 @@ void update_and_read_pair(T* memory, const T* c, const T* w, const T* gamma, con
 /// loaded and stored once for four tokens. w/gamma hold token j's values at
 /// [j L, (j + 1) L).
 template <Real T, int R>
-inline void update_read_quad_block(T* memory, index_t Dv, index_t d0, const T* w, const T* gamma,
-                                   const T* const* v, T* const* out, index_t L) noexcept {
+LATTE_FLATTEN void update_read_quad_block(T* memory, index_t Dv, index_t d0, const T* w,
+                                          const T* gamma, const T* const* v, T* const* out,
+                                          index_t L) noexcept {
   using B = simd::batch<T>;
   constexpr index_t W = simd::width<T>;
   constexpr int K = 4;
   B value[K][R], acc[K][R];
-  for (int j = 0; j < K; ++j)
-    for (int r = 0; r < R; ++r) {
-      value[j][r] = simd::load(v[j] + d0 + r * W);
-      acc[j][r] = B(T(0));
-    }
+  simd::unrolled<K * R>([&](auto i) {  // constant indices (simd::unrolled)
+    value[i / R][i % R] = simd::load(v[i / R] + d0 + (i % R) * W);
+    acc[i / R][i % R] = B(T(0));
+  });
   for (index_t l = 0; l < L; ++l) {
     T* row = memory + l * Dv + d0;
     B m[R];
@@ -310,8 +353,8 @@ inline void update_read_quad_block(T* memory, index_t Dv, index_t d0, const T* w
     }
     for (int r = 0; r < R; ++r) simd::store(row + r * W, m[r]);
   }
-  for (int j = 0; j < K; ++j)
-    for (int r = 0; r < R; ++r) simd::store(out[j] + d0 + r * W, acc[j][r]);
+  simd::unrolled<K * R>(
+      [&](auto i) { simd::store(out[i / R] + d0 + (i % R) * W, acc[i / R][i % R]); });
 }
 
 /// Four tokens (t .. t+3) without rescaling over the whole Dv pass.
@@ -402,10 +445,12 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
     while (t < t1) {
       const index_t n = std::min(stage_tokens, t1 - t);
       bool rescaled[stage_tokens];
+      T beta[stage_tokens];
+      latent_softmax_exps(q.row(b, t, h), q.stride(1), n, L, gamma, beta);
       for (index_t j = 0; j < n; ++j) {
         if (j + ahead < n) prefetch_token(t + j + ahead);
         rescaled[j] = absorb_keys<Stab>(k.row(b, t + j, h), carry, c + j * L, w + j * L, L);
-        latent_read_weights(q.row(b, t + j, h), carry.normaliser, gamma + j * L, L);
+        latent_read_finish(gamma + j * L, beta[j], carry.normaliser, L);
       }
       index_t j = 0;
       for (; j + 3 < n; j += 4) {
@@ -653,7 +698,9 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
         T* shift_j = shift.data() + state * L;
         T* max_j = column_max.data() + state * L;
         T* memory_j = memory.data() + state * L * Dv;
-        // The block's keys, copied to a contiguous block, and their column maximum.
+        // The block's keys and values, copied to contiguous blocks (rows of one
+        // head lie H * L apart: a block of them would share a few L1 sets), the
+        // keys' column maximum and the values rotated (R^{-s} v_s).
         std::fill(block_max.begin(), block_max.end(), lowest);
         if (first_block) prefetch_first_rows(k, v, b, h, t0, n);
         for (index_t r = 0; r < n; ++r) {
@@ -669,6 +716,15 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
           for (; l < L; ++l) {
             row[l] = key[l];
             block_max[l] = std::max(block_max[l], key[l]);
+          }
+          const T* value = v.row(b, t0 + r, h);
+          T* value_row = values.data() + r * Dv;
+          index_t d = 0;
+          for (; d + W <= Dv; d += W) simd::store(value_row + d, simd::load(value + d));
+          for (; d < Dv; ++d) value_row[d] = value[d];
+          if constexpr (Pos::rotates_values) {
+            rotation[j - first].rotate(value_row, /*forward=*/false);
+            rotation[j - first].next();
           }
         }
         // Where the maximum moved, the shift moves with it and what was summed
@@ -705,15 +761,6 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
             sum += x;
           }
           alpha[l] += sum;
-        }
-        for (index_t r = 0; r < n; ++r) {
-          const T* value = v.row(b, t0 + r, h);
-          T* row = values.data() + r * Dv;
-          std::copy(value, value + Dv, row);
-          if constexpr (Pos::rotates_values) {
-            rotation[j - first].rotate(row, /*forward=*/false);  // R^{-s} v_s
-            rotation[j - first].next();
-          }
         }
         accumulate_outer_products(keys.data(), n, L, values.data(), memory_j, Dv);
       }
@@ -773,18 +820,15 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
         const index_t b = j / H, h = j % H;
         auto prefetch = [&](index_t r) { prefetch_ahead(q, out, b, h, t0, r, n, end, first_block); };
         if (first_block) prefetch_first_rows(q, out, b, h, t0, n);
-        index_t r = 0;
-        for (; r + 2 <= n; r += 2) {
-          prefetch(r);
-          prefetch(r + 1);
-          latent_softmax_rows<T, 2>(q.row(b, t0 + r, h), q_stride, L, gamma.data() + r * L,
-                                    row_scale.data() + r);
+        // row_scale: each row's sum beta_t, then 1 / beta_t (0 for a row of -inf).
+        for (index_t r0 = 0; r0 < n; r0 += stage_tokens) {
+          const index_t rows = std::min(stage_tokens, n - r0);
+          for (index_t r = r0; r < r0 + rows; ++r) prefetch(r);
+          latent_softmax_exps(q.row(b, t0 + r0, h), q_stride, rows, L, gamma.data() + r0 * L,
+                              row_scale.data() + r0);
         }
-        if (r < n) {
-          prefetch(r);
-          latent_softmax_rows<T, 1>(q.row(b, t0 + r, h), q_stride, L, gamma.data() + r * L,
-                                    row_scale.data() + r);
-        }
+        for (index_t r = 0; r < n; ++r)
+          row_scale[r] = row_scale[r] == T(0) ? T(0) : T(1) / row_scale[r];
         read_memory_rows(gamma.data(), n, L, memory.data() + state_of(j, 0) * L * Dv, Dv,
                          out.row(b, t0, h), out.stride(1), row_scale.data());
         if constexpr (Pos::rotates_values)

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <limits>
 #include <type_traits>
+#include <utility>
 
 #include "latte/core/types.hpp"
 
@@ -24,7 +25,30 @@
 #endif
 #endif
 
+/// On a register tile's function: every call inside it is inlined, the
+/// lambdas of its unrolled loops included (GCC's inliner otherwise stops at
+/// some of them, and what they reference is kept in memory).
+#if defined(__GNUC__) || defined(__clang__)
+#define LATTE_FLATTEN inline __attribute__((flatten))
+#else
+#define LATTE_FLATTEN inline
+#endif
+
 namespace latte::cpu::simd {
+
+/// Calls f(std::integral_constant<int, K>{}) for K = 0 .. N-1. Register tiles
+/// (block_contractions.hpp, the causal Latte passes) set up and store their
+/// accumulators through it, indexed by constants: indexed by loop variables,
+/// a tile reaches GCC's scalar replacement of aggregates before its loops are
+/// unrolled, stays an array on the stack, and is stored and reloaded around
+/// every tile (about a tenth of the tiles' time in the bidirectional pass).
+/// The tile's function is LATTE_FLATTEN so that these lambdas are inlined.
+template <int N, class F>
+inline void unrolled(F&& f) {
+  [&]<int... K>(std::integer_sequence<int, K...>) {
+    (f(std::integral_constant<int, K>{}), ...);
+  }(std::make_integer_sequence<int, N>{});
+}
 
 #if defined(LATTE_WITH_XSIMD)
 
@@ -215,6 +239,51 @@ template <Real T>
   x.store_unaligned(reinterpret_cast<T*>(&v));  // a register move once compiled
   return v;
 }
+template <Real T>
+[[nodiscard]] inline batch<T> from_zmm(const Zmm<T>& v) noexcept {
+  return batch<T>::load_unaligned(reinterpret_cast<const T*>(&v));
+}
+
+// reduce_zmm of 16 (8) vectors at once, lane j of the result from x[j]: the
+// same pairs of lanes combined in the same order (lane i with i^8, i^4, i^2,
+// i^1; fp64 from i^4), so each lane has the bits reduce_zmm(x[j]) returns.
+// Each level folds two vectors into one, so the whole is 15 (7) shuffle pairs
+// and ops instead of 4 (3) dependent steps and an extract per vector.
+template <class Op>
+[[nodiscard]] inline Float16 reduce_zmm_each(const Float16* x, Op op) noexcept {
+  Float16 r[8], z[4], w[2];
+  for (int j = 0; j < 8; ++j)  // lanes 0-7: x[j], 8-15: x[j + 8]
+    r[j] = op(__builtin_shufflevector(x[j], x[j + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20,
+                                      21, 22, 23),
+              __builtin_shufflevector(x[j], x[j + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26,
+                                      27, 28, 29, 30, 31));
+  for (int j = 0; j < 4; ++j)  // 128-bit chunk c: x[j + 4c]
+    z[j] = op(__builtin_shufflevector(r[j], r[j + 4], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11,
+                                      24, 25, 26, 27),
+              __builtin_shufflevector(r[j], r[j + 4], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15,
+                                      28, 29, 30, 31));
+  for (int j = 0; j < 2; ++j)  // chunk c: lanes 0-1 x[j + 4c], 2-3 x[j + 2 + 4c]
+    w[j] = op(__builtin_shufflevector(z[j], z[j + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25,
+                                      12, 13, 28, 29),
+              __builtin_shufflevector(z[j], z[j + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27,
+                                      14, 15, 30, 31));
+  return op(__builtin_shufflevector(w[0], w[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28,
+                                    14, 30),
+            __builtin_shufflevector(w[0], w[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29,
+                                    15, 31));
+}
+template <class Op>
+[[nodiscard]] inline Double8 reduce_zmm_each(const Double8* x, Op op) noexcept {
+  Double8 r[4], z[2];
+  for (int j = 0; j < 4; ++j)  // lanes 0-3: x[j], 4-7: x[j + 4]
+    r[j] = op(__builtin_shufflevector(x[j], x[j + 4], 0, 1, 2, 3, 8, 9, 10, 11),
+              __builtin_shufflevector(x[j], x[j + 4], 4, 5, 6, 7, 12, 13, 14, 15));
+  for (int j = 0; j < 2; ++j)  // lane pair c: x[j + 2c]
+    z[j] = op(__builtin_shufflevector(r[j], r[j + 2], 0, 1, 8, 9, 4, 5, 12, 13),
+              __builtin_shufflevector(r[j], r[j + 2], 2, 3, 10, 11, 6, 7, 14, 15));
+  return op(__builtin_shufflevector(z[0], z[1], 0, 8, 2, 10, 4, 12, 6, 14),
+            __builtin_shufflevector(z[0], z[1], 1, 9, 3, 11, 5, 13, 7, 15));
+}
 }  // namespace detail
 #endif
 
@@ -237,6 +306,38 @@ template <Real T>
     return detail::reduce_zmm(detail::to_zmm(x), [](auto a, auto b) { return a > b ? a : b; });
 #endif
   return detail::reduce_lanes(x, [](T a, T b) { return std::max(a, b); });
+}
+
+/// Lane j of the result is reduce_add(x[j]), bit for bit, for j < width:
+/// `width` horizontal sums at once (a transposing tree on 512-bit batches).
+template <Real T>
+[[nodiscard]] inline batch<T> reduce_add_each(const batch<T>* x) noexcept {
+#if defined(LATTE_ZMM_REDUCTIONS)
+  if constexpr (width<T> * sizeof(T) == 64) {
+    detail::Zmm<T> v[width<T>];
+    for (std::size_t j = 0; j < width<T>; ++j) v[j] = detail::to_zmm(x[j]);
+    return detail::from_zmm<T>(detail::reduce_zmm_each(v, [](auto a, auto b) { return a + b; }));
+  }
+#endif
+  alignas(64) T lanes[width<T>];
+  for (std::size_t j = 0; j < width<T>; ++j) lanes[j] = reduce_add(x[j]);
+  return simd::load(static_cast<const T*>(lanes));
+}
+
+/// Lane j of the result is reduce_max(x[j]) for j < width.
+template <Real T>
+[[nodiscard]] inline batch<T> reduce_max_each(const batch<T>* x) noexcept {
+#if defined(LATTE_ZMM_REDUCTIONS)
+  if constexpr (width<T> * sizeof(T) == 64) {
+    detail::Zmm<T> v[width<T>];
+    for (std::size_t j = 0; j < width<T>; ++j) v[j] = detail::to_zmm(x[j]);
+    return detail::from_zmm<T>(
+        detail::reduce_zmm_each(v, [](auto a, auto b) { return a > b ? a : b; }));
+  }
+#endif
+  alignas(64) T lanes[width<T>];
+  for (std::size_t j = 0; j < width<T>; ++j) lanes[j] = reduce_max(x[j]);
+  return simd::load(static_cast<const T*>(lanes));
 }
 
 #else  // one-lane scalar stand-in
@@ -285,6 +386,10 @@ template <Real T>
 [[nodiscard]] inline T reduce_add(const batch<T>& x) noexcept { return x.value; }
 template <Real T>
 [[nodiscard]] inline T reduce_max(const batch<T>& x) noexcept { return x.value; }
+template <Real T>
+[[nodiscard]] inline batch<T> reduce_add_each(const batch<T>* x) noexcept { return x[0]; }
+template <Real T>
+[[nodiscard]] inline batch<T> reduce_max_each(const batch<T>* x) noexcept { return x[0]; }
 
 #endif
 
