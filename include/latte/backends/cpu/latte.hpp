@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "latte/backends/cpu/block_contractions.hpp"
+#include "latte/backends/cpu/memory_pass.hpp"
 #include "latte/backends/cpu/parallel.hpp"
 #include "latte/backends/cpu/prefetch.hpp"
 #include "latte/backends/cpu/rotation.hpp"
@@ -321,60 +322,6 @@ void update_and_read_pair(T* memory, const T* c, const T* w, const T* gamma, con
     }
     out1[e] = acc1;
     out2[e] = acc2;
-  }
-}
-
-/// The Dv pass for four consecutive tokens none of whose keys moved a running
-/// max (every c = 1), over one register block of R vectors: each memory row is
-/// loaded and stored once for four tokens. w/gamma hold token j's values at
-/// [j L, (j + 1) L).
-template <Real T, int R>
-LATTE_FLATTEN void update_read_quad_block(T* memory, index_t Dv, index_t d0, const T* w,
-                                          const T* gamma, const T* const* v, T* const* out,
-                                          index_t L) noexcept {
-  using B = simd::batch<T>;
-  constexpr index_t W = simd::width<T>;
-  constexpr int K = 4;
-  B value[K][R], acc[K][R];
-  simd::unrolled<K * R>([&](auto i) {  // constant indices (simd::unrolled)
-    value[i / R][i % R] = simd::load(v[i / R] + d0 + (i % R) * W);
-    acc[i / R][i % R] = B(T(0));
-  });
-  for (index_t l = 0; l < L; ++l) {
-    T* row = memory + l * Dv + d0;
-    B m[R];
-    for (int r = 0; r < R; ++r) m[r] = simd::load(row + r * W);
-    for (int j = 0; j < K; ++j) {
-      const B weight(w[j * L + l]), read(gamma[j * L + l]);
-      for (int r = 0; r < R; ++r) {
-        m[r] = simd::fma(weight, value[j][r], m[r]);
-        acc[j][r] = simd::fma(read, m[r], acc[j][r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) simd::store(row + r * W, m[r]);
-  }
-  simd::unrolled<K * R>(
-      [&](auto i) { simd::store(out[i / R] + d0 + (i % R) * W, acc[i / R][i % R]); });
-}
-
-/// Four tokens (t .. t+3) without rescaling over the whole Dv pass.
-template <Real T>
-void update_and_read_quad(T* memory, const T* w, const T* gamma, const T* const* v,
-                          T* const* out, index_t L, index_t Dv) noexcept {
-  constexpr index_t W = simd::width<T>;
-  index_t d = 0;
-  for (; d + 2 * W <= Dv; d += 2 * W) update_read_quad_block<T, 2>(memory, Dv, d, w, gamma, v, out, L);
-  for (; d + W <= Dv; d += W) update_read_quad_block<T, 1>(memory, Dv, d, w, gamma, v, out, L);
-  for (index_t e = d; e < Dv; ++e) {
-    T acc[4] = {0, 0, 0, 0};
-    for (index_t l = 0; l < L; ++l) {
-      T& m = memory[l * Dv + e];
-      for (int j = 0; j < 4; ++j) {
-        m += w[j * L + l] * v[j][e];
-        acc[j] += gamma[j * L + l] * m;
-      }
-    }
-    for (int j = 0; j < 4; ++j) out[j][e] = acc[j];
   }
 }
 

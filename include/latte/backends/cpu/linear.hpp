@@ -12,8 +12,9 @@
 //
 // Causal: the recurrence S_t = S_{t-1} + e(k_t) v_t^T, z_t = z_{t-1} + e'(k_t),
 // o_t = S_t^T e(q_t) / N(e'(q_t) . z_t) (paper 001 eq. 4) as a register-blocked
-// scan: the E x Dv memory stays in L1, each pass over it absorbs and reads two
-// tokens, with the value and output blocks in registers (as cpu/latte.hpp).
+// scan: the E x Dv memory stays in L1, each pass over it absorbs and reads four
+// tokens (memory_pass.hpp, shared with cpu/latte.hpp), with the value and
+// output blocks in registers.
 // The chunked GEMM form of DESIGN §5 (intra-chunk masked (E_Q E_K^T) V plus
 // E_Q S) was measured against it and loses at the DESIGN §6 shapes (see
 // bench/bench_linear.cpp); it is kept as `chunked_scan` for that comparison.
@@ -34,7 +35,9 @@
 
 #include <Eigen/Core>
 
+#include "latte/backends/cpu/memory_pass.hpp"
 #include "latte/backends/cpu/parallel.hpp"
+#include "latte/backends/cpu/prefetch.hpp"
 #include "latte/backends/cpu/rotation.hpp"
 #include "latte/backends/cpu/simd.hpp"
 #include "latte/backends/reference/linear.hpp"
@@ -335,17 +338,45 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
   const index_t E = spec.expanded_dim(), Dv = spec.value_dim;
   const bool separate = separate_denominator<Pos>(spec);
   seek_rotation<Pos>(scratch, spec, h, position);
+  // Rows 2 KiB apart defeat the hardware prefetchers (prefetch.hpp): the
+  // first block's rows are requested up front, each later block's while the
+  // passes of the one before it run.
+  auto prefetch_token = [&]<CacheLevel Level>(index_t t) {
+    if (t >= t1) return;
+    prefetch_row<Level>(q.row(b, t, h), sizeof(T) * q.extent(3));
+    prefetch_row<Level>(k.row(b, t, h), sizeof(T) * k.extent(3));
+    prefetch_row<Level>(v.row(b, t, h), sizeof(T) * Dv);
+    prefetch_row<Level>(out.row(b, t, h), sizeof(T) * Dv);
+  };
+  for (index_t t = t0; t < std::min(t1, t0 + linear_block); ++t)
+    prefetch_token.template operator()<CacheLevel::l1>(t);
   for (index_t c0 = t0; c0 < t1; c0 += linear_block) {
     const index_t n = std::min(linear_block, t1 - c0);
     block_features<Map, Rw, Pos>(&q, &k, b, h, c0, n, position + (c0 - t0), spec, proportion_of,
                                  scratch);
+    auto prefetch_next_block = [&](index_t r, index_t count) {
+      for (index_t j = r; j < r + count; ++j)
+        prefetch_token.template operator()<CacheLevel::l2>(c0 + linear_block + j);
+    };
     const T* kn = scratch.key_numerator.data();
     const T* qn = scratch.query_numerator.data();
     const T* kd = separate ? scratch.key_denominator.data() : kn;
     const T* qd = separate ? scratch.query_denominator.data() : qn;
     index_t r = 0;
+    for (; r + 3 < n; r += 4) {  // four tokens per pass over the memory (memory_pass.hpp)
+      const index_t t = c0 + r;
+      prefetch_next_block(r, 4);
+      const T* values[4] = {v.row(b, t, h), v.row(b, t + 1, h), v.row(b, t + 2, h),
+                            v.row(b, t + 3, h)};
+      T* outs[4] = {out.row(b, t, h), out.row(b, t + 1, h), out.row(b, t + 2, h),
+                    out.row(b, t + 3, h)};
+      update_and_read_quad(carry.memory, kn + r * E, qn + r * E, values, outs, E, Dv);
+      for (index_t j = r; j < r + 4; ++j)
+        scratch.denominator[j] = absorb_read_normaliser(carry.normaliser, kd + j * E, qd + j * E, E);
+    }
     for (; r + 1 < n; r += 2) {  // two tokens per pass over the memory
       const index_t t = c0 + r;
+      prefetch_next_block(r, 2);
       absorb_read(carry.memory, kn + r * E, kn + (r + 1) * E, qn + r * E, qn + (r + 1) * E,
                   v.row(b, t, h), v.row(b, t + 1, h), out.row(b, t, h), out.row(b, t + 1, h), E,
                   Dv);

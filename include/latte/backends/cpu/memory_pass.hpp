@@ -1,0 +1,70 @@
+#pragma once
+// The pass of a causal scan over its N x Dv memory for four consecutive
+// tokens whose updates add without rescaling, register blocked:
+//
+//   for j = 0 .. 3:  M[n] += w[j][n] v_j   (n < N),   o_j = sum_n g[j][n] M[n]
+//
+// with o_j read from the memory just after token j's update. Each memory row
+// is loaded and stored once for the four tokens (a quarter of the L1 traffic
+// of one token per pass), the values and outputs sit in registers. Latte's
+// scan (paper 000 eqs. 10-12: w = exp(k - m), g = p(l|t) / alpha, N = L, used
+// while no running max moves) and the linear family's (paper 001 eq. 4: w =
+// e(k), g = e(q), N = E) both run it.
+#include "latte/backends/cpu/simd.hpp"
+#include "latte/core/types.hpp"
+
+namespace latte::cpu {
+
+/// One register block of R vectors (columns d0 .. d0 + R W) of the pass; w and
+/// g hold token j's values at [j N, (j + 1) N).
+template <Real T, int R>
+LATTE_FLATTEN void update_read_quad_block(T* memory, index_t Dv, index_t d0, const T* w,
+                                          const T* g, const T* const* v, T* const* out,
+                                          index_t N) noexcept {
+  using B = simd::batch<T>;
+  constexpr index_t W = simd::width<T>;
+  constexpr int K = 4;
+  B value[K][R], acc[K][R];
+  simd::unrolled<K * R>([&](auto i) {  // constant indices (simd::unrolled)
+    value[i / R][i % R] = simd::load(v[i / R] + d0 + (i % R) * W);
+    acc[i / R][i % R] = B(T(0));
+  });
+  for (index_t n = 0; n < N; ++n) {
+    T* row = memory + n * Dv + d0;
+    B m[R];
+    for (int r = 0; r < R; ++r) m[r] = simd::load(row + r * W);
+    for (int j = 0; j < K; ++j) {
+      const B weight(w[j * N + n]), read(g[j * N + n]);
+      for (int r = 0; r < R; ++r) {
+        m[r] = simd::fma(weight, value[j][r], m[r]);
+        acc[j][r] = simd::fma(read, m[r], acc[j][r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) simd::store(row + r * W, m[r]);
+  }
+  simd::unrolled<K * R>(
+      [&](auto i) { simd::store(out[i / R] + d0 + (i % R) * W, acc[i / R][i % R]); });
+}
+
+/// The whole pass for four tokens: value j at v[j], output j to out[j].
+template <Real T>
+void update_and_read_quad(T* memory, const T* w, const T* g, const T* const* v, T* const* out,
+                          index_t N, index_t Dv) noexcept {
+  constexpr index_t W = simd::width<T>;
+  index_t d = 0;
+  for (; d + 2 * W <= Dv; d += 2 * W) update_read_quad_block<T, 2>(memory, Dv, d, w, g, v, out, N);
+  for (; d + W <= Dv; d += W) update_read_quad_block<T, 1>(memory, Dv, d, w, g, v, out, N);
+  for (index_t e = d; e < Dv; ++e) {
+    T acc[4] = {0, 0, 0, 0};
+    for (index_t n = 0; n < N; ++n) {
+      T& m = memory[n * Dv + e];
+      for (int j = 0; j < 4; ++j) {
+        m += w[j * N + n] * v[j][e];
+        acc[j] += g[j * N + n] * m;
+      }
+    }
+    for (int j = 0; j < 4; ++j) out[j][e] = acc[j];
+  }
+}
+
+}  // namespace latte::cpu
