@@ -348,7 +348,7 @@ TEST_CASE_TEMPLATE("ShortConv matches its definition; steps and split prefill co
       const index_t second = std::uniform_int_distribution<index_t>(0, Tn - first)(rng);
       auto state = ShortConv<K>::make_state(w, B);
       Tensor<T, 3> decoded({B, Tn, C});
-      for (const auto [from, count] : {std::pair{index_t{0}, first}, std::pair{first, second}}) {
+      for (const auto& [from, count] : {std::pair{index_t{0}, first}, std::pair{first, second}}) {
         Tensor<T, 3> part({B, count, C});
         ShortConv<K>::forward(w, rows_slice(x, from, count).cview(), part.view(), &state);
         put_rows(decoded, part, from);
