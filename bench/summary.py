@@ -41,6 +41,16 @@ def main(path):
         for T in sorted(kv):
             print(f"  context {T}: KV-cache softmax step {kv[T] * 1e6:.1f} us = "
                   f"{kv[T] / step[T]:.0f}x the Latte step")
+    # The chunked causal kernels (Latte and the linear family) and
+    # bidirectional Latte as fractions of the peak, every length run.
+    kernels = {"latte": ("latte", "causal"), "latte_vapor": ("latte_vapor", "causal"),
+               "linear_elu": ("linear_elu", "causal"), "cosformer": ("cosformer", "causal"),
+               "latte bidir": ("latte", "bidirectional")}
+    print("% of peak" + "".join(f"{label:>13}" for label in kernels))
+    for T in sorted(latte):
+        cells = [gflops[key + ("latte-cpu",)].get(T) for key in kernels.values()]
+        print(f"{T:>9}" + "".join(f"{100 * c / peak:>12.0f}%" if c else f"{'-':>13}"
+                                  for c in cells))
     work = extra[("latte", "causal", "latte-cpu")]
     if work:
         print("latte causal workspace bytes by T: " +

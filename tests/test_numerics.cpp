@@ -183,8 +183,9 @@ TEST_CASE_TEMPLATE("cpu exp: within 2 ulp everywhere, subnormal and infinite end
   CHECK(simd_exp_max_ulp(subnormal_args) <= 2.0);
 }
 
-TEST_CASE_TEMPLATE("cpu reduce_add_each / reduce_max_each: lane j has the bits of batch j's reduction",
-                   T, float, double) {
+TEST_CASE_TEMPLATE(
+    "cpu reduce_add_each / reduce_max_each: lane j has the bits of batch j's reduction", T, float,
+    double) {
   // The batched softmax stage (latent_softmax_exps) reduces a whole group of
   // rows with one transposing tree; the decode step reduces its one row with
   // reduce_add / reduce_max. Their bits must agree, and lanes whose

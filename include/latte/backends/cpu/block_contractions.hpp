@@ -46,8 +46,8 @@ inline void fma_tile(simd::batch<T> (&acc)[R][CV], const T* a, index_t a_row, in
 
 /// M[l0 + i][d0 + c W ..] += sum_s e[s][l0 + i] v[s][d0 + c W ..], i < RL, c < CV.
 template <Real T, int RL, int CV>
-LATTE_FLATTEN void outer_products_tile(const T* e, index_t n, index_t L, const T* v, index_t Dv,
-                                T* memory, index_t l0, index_t d0) noexcept {
+LATTE_FLATTEN void outer_products_tile(const T* e, index_t n, index_t L, const T* v,
+                                       index_t Dv, T* memory, index_t l0, index_t d0) noexcept {
   using B = simd::batch<T>;
   constexpr index_t W = simd::width<T>;
   B acc[RL][CV];
@@ -77,8 +77,8 @@ inline void outer_products_columns(const T* e, index_t n, index_t L, const T* v,
 /// o[s0 + r][d0 + c W ..] = scale[s0 + r] sum_l g[s0 + r][l] M[l][d0 + c W ..],
 /// r < R, c < CV.
 template <Real T, int R, int CV>
-LATTE_FLATTEN void read_tile(const T* g, index_t L, const T* memory, index_t Dv, const T* scale, T* out,
-                      index_t out_stride, index_t s0, index_t d0) noexcept {
+LATTE_FLATTEN void read_tile(const T* g, index_t L, const T* memory, index_t Dv, const T* scale,
+                             T* out, index_t out_stride, index_t s0, index_t d0) noexcept {
   using B = simd::batch<T>;
   constexpr index_t W = simd::width<T>;
   B acc[R][CV];

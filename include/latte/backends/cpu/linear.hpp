@@ -372,7 +372,8 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
                     out.row(b, t + 3, h)};
       update_and_read_quad(carry.memory, kn + r * E, qn + r * E, values, outs, E, Dv);
       for (index_t j = r; j < r + 4; ++j)
-        scratch.denominator[j] = absorb_read_normaliser(carry.normaliser, kd + j * E, qd + j * E, E);
+        scratch.denominator[j] =
+            absorb_read_normaliser(carry.normaliser, kd + j * E, qd + j * E, E);
     }
     for (; r + 1 < n; r += 2) {  // two tokens per pass over the memory
       const index_t t = c0 + r;
