@@ -206,11 +206,14 @@ struct QuadraticCap {
   double previous_seconds = 0;
   index_t previous_t = 0;
 
-  double predicted(index_t T) const {
+  /// Seconds a run at T should take: the last length's time scaled by
+  /// (T / last)^2, or before any length ran, its `flops` at the FMA peak (a
+  /// lower bound: `--t 1M` alone would otherwise start an hours-long run).
+  double predicted(index_t T, double flops, double peak_gflops) const {
+    if (previous_t == 0) return flops / (peak_gflops * 1e9);
     const double ratio = double(T) / double(previous_t);
     return previous_seconds * ratio * ratio;
   }
-  bool allows(index_t T, double cap) const { return previous_t == 0 || predicted(T) <= cap; }
   void record(index_t T, double seconds) {
     previous_t = T;
     previous_seconds = seconds;
@@ -344,11 +347,12 @@ int main(int argc, char** argv) {
     // Runs that grow like T^2: skipped when the last length predicts a run past the cap.
     auto capped = [&](QuadraticCap& cap, const char* name, double flops,
                       const std::function<void()>& f) {
-      if (cap.allows(T, options.time_cap)) {
+      const double predicted = cap.predicted(T, flops, peak);
+      if (predicted <= options.time_cap) {
         cap.record(T, run(name, "causal", flops, f));
       } else if (!options.csv) {
         std::fprintf(stderr, "  %s causal T=%td skipped (predicted %.0f s > cap %.0f s)\n", name, T,
-                     cap.predicted(T), options.time_cap);
+                     predicted, options.time_cap);
       }
     };
     capped(conv_cap, "conv_compressed",
