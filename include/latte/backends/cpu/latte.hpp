@@ -129,28 +129,18 @@ void latent_softmax_exps(const T* q, index_t stride, index_t n, index_t L, T* e,
   for (index_t r0 = 0; r0 < n; r0 += W) {
     const index_t rows = std::min(W, n - r0);
     B lanes[W];
-    for (index_t j = 0; j < W; ++j) {  // rows past n: zeros, reduced and ignored
-      lanes[j] = B(T(0));
-      if (j >= rows) continue;
-      const T* row = q + (r0 + j) * stride;
-      lanes[j] = simd::load(row);
-      for (index_t l = W; l < L; l += W) lanes[j] = simd::max(lanes[j], simd::load(row + l));
-    }
+    // Rows past n are zeros, reduced and ignored.
+    for (index_t j = 0; j < W; ++j)
+      lanes[j] = j < rows ? simd::max_lanes(q + (r0 + j) * stride, L) : B(T(0));
     alignas(64) T row_max[W], row_sum[W];
     simd::store(row_max, simd::reduce_max_each(static_cast<const B*>(lanes)));
     for (index_t j = 0; j < rows; ++j) {
-      const T* row = q + (r0 + j) * stride;
       T* out = e + (r0 + j) * L;
-      lanes[j] = B(T(0));
       if (row_max[j] == lowest) {
         std::fill(out, out + L, T(0));
-        continue;
-      }
-      const B shift(row_max[j]);
-      for (index_t l = 0; l < L; l += W) {
-        const B x = simd::exp(simd::load(row + l) - shift);
-        simd::store(out + l, x);
-        lanes[j] = lanes[j] + x;
+        lanes[j] = B(T(0));
+      } else {
+        lanes[j] = simd::exp_shifted_lanes(q + (r0 + j) * stride, L, row_max[j], out);
       }
     }
     simd::store(row_sum, simd::reduce_add_each(static_cast<const B*>(lanes)));
@@ -358,12 +348,8 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
   constexpr index_t ahead = 4;
   auto prefetch_token = [&]<CacheLevel Level = CacheLevel::l1>(index_t s) {
     if (s >= t1) return;
-    prefetch_row<Level>(k.row(b, s, h), sizeof(T) * L);
-    prefetch_row<Level>(v.row(b, s, h), sizeof(T) * Dv);
-    if (read) {
-      prefetch_row<Level>(q.row(b, s, h), sizeof(T) * L);
-      prefetch_row<Level>(out.row(b, s, h), sizeof(T) * Dv);
-    }
+    prefetch_token_rows<Level>(b, s, h, k, v);
+    if (read) prefetch_token_rows<Level>(b, s, h, q, out);
   };
   for (index_t s = t0; s < std::min(t1, t0 + ahead); ++s) prefetch_token(s);
   index_t t = t0;

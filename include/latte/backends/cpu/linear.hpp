@@ -342,11 +342,7 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
   // first block's rows are requested up front, each later block's while the
   // passes of the one before it run.
   auto prefetch_token = [&]<CacheLevel Level>(index_t t) {
-    if (t >= t1) return;
-    prefetch_row<Level>(q.row(b, t, h), sizeof(T) * q.extent(3));
-    prefetch_row<Level>(k.row(b, t, h), sizeof(T) * k.extent(3));
-    prefetch_row<Level>(v.row(b, t, h), sizeof(T) * Dv);
-    prefetch_row<Level>(out.row(b, t, h), sizeof(T) * Dv);
+    if (t < t1) prefetch_token_rows<Level>(b, t, h, q, k, v, out);
   };
   for (index_t t = t0; t < std::min(t1, t0 + linear_block); ++t)
     prefetch_token.template operator()<CacheLevel::l1>(t);

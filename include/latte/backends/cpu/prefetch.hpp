@@ -9,6 +9,8 @@
 // fault and change no result.
 #include <cstddef>
 
+#include "latte/core/types.hpp"
+
 namespace latte::cpu {
 
 inline constexpr std::size_t cache_line_bytes = 64;
@@ -39,6 +41,14 @@ inline void prefetch_row(const void* row, std::size_t bytes) noexcept {
   const char* p = static_cast<const char*>(row);
   for (std::size_t offset = 0; offset < bytes; offset += cache_line_bytes)
     prefetch_line<Level>(p + offset);
+}
+
+/// Hints the row of token t of (b, h) in each [B, T, H, *] view.
+template <CacheLevel Level = CacheLevel::l1, class... Views>
+inline void prefetch_token_rows(index_t b, index_t t, index_t h, const Views&... views) noexcept {
+  (prefetch_row<Level>(views.row(b, t, h),
+                       sizeof(*views.data()) * static_cast<std::size_t>(views.extent(3))),
+   ...);
 }
 
 }  // namespace latte::cpu

@@ -393,19 +393,38 @@ template <Real T>
 
 #endif
 
+/// The vectorised part of max_of: lane-wise maxima of the whole vectors of
+/// x[0, n), n >= width.
+template <Real T>
+[[nodiscard]] inline batch<T> max_lanes(const T* x, index_t n) noexcept {
+  constexpr auto W = static_cast<index_t>(width<T>);
+  batch<T> running = simd::load(x);
+  for (index_t i = W; i + W <= n; i += W) running = simd::max(running, simd::load(x + i));
+  return running;
+}
+
 /// max_i x[i] for i < n (-inf when n = 0): one vectorised pass and a scalar tail.
 template <Real T>
 [[nodiscard]] inline T max_of(const T* x, index_t n) noexcept {
   constexpr auto W = static_cast<index_t>(width<T>);
   T result = -std::numeric_limits<T>::infinity();
-  index_t i = 0;
-  if (n >= W) {
-    batch<T> running = simd::load(x);
-    for (i = W; i + W <= n; i += W) running = simd::max(running, simd::load(x + i));
-    result = simd::reduce_max(running);
-  }
-  for (; i < n; ++i) result = std::max(result, x[i]);
+  if (n >= W) result = simd::reduce_max(max_lanes(x, n));
+  for (index_t i = n - n % W; i < n; ++i) result = std::max(result, x[i]);
   return result;
+}
+
+/// The vectorised part of exp_shifted_sum: out[i] = exp(x[i] - shift) over the
+/// whole vectors of [0, n) (out may be x); returns their lane-wise sums.
+template <Real T>
+[[nodiscard]] inline batch<T> exp_shifted_lanes(const T* x, index_t n, T shift, T* out) noexcept {
+  constexpr auto W = static_cast<index_t>(width<T>);
+  batch<T> lanes(T(0));
+  for (index_t i = 0; i + W <= n; i += W) {
+    const batch<T> e = simd::exp(simd::load(x + i) - batch<T>(shift));
+    simd::store(out + i, e);
+    lanes = lanes + e;
+  }
+  return lanes;
 }
 
 /// out[i] = exp(x[i] - shift) for i < n (out may be x), one vectorised pass and
@@ -414,15 +433,9 @@ template <Real T>
 template <Real T>
 [[nodiscard]] inline T exp_shifted_sum(const T* x, index_t n, T shift, T* out) noexcept {
   constexpr auto W = static_cast<index_t>(width<T>);
-  batch<T> lanes(T(0));
-  index_t i = 0;
-  for (; i + W <= n; i += W) {
-    const batch<T> e = simd::exp(simd::load(x + i) - batch<T>(shift));
-    simd::store(out + i, e);
-    lanes = lanes + e;
-  }
+  const batch<T> lanes = exp_shifted_lanes(x, n, shift, out);
   T total = 0;
-  for (; i < n; ++i) {
+  for (index_t i = n - n % W; i < n; ++i) {
     out[i] = std::exp(x[i] - shift);
     total += out[i];
   }
