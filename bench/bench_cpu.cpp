@@ -2,6 +2,7 @@
 // D = 64, shapes of DESIGN §6 (latte-compare runs the same side by side with peers):
 //
 //   cpu_latte_forward/{causal,bidirectional}/T:{1K..64K}/L:{16,64,128,256}
+//   cpu_latte_forward/causal_vapor/T:{1K..64K}/L:64   VAPOR (rotations not counted as FLOPs)
 //   cpu_softmax_forward/{causal,window128}/T:{1K,4K,16K}
 //   cpu_latte_step/context:{1K,16K,256K}          one decode token after `context`
 //   cpu_softmax_step/context:{1K,16K}              one KV-cache decode token
@@ -31,13 +32,13 @@ latte::Tensor<float, N> noise(const std::array<index_t, N>& extents, unsigned se
   return tensor;
 }
 
-template <class Direction>
+template <class Direction, class Positional = latte::NoPositional>
 void cpu_latte_forward(benchmark::State& bench) {
   const index_t T = bench.range(0), L = bench.range(1);
   const auto q = noise<4>({1, T, kHeads, L}, 1), k = noise<4>({1, T, kHeads, L}, 2);
   const auto v = noise<4>({1, T, kHeads, kDim}, 3);
   latte::Tensor<float, 4> out({1, T, kHeads, kDim});
-  const latte::LatteAttention<Direction> attention({kHeads, L, kDim});
+  const latte::LatteAttention<Direction, latte::RunningMax, Positional> attention({kHeads, L, kDim});
   for (auto _ : bench) attention.forward(latte::exec::cpu, q, k, v, out.view());
   bench.SetItemsProcessed(bench.iterations() * T);
   bench.counters["flops"] = benchmark::Counter(4.0 * double(T) * kHeads * double(L) * kDim *
@@ -113,6 +114,11 @@ void cpu_softmax_step(benchmark::State& bench) {
 BENCHMARK(cpu_latte_forward<latte::Causal>)
     ->Name("cpu_latte_forward/causal")
     ->ArgsProduct({{1024, 4096, 16384, 65536}, {16, 64, 128, 256}})
+    ->ArgNames({"T", "L"})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(cpu_latte_forward<latte::Causal, latte::VAPOR>)
+    ->Name("cpu_latte_forward/causal_vapor")
+    ->ArgsProduct({{1024, 4096, 16384, 65536}, {64}})
     ->ArgNames({"T", "L"})
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(cpu_latte_forward<latte::Bidirectional>)

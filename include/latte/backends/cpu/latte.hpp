@@ -51,15 +51,16 @@ using reference::LatteCarry;
 inline constexpr index_t stage_tokens = 16;
 
 /// Per-worker scratch for the causal scan (c, w, gamma of `stage_tokens`
-/// tokens, rotated values of up to four).
+/// tokens, rotated values of up to four; VAPOR: the rotation of each of
+/// `stage_tokens` positions as interleaved cos / sin rows).
 template <Real T>
 struct LatteScratch {
   LatteScratch(index_t L, index_t Dv)
       : carry_scale(stage_tokens * L), weight(stage_tokens * L), gamma(stage_tokens * L),
-        rotated(4 * Dv), rotation(Dv / 2), rotation_out(Dv / 2) {}
-  AlignedVector<T> carry_scale, weight, gamma, rotated;
-  RotationStepper<T> rotation;      // R^{-s} on the values entering the memory
-  RotationStepper<T> rotation_out;  // R^{t} on the outputs, one token behind at most
+        rotated(4 * Dv), rotation_cos(stage_tokens * Dv), rotation_sin(stage_tokens * Dv),
+        rotation(Dv / 2) {}
+  AlignedVector<T> carry_scale, weight, gamma, rotated, rotation_cos, rotation_sin;
+  RotationStepper<T> rotation;  // fills rotation_cos / rotation_sin, one row per position
 };
 
 /// The L-wide key stage (eq. 21): m <- max(m, k), c = exp(m_old - m),
@@ -323,26 +324,33 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
           index_t t0, index_t t1, LatteCarry<T> carry, const double* theta,
           std::int64_t position, bool read, LatteScratch<T>& scratch) noexcept {
   const index_t L = q.extent(3), Dv = v.extent(3);
-  if constexpr (Pos::rotates_values) {
-    scratch.rotation.seek(theta, position);
-    scratch.rotation_out.seek(theta, position);
-  }
+  if constexpr (Pos::rotates_values) scratch.rotation.seek(theta, position);
   T *c = scratch.carry_scale.data(), *w = scratch.weight.data(), *gamma = scratch.gamma.data();
-  auto value_of = [&](index_t t, T* rotated) {
+  // VAPOR (eq. 22): the rotations of the next n positions, row j for token
+  // t + j, serve both R^{-s} on the value entering the memory and R^{t} on the
+  // output (one stepper and one cos / sin per position instead of two).
+  auto fill_rotations = [&](index_t n) {
+    if constexpr (Pos::rotates_values)
+      for (index_t j = 0; j < n; ++j) {
+        scratch.rotation.write_rows(scratch.rotation_cos.data() + j * Dv,
+                                    scratch.rotation_sin.data() + j * Dv);
+        scratch.rotation.next();
+      }
+  };
+  // Token t's value, the run's row j holding its position.
+  auto value_of = [&](index_t t, index_t j, T* rotated) {
     const T* value = v.row(b, t, h);
     if constexpr (Pos::rotates_values) {
-      std::copy(value, value + Dv, rotated);
-      scratch.rotation.rotate(rotated, /*forward=*/false);  // R^{-s} v_s
-      scratch.rotation.next();
+      rotate_pairs<false>(value, rotated, scratch.rotation_cos.data() + j * Dv,
+                          scratch.rotation_sin.data() + j * Dv, Dv);  // R^{-s} v_s
       return static_cast<const T*>(rotated);
     }
     return value;
   };
-  auto rotate_out = [&](T* o) {
-    if constexpr (Pos::rotates_values) {  // R^t, at the output token's position
-      scratch.rotation_out.rotate(o, /*forward=*/true);
-      scratch.rotation_out.next();
-    }
+  auto rotate_out = [&](T* o, index_t j) {
+    if constexpr (Pos::rotates_values)  // R^t, at the output token's position
+      rotate_pairs<true>(o, o, scratch.rotation_cos.data() + j * Dv,
+                         scratch.rotation_sin.data() + j * Dv, Dv);
   };
   // Rows `ahead` tokens on are requested while this token computes (prefetch.hpp).
   constexpr index_t ahead = 4;
@@ -380,6 +388,7 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
       bool rescaled[stage_tokens];
       T beta[stage_tokens];
       latent_softmax_exps(q.row(b, t, h), q.stride(1), n, L, gamma, beta);
+      fill_rotations(n);
       for (index_t j = 0; j < n; ++j) {
         if (j + ahead < n) prefetch_token(t + j + ahead);
         rescaled[j] = absorb_keys<Stab>(k.row(b, t + j, h), carry, c + j * L, w + j * L, L);
@@ -391,7 +400,7 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
         T* outs[4];
         for (int i = 0; i < 4; ++i) {
           prefetch_next_run(j + i);
-          values[i] = value_of(t + j + i, scratch.rotated.data() + i * Dv);
+          values[i] = value_of(t + j + i, j + i, scratch.rotated.data() + i * Dv);
           outs[i] = out.row(b, t + j + i, h);
         }
         if (rescaled[j] || rescaled[j + 1] || rescaled[j + 2] || rescaled[j + 3]) {
@@ -400,23 +409,23 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
         } else {
           update_and_read_quad(carry.memory, w + j * L, gamma + j * L, values, outs, L, Dv);
         }
-        for (int i = 0; i < 4; ++i) rotate_out(outs[i]);
+        for (int i = 0; i < 4; ++i) rotate_out(outs[i], j + i);
       }
       for (; j + 1 < n; j += 2) {
         prefetch_next_run(j);
         prefetch_next_run(j + 1);
-        const T* v1 = value_of(t + j, scratch.rotated.data());
-        const T* v2 = value_of(t + j + 1, scratch.rotated.data() + Dv);
+        const T* v1 = value_of(t + j, j, scratch.rotated.data());
+        const T* v2 = value_of(t + j + 1, j + 1, scratch.rotated.data() + Dv);
         pair(t + j, j, rescaled[j], rescaled[j + 1], v1, v2);
-        rotate_out(out.row(b, t + j, h));
-        rotate_out(out.row(b, t + j + 1, h));
+        rotate_out(out.row(b, t + j, h), j);
+        rotate_out(out.row(b, t + j + 1, h), j + 1);
       }
       if (j < n) {
         prefetch_next_run(j);
         T* o = out.row(b, t + j, h);
         update_and_read(carry.memory, c + j * L, w + j * L, gamma + j * L,
-                        value_of(t + j, scratch.rotated.data()), o, L, Dv, rescaled[j]);
-        rotate_out(o);
+                        value_of(t + j, j, scratch.rotated.data()), o, L, Dv, rescaled[j]);
+        rotate_out(o, j);
       }
       t += n;
     }
@@ -424,7 +433,8 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
   }
   for (; t < t1; ++t) {  // state only: one token per pass
     prefetch_token(t + ahead);
-    const T* value = value_of(t, scratch.rotated.data());
+    fill_rotations(1);
+    const T* value = value_of(t, 0, scratch.rotated.data());
     const bool rescale = absorb_keys<Stab>(k.row(b, t, h), carry, c, w, L);
     update_and_read(carry.memory, c, w, gamma, value, static_cast<T*>(nullptr), L, Dv, rescale);
   }

@@ -2,82 +2,149 @@
 // RotationStepper: cos/sin of (position * theta_i) for consecutive positions
 // without a sincos per pair per token. Each step multiplies by the rotation
 // of one position in double precision; every `anchor_every` steps the values
-// are recomputed exactly (reduced modulo 2*pi in double, core/angles.hpp), so
-// the drift stays ~1e-15, far below fp32 and fp64 output tolerances.
+// are recomputed exactly (reduced modulo 2*pi in double, core/angles.hpp).
+// A step adds ~1e-16 of drift, so 64 steps between anchors for fp64 keep it
+// ~1e-14, and 1024 for fp32 ~1e-13, each far below its type's rounding.
+//
+// The stepper keeps each position's rotation as two interleaved rows (cos_row,
+// sin_row), which rotate_pairs applies with vector instructions; the causal
+// Latte scan copies one row pair per token of a run and rotates both the
+// value entering the memory (R^{-s}) and the output (R^{t}) from it.
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
+#include "latte/backends/cpu/simd.hpp"
 #include "latte/core/angles.hpp"
 #include "latte/core/types.hpp"
 
 namespace latte::cpu {
 
+/// out = R^{+p} in (Forward) or R^{-p} in over n values (n / 2 pairs; an odd
+/// last value is copied as it is), from position p's interleaved rows
+/// (RotationStepper::cos_row / sin_row): with x the row and swap(x) its pairs
+/// exchanged, R^{+p} x = x * cos_row + swap(x) * sin_row and R^{-p} x =
+/// x * cos_row - swap(x) * sin_row. `out` may be `in`.
+template <bool Forward, Real T>
+void rotate_pairs(const T* in, T* out, const T* cos_row, const T* sin_row, index_t n) noexcept {
+  index_t i = 0;
+  if constexpr (simd::width<T> >= 2) {
+    constexpr auto W = static_cast<index_t>(simd::width<T>);
+    for (; i + W <= n; i += W) {
+      const auto x = simd::load(in + i);
+      const auto straight = x * simd::load(cos_row + i);
+      const auto crossed = simd::swap_pairs(x) * simd::load(sin_row + i);
+      simd::store(out + i, Forward ? straight + crossed : straight - crossed);
+    }
+  }
+  for (; i + 1 < n; i += 2) {
+    const T x = in[i], y = in[i + 1];
+    const T straight_x = x * cos_row[i], straight_y = y * cos_row[i + 1];
+    const T crossed_x = y * sin_row[i], crossed_y = x * sin_row[i + 1];
+    out[i] = Forward ? straight_x + crossed_x : straight_x - crossed_x;
+    out[i + 1] = Forward ? straight_y + crossed_y : straight_y - crossed_y;
+  }
+  if (i < n) out[i] = in[i];
+}
+
 template <Real T>
 class RotationStepper {
  public:
-  static constexpr int anchor_every = 64;
+  static constexpr int anchor_every = std::is_same_v<T, float> ? 1024 : 64;
 
   RotationStepper() = default;
   explicit RotationStepper(index_t pairs)
-      : cos_(pairs), sin_(pairs), step_cos_(pairs), step_sin_(pairs), cos_t_(pairs), sin_t_(pairs) {}
+      : cos_(2 * pairs), sin_(2 * pairs), step_cos_(2 * pairs), step_sin_(2 * pairs),
+        cos_t_(2 * pairs), sin_t_(2 * pairs) {}
 
   /// Points the stepper at one head's angles and an absolute position.
   void seek(const double* theta, std::int64_t position) noexcept {
     theta_ = theta;
-    for (std::size_t i = 0; i < cos_.size(); ++i) {
-      const CosSin step = rotation_cos_sin(1, theta[i]);
-      step_cos_[i] = step.cos;
-      step_sin_[i] = step.sin;
-    }
+    for (std::size_t i = 0; i < pairs(); ++i)
+      set_pair(step_cos_.data(), step_sin_.data(), i, rotation_cos_sin(1, theta[i]));
     anchor(position);
   }
 
-  /// Moves to the next position.
+  /// Moves to the next position: (cos, sin) of every pair times the rotation
+  /// of one position, lane by lane over the interleaved rows (both lanes of a
+  /// pair compute the same products, one of them negated).
   void next() noexcept {
     if (++since_anchor_ == anchor_every) {
       anchor(position_ + 1);
       return;
     }
     ++position_;
-    for (std::size_t i = 0; i < cos_.size(); ++i) {
-      const double c = cos_[i] * step_cos_[i] - sin_[i] * step_sin_[i];
-      const double s = sin_[i] * step_cos_[i] + cos_[i] * step_sin_[i];
-      cos_[i] = c;
-      sin_[i] = s;
-      cos_t_[i] = static_cast<T>(c);
-      sin_t_[i] = static_cast<T>(s);
+    double* __restrict cos_d = cos_.data();
+    double* __restrict sin_d = sin_.data();
+    const double* __restrict step_cos = step_cos_.data();
+    const double* __restrict step_sin = step_sin_.data();
+    T* __restrict cos_t = cos_t_.data();
+    T* __restrict sin_t = sin_t_.data();
+    for (std::size_t k = 0; k < cos_.size(); ++k) {
+      const double c = cos_d[k] * step_cos[k] - sin_d[k] * step_sin[k];
+      const double s = sin_d[k] * step_cos[k] + cos_d[k] * step_sin[k];
+      cos_d[k] = c;
+      sin_d[k] = s;
+      cos_t[k] = static_cast<T>(c);
+      sin_t[k] = static_cast<T>(s);
     }
   }
 
   /// Rotates the pairs (2i, 2i+1) of `row` by R^{+position} (forward) or R^{-position}.
   void rotate(T* row, bool forward) const noexcept {
-    const T sign = forward ? T(1) : T(-1);
-    for (std::size_t i = 0; i < cos_t_.size(); ++i) {
-      const T c = cos_t_[i], s = sign * sin_t_[i];
-      const T x = row[2 * i], y = row[2 * i + 1];
-      row[2 * i] = c * x - s * y;
-      row[2 * i + 1] = s * x + c * y;
+    const index_t n = static_cast<index_t>(cos_t_.size());
+    if (forward) rotate_pairs<true>(row, row, cos_t_.data(), sin_t_.data(), n);
+    else rotate_pairs<false>(row, row, cos_t_.data(), sin_t_.data(), n);
+  }
+
+  /// The rotation at the current position as rows of 2 * pairs values:
+  /// cos_row[2i] = cos_row[2i+1] = cos_i, sin_row[2i] = -sin_i and
+  /// sin_row[2i+1] = sin_i, the form rotate_pairs takes.
+  [[nodiscard]] const T* cos_row() const noexcept { return cos_t_.data(); }
+  [[nodiscard]] const T* sin_row() const noexcept { return sin_t_.data(); }
+
+  /// Copies cos_row() and sin_row() (2 * pairs values each) to the given rows.
+  void write_rows(T* cos_row, T* sin_row) const noexcept {
+    const auto n = static_cast<index_t>(cos_t_.size());
+    constexpr auto W = static_cast<index_t>(simd::width<T>);
+    index_t k = 0;
+    for (; k + W <= n; k += W) {
+      simd::store(cos_row + k, simd::load(cos_t_.data() + k));
+      simd::store(sin_row + k, simd::load(sin_t_.data() + k));
+    }
+    for (; k < n; ++k) {
+      cos_row[k] = cos_t_[k];
+      sin_row[k] = sin_t_[k];
     }
   }
 
   [[nodiscard]] std::int64_t position() const noexcept { return position_; }
 
  private:
+  [[nodiscard]] std::size_t pairs() const noexcept { return cos_.size() / 2; }
+
+  /// Pair i of interleaved (cos, sin) rows: cos in both lanes, sin signed -, +.
+  template <class U>
+  static void set_pair(U* cos_row, U* sin_row, std::size_t i, const CosSin& at) noexcept {
+    cos_row[2 * i] = cos_row[2 * i + 1] = static_cast<U>(at.cos);
+    sin_row[2 * i] = static_cast<U>(-at.sin);
+    sin_row[2 * i + 1] = static_cast<U>(at.sin);
+  }
+
   void anchor(std::int64_t position) noexcept {
     position_ = position;
     since_anchor_ = 0;
-    for (std::size_t i = 0; i < cos_.size(); ++i) {
+    for (std::size_t i = 0; i < pairs(); ++i) {
       const CosSin at = rotation_cos_sin(position, theta_[i]);
-      cos_[i] = at.cos;
-      sin_[i] = at.sin;
-      cos_t_[i] = static_cast<T>(at.cos);
-      sin_t_[i] = static_cast<T>(at.sin);
+      set_pair(cos_.data(), sin_.data(), i, at);
+      set_pair(cos_t_.data(), sin_t_.data(), i, at);
     }
   }
 
   const double* theta_ = nullptr;
   std::int64_t position_ = 0;
   int since_anchor_ = 0;
+  // Interleaved rows, 2 * pairs long (set_pair); the last two in T for rotate_pairs.
   std::vector<double> cos_, sin_, step_cos_, step_sin_;
   std::vector<T> cos_t_, sin_t_;
 };

@@ -340,6 +340,27 @@ template <Real T>
   return simd::load(static_cast<const T*>(lanes));
 }
 
+/// (x1, x0, x3, x2, ...): the two lanes of every pair exchanged (the partner
+/// coordinate of each 2-D rotation, rotation.hpp). One in-lane permute on
+/// 512-bit batches; other widths go through the stored lanes.
+template <Real T>
+[[nodiscard]] inline batch<T> swap_pairs(const batch<T>& x) noexcept {
+#if defined(LATTE_ZMM_REDUCTIONS)
+  if constexpr (std::is_same_v<T, float> && width<T> == 16) {
+    const detail::Float16 v = detail::to_zmm(x);
+    return detail::from_zmm<T>(
+        __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  } else if constexpr (std::is_same_v<T, double> && width<T> == 8) {
+    const detail::Double8 v = detail::to_zmm(x);
+    return detail::from_zmm<T>(__builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6));
+  }
+#endif
+  alignas(64) T lanes[width<T>];
+  x.store_unaligned(lanes);
+  for (std::size_t i = 0; i + 1 < width<T>; i += 2) std::swap(lanes[i], lanes[i + 1]);
+  return simd::load(static_cast<const T*>(lanes));
+}
+
 #else  // one-lane scalar stand-in
 
 template <Real T>
@@ -390,6 +411,12 @@ template <Real T>
 [[nodiscard]] inline batch<T> reduce_add_each(const batch<T>* x) noexcept { return x[0]; }
 template <Real T>
 [[nodiscard]] inline batch<T> reduce_max_each(const batch<T>* x) noexcept { return x[0]; }
+/// One lane holds no pair: callers take a scalar path when width < 2.
+template <Real T>
+[[nodiscard]] inline batch<T> swap_pairs(const batch<T>&) noexcept {
+  static_assert(sizeof(T) == 0, "swap_pairs needs batches of two lanes or more");
+  return {};
+}
 
 #endif
 
