@@ -51,14 +51,16 @@ using reference::LatteCarry;
 inline constexpr index_t stage_tokens = 16;
 
 /// Per-worker scratch for the causal scan (c, w, gamma of `stage_tokens`
-/// tokens, rotated values of up to four; VAPOR: the rotation of each of
-/// `stage_tokens` positions as interleaved cos / sin rows).
+/// tokens; with `rotates_values` (VAPOR), rotated values of up to four and the
+/// rotation of each of `stage_tokens` positions as interleaved cos / sin rows).
 template <Real T>
 struct LatteScratch {
-  LatteScratch(index_t L, index_t Dv)
+  LatteScratch(index_t L, index_t Dv, bool rotates_values)
       : carry_scale(stage_tokens * L), weight(stage_tokens * L), gamma(stage_tokens * L),
-        rotated(4 * Dv), rotation_cos(stage_tokens * Dv), rotation_sin(stage_tokens * Dv),
-        rotation(Dv / 2) {}
+        rotated(rotates_values ? 4 * Dv : 0),
+        rotation_cos(rotates_values ? stage_tokens * Dv : 0),
+        rotation_sin(rotates_values ? stage_tokens * Dv : 0),
+        rotation(rotates_values ? Dv / 2 : 0) {}
   AlignedVector<T> carry_scale, weight, gamma, rotated, rotation_cos, rotation_sin;
   RotationStepper<T> rotation;  // fills rotation_cos / rotation_sin, one row per position
 };
@@ -475,7 +477,8 @@ void latte_causal_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
   constexpr index_t min_segment = 256;
   const index_t segments =
       heads >= workers ? 1 : std::clamp<index_t>(Tn / min_segment, 1, workers);
-  std::vector<LatteScratch<T>> scratch(static_cast<std::size_t>(workers), LatteScratch<T>(L, Dv));
+  std::vector<LatteScratch<T>> scratch(static_cast<std::size_t>(workers),
+                                       LatteScratch<T>(L, Dv, Pos::rotates_values));
 
   if (segments == 1) {
     interleave_heads(
@@ -629,7 +632,7 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
     const index_t segment = item % segments;
     AlignedVector<T> keys(block * L), values(block * Dv), block_max(L);
     std::vector<RotationStepper<T>> rotation(Pos::rotates_values ? last - first : 0,
-                                             RotationStepper<T>(pairs));
+                                             RotationStepper<T>(Pos::rotates_values ? pairs : 0));
     for (index_t j = 0; j < static_cast<index_t>(rotation.size()); ++j)
       rotation[j].seek(theta_of((first + j) % H), begin);
     for (index_t t0 = begin; t0 < end; t0 += block) {
@@ -753,7 +756,7 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
     const index_t begin = time_range(item).first, end = time_range(item).second;
     AlignedVector<T> gamma(block * L), row_scale(block);
     std::vector<RotationStepper<T>> rotation(Pos::rotates_values ? last - first : 0,
-                                             RotationStepper<T>(pairs));
+                                             RotationStepper<T>(Pos::rotates_values ? pairs : 0));
     for (index_t j = 0; j < static_cast<index_t>(rotation.size()); ++j)
       rotation[j].seek(theta_of((first + j) % H), begin);
     for (index_t t0 = begin; t0 < end; t0 += block) {
