@@ -54,20 +54,22 @@ class RotationStepper {
 
   RotationStepper() = default;
   explicit RotationStepper(index_t pairs)
-      : cos_(2 * pairs), sin_(2 * pairs), step_cos_(2 * pairs), step_sin_(2 * pairs),
-        cos_t_(2 * pairs), sin_t_(2 * pairs) {}
+      : cos_(pairs), sin_(pairs), step_cos_(pairs), step_sin_(pairs), cos_t_(2 * pairs),
+        sin_t_(2 * pairs) {}
 
   /// Points the stepper at one head's angles and an absolute position.
   void seek(const double* theta, std::int64_t position) noexcept {
     theta_ = theta;
-    for (std::size_t i = 0; i < pairs(); ++i)
-      set_pair(step_cos_.data(), step_sin_.data(), i, rotation_cos_sin(1, theta[i]));
+    for (std::size_t i = 0; i < cos_.size(); ++i) {
+      const CosSin step = rotation_cos_sin(1, theta[i]);
+      step_cos_[i] = step.cos;
+      step_sin_[i] = step.sin;
+    }
     anchor(position);
   }
 
   /// Moves to the next position: (cos, sin) of every pair times the rotation
-  /// of one position, lane by lane over the interleaved rows (both lanes of a
-  /// pair compute the same products, one of them negated).
+  /// of one position (in double, one lane per pair), then the rows in T.
   void next() noexcept {
     if (++since_anchor_ == anchor_every) {
       anchor(position_ + 1);
@@ -78,16 +80,13 @@ class RotationStepper {
     double* __restrict sin_d = sin_.data();
     const double* __restrict step_cos = step_cos_.data();
     const double* __restrict step_sin = step_sin_.data();
-    T* __restrict cos_t = cos_t_.data();
-    T* __restrict sin_t = sin_t_.data();
-    for (std::size_t k = 0; k < cos_.size(); ++k) {
-      const double c = cos_d[k] * step_cos[k] - sin_d[k] * step_sin[k];
-      const double s = sin_d[k] * step_cos[k] + cos_d[k] * step_sin[k];
-      cos_d[k] = c;
-      sin_d[k] = s;
-      cos_t[k] = static_cast<T>(c);
-      sin_t[k] = static_cast<T>(s);
+    for (std::size_t i = 0; i < cos_.size(); ++i) {
+      const double c = cos_d[i] * step_cos[i] - sin_d[i] * step_sin[i];
+      const double s = sin_d[i] * step_cos[i] + cos_d[i] * step_sin[i];
+      cos_d[i] = c;
+      sin_d[i] = s;
     }
+    write_interleaved();
   }
 
   /// Rotates the pairs (2i, 2i+1) of `row` by R^{+position} (forward) or R^{-position}.
@@ -121,32 +120,37 @@ class RotationStepper {
   [[nodiscard]] std::int64_t position() const noexcept { return position_; }
 
  private:
-  [[nodiscard]] std::size_t pairs() const noexcept { return cos_.size() / 2; }
-
-  /// Pair i of interleaved (cos, sin) rows: cos in both lanes, sin signed -, +.
-  template <class U>
-  static void set_pair(U* cos_row, U* sin_row, std::size_t i, const CosSin& at) noexcept {
-    cos_row[2 * i] = cos_row[2 * i + 1] = static_cast<U>(at.cos);
-    sin_row[2 * i] = static_cast<U>(-at.sin);
-    sin_row[2 * i + 1] = static_cast<U>(at.sin);
+  /// cos_t_ / sin_t_ from the double values: pair i is (cos, cos) and (-sin, sin).
+  void write_interleaved() noexcept {
+    const double* __restrict cos_d = cos_.data();
+    const double* __restrict sin_d = sin_.data();
+    T* __restrict cos_t = cos_t_.data();
+    T* __restrict sin_t = sin_t_.data();
+    for (std::size_t i = 0; i < cos_.size(); ++i) {
+      const T c = static_cast<T>(cos_d[i]), s = static_cast<T>(sin_d[i]);
+      cos_t[2 * i] = c;
+      cos_t[2 * i + 1] = c;
+      sin_t[2 * i] = -s;
+      sin_t[2 * i + 1] = s;
+    }
   }
 
   void anchor(std::int64_t position) noexcept {
     position_ = position;
     since_anchor_ = 0;
-    for (std::size_t i = 0; i < pairs(); ++i) {
+    for (std::size_t i = 0; i < cos_.size(); ++i) {
       const CosSin at = rotation_cos_sin(position, theta_[i]);
-      set_pair(cos_.data(), sin_.data(), i, at);
-      set_pair(cos_t_.data(), sin_t_.data(), i, at);
+      cos_[i] = at.cos;
+      sin_[i] = at.sin;
     }
+    write_interleaved();
   }
 
   const double* theta_ = nullptr;
   std::int64_t position_ = 0;
   int since_anchor_ = 0;
-  // Interleaved rows, 2 * pairs long (set_pair); the last two in T for rotate_pairs.
-  std::vector<double> cos_, sin_, step_cos_, step_sin_;
-  std::vector<T> cos_t_, sin_t_;
+  std::vector<double> cos_, sin_, step_cos_, step_sin_;  // one per pair
+  std::vector<T> cos_t_, sin_t_;                         // interleaved rows, 2 * pairs
 };
 
 }  // namespace latte::cpu
