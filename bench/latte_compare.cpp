@@ -320,15 +320,20 @@ int main(int argc, char** argv) {
       auto v = random_tensor<4>(rng, {B, T, H, D});
       latte::Tensor<float, 4> out({B, T, H, D});
       const double latte_flops = 4.0 * B * T * H * L * D;
-      // `calls`: how many calls f() makes; the row reports the time of one.
-      auto run = [&](const char* name, const char* direction, double flops,
-                     const std::function<void()>& f, int calls = 1, int max_runs = 1000) {
+      // One timed run, its row's L column `latents`; `calls`: how many calls
+      // f() makes, the row reports the time of one.
+      auto timed = [&](const char* name, const char* direction, index_t latents, double flops,
+                       const std::function<void()>& f, int calls, int max_runs) {
         auto [seconds, extra] = measure(f, options.min_time, max_runs);
         seconds /= calls;
-        record({name, direction, B, T, H, L, D, seconds, flops, extra});
+        record({name, direction, B, T, H, latents, D, seconds, flops, extra});
         if (!options.csv)
           std::fprintf(stderr, "  %-22s T=%-8td %10.4f s\n", name, T, seconds);
         return seconds;
+      };
+      auto run = [&](const char* name, const char* direction, double flops,
+                     const std::function<void()>& f, int calls = 1, int max_runs = 1000) {
+        return timed(name, direction, L, flops, f, calls, max_runs);
       };
       run("latte", "causal", latte_flops,
           [&] { latte_causal.forward(latte::exec::cpu, q, k, v, out.view()); });
@@ -342,10 +347,7 @@ int main(int argc, char** argv) {
           [&] { softmax_window.forward(latte::exec::cpu, q, k, v, out.view()); });
       // The linear-attention family (q, k as [B, T, H, Dk] with Dk = L): E = L, and 2L for cosFormer.
       auto linear_run = [&](const char* name, index_t E, const std::function<void()>& f) {
-        const auto [seconds, extra] = measure(f, options.min_time);
-        record({name, "causal", B, T, H, E, D, seconds,
-                        double(B) * T * H * (4.0 * E * D + 3.0 * E), extra});
-        if (!options.csv) std::fprintf(stderr, "  %-22s T=%-8td %10.4f s\n", name, T, seconds);
+        timed(name, "causal", E, double(B) * T * H * (4.0 * E * D + 3.0 * E), f, 1, 1000);
       };
       linear_run("linear_elu", L, [&] { linear_causal.forward(latte::exec::cpu, q, k, v, out.view()); });
       linear_run("cosformer", 2 * L,

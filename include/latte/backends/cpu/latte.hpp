@@ -665,9 +665,7 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
           }
           const T* value = v.row(b, t0 + r, h);
           T* value_row = values.data() + r * Dv;
-          index_t d = 0;
-          for (; d + W <= Dv; d += W) simd::store(value_row + d, simd::load(value + d));
-          for (; d < Dv; ++d) value_row[d] = value[d];
+          simd::copy(value, Dv, value_row);
           if constexpr (Pos::rotates_values) {
             rotation[j - first].rotate(value_row, /*forward=*/false);
             rotation[j - first].next();

@@ -105,16 +105,8 @@ class RotationStepper {
   /// Copies cos_row() and sin_row() (2 * pairs values each) to the given rows.
   void write_rows(T* cos_row, T* sin_row) const noexcept {
     const auto n = static_cast<index_t>(cos_t_.size());
-    constexpr auto W = static_cast<index_t>(simd::width<T>);
-    index_t k = 0;
-    for (; k + W <= n; k += W) {
-      simd::store(cos_row + k, simd::load(cos_t_.data() + k));
-      simd::store(sin_row + k, simd::load(sin_t_.data() + k));
-    }
-    for (; k < n; ++k) {
-      cos_row[k] = cos_t_[k];
-      sin_row[k] = sin_t_[k];
-    }
+    simd::copy(cos_t_.data(), n, cos_row);
+    simd::copy(sin_t_.data(), n, sin_row);
   }
 
   [[nodiscard]] std::int64_t position() const noexcept { return position_; }

@@ -420,6 +420,16 @@ template <Real T>
 
 #endif
 
+/// to[i] = from[i] for i < n: whole vectors, then a scalar tail (std::copy
+/// with a length known only at run time is a call to memmove).
+template <Real T>
+inline void copy(const T* from, index_t n, T* to) noexcept {
+  constexpr auto W = static_cast<index_t>(width<T>);
+  index_t i = 0;
+  for (; i + W <= n; i += W) simd::store(to + i, simd::load(from + i));
+  for (; i < n; ++i) to[i] = from[i];
+}
+
 /// The vectorised part of max_of: lane-wise maxima of the whole vectors of
 /// x[0, n), n >= width.
 template <Real T>
