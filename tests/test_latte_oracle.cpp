@@ -129,18 +129,21 @@ TEST_CASE_TEMPLATE("Latte causal cpu == oracle at every register-block remainder
               dtype_name<T>(), cases, worst);
 }
 
-// The cpu bidirectional pass works in blocks of 64 tokens: each block's column
-// maximum moves the shift of the latents it raises, rescaling what was summed
-// before, and its contractions run in register tiles of 4 latents / 4 rows by
-// 4 vectors with 1-vector and scalar remainders. With fewer heads than
-// threads each head's sequence is cut into segments of whole blocks whose
-// sums are merged. These cases reach each tile remainder (L mod 4, Dv past
-// the last 4- and 1-vector block, T mod 4 and mod 64) for float and double,
-// with keys that rise along the sequence (the maximum moves in every block
-// and every later segment holds the larger maximum), keys that fall (the
-// first block holds it), and the NoStabilizer form (shift 0); with 3 threads,
-// one head runs as 3 segments (VAPOR seeks its rotation at each) and two as
-// one segment each.
+// The cpu bidirectional pass works in blocks of 64 tokens: a latent's shift
+// is set from the first block's column maximum and moves (rescaling what was
+// summed before and taking the block's exponentials again) only when a later
+// block's maximum passes it by more than 8; its contractions run in register
+// tiles of 4 latents / 4 rows by 4 vectors with 1-vector and scalar
+// remainders. With fewer heads than threads each head's sequence is cut into
+// segments of whole blocks whose sums are merged. These cases reach each tile
+// remainder (L mod 4, Dv past the last 4- and 1-vector block, T mod 4 and
+// mod 64) for float and double, with keys that rise along the sequence by 8
+// logits (the maximum moves in every block, the shift lags it) or by 400
+// (the shift moves in every block: without the move, fp32 overflows), keys
+// that fall (the first block holds the maximum), and the NoStabilizer form
+// (shift 0); every later segment holds a larger maximum when keys rise. With
+// 3 threads, one head runs as 3 segments (VAPOR seeks its rotation at each)
+// and two as one segment each.
 TEST_CASE_TEMPLATE("Latte bidirectional cpu == oracle across blocks, segments and tile remainders",
                    T, float, double) {
 #if defined(LATTE_WITH_OPENMP)
@@ -153,22 +156,23 @@ TEST_CASE_TEMPLATE("Latte bidirectional cpu == oracle across blocks, segments an
   for (const index_t Dv : {2, 8, 16, 24, 40, 72})
     for (const index_t L : {1, 3, 6, 64})
       for (const index_t Tn : {1, 3, 5, 63, 64, 65, 130, 301})
-        for (const int keys : {0, 1, 2, 3}) {  // rising, falling, NoStabilizer, VAPOR
+        for (const int keys : {0, 1, 2, 3, 4}) {  // rising by 8 / 400, falling, NoStabilizer, VAPOR
           const index_t H = 1 + cases % 2;
           const auto q = random_tensor<T, 4>(rng, {1, Tn, H, L}, 2.0);
           auto k = random_tensor<T, 4>(rng, {1, Tn, H, L}, 1.0);
-          if (keys < 2)  // a drift of 8 logits across the sequence, up or down
+          if (keys < 3) {  // a drift across the sequence
+            const double drift = std::array{8.0, 400.0, -8.0}[keys];
             for (index_t t = 0; t < Tn; ++t)
               for (index_t h = 0; h < H; ++h)
-                for (index_t l = 0; l < L; ++l)
-                  k(0, t, h, l) += T((keys == 0 ? 8.0 : -8.0) * double(t) / double(Tn));
+                for (index_t l = 0; l < L; ++l) k(0, t, h, l) += T(drift * double(t) / double(Tn));
+          }
           const auto v = uniform_tensor<T, 4>(rng, {1, Tn, H, Dv}, -1, 1);
           const LatteDims dims{.heads = H, .latents = L, .value_dim = Dv};
           Tensor<T, 4> out(v.extents());
           std::vector<long double> angles;
-          if (keys < 2) {
+          if (keys < 3) {
             LatteAttention<Bidirectional>(dims).forward(exec::cpu, q, k, v, out.view());
-          } else if (keys == 2) {
+          } else if (keys == 3) {
             LatteAttention<Bidirectional, NoStabilizer>(dims).forward(exec::cpu, q, k, v,
                                                                       out.view());
           } else {

@@ -13,7 +13,9 @@
 // L = Dv = 64; profiled in the bidirectional pass) spent about a sixth of its
 // time packing operands, and an assignment to a strided destination first
 // clears it; these need neither.
-// Accumulation runs over s (resp. l) in order, one FMA per term.
+// Accumulation runs over s (resp. l) in order, one FMA per term. A caller's
+// `after_tile()` runs after each full register tile (the bidirectional pass
+// requests the next block's rows there, a few per tile).
 #include <cstddef>
 
 #include "latte/backends/cpu/simd.hpp"
@@ -61,11 +63,14 @@ LATTE_FLATTEN void outer_products_tile(const T* e, index_t n, index_t L, const T
   });
 }
 
-template <Real T, int CV>
+template <Real T, int CV, class Hook>
 inline void outer_products_columns(const T* e, index_t n, index_t L, const T* v, index_t Dv,
-                                   T* memory, index_t d0) noexcept {
+                                   T* memory, index_t d0, Hook& after_tile) noexcept {
   index_t l0 = 0;
-  for (; l0 + 4 <= L; l0 += 4) outer_products_tile<T, 4, CV>(e, n, L, v, Dv, memory, l0, d0);
+  for (; l0 + 4 <= L; l0 += 4) {
+    outer_products_tile<T, 4, CV>(e, n, L, v, Dv, memory, l0, d0);
+    after_tile();
+  }
   switch (L - l0) {
     case 3: outer_products_tile<T, 3, CV>(e, n, L, v, Dv, memory, l0, d0); break;
     case 2: outer_products_tile<T, 2, CV>(e, n, L, v, Dv, memory, l0, d0); break;
@@ -91,11 +96,15 @@ LATTE_FLATTEN void read_tile(const T* g, index_t L, const T* memory, index_t Dv,
   });
 }
 
-template <Real T, int CV>
+template <Real T, int CV, class Hook>
 inline void read_columns(const T* g, index_t n, index_t L, const T* memory, index_t Dv,
-                         const T* scale, T* out, index_t out_stride, index_t d0) noexcept {
+                         const T* scale, T* out, index_t out_stride, index_t d0,
+                         Hook& after_tile) noexcept {
   index_t s0 = 0;
-  for (; s0 + 4 <= n; s0 += 4) read_tile<T, 4, CV>(g, L, memory, Dv, scale, out, out_stride, s0, d0);
+  for (; s0 + 4 <= n; s0 += 4) {
+    read_tile<T, 4, CV>(g, L, memory, Dv, scale, out, out_stride, s0, d0);
+    after_tile();
+  }
   switch (n - s0) {
     case 3: read_tile<T, 3, CV>(g, L, memory, Dv, scale, out, out_stride, s0, d0); break;
     case 2: read_tile<T, 2, CV>(g, L, memory, Dv, scale, out, out_stride, s0, d0); break;
@@ -104,17 +113,24 @@ inline void read_columns(const T* g, index_t n, index_t L, const T* memory, inde
   }
 }
 
+/// The default hook between tiles: nothing.
+struct NoTileHook {
+  void operator()() const noexcept {}
+};
+
 }  // namespace detail
 
 /// memory[l][d] += sum_{s < n} e[s][l] v[s][d]: e is n x L and v n x Dv, both
 /// contiguous; memory is L x Dv, contiguous.
-template <Real T>
+template <Real T, class Hook = detail::NoTileHook>
 void accumulate_outer_products(const T* e, index_t n, index_t L, const T* v, T* memory,
-                               index_t Dv) noexcept {
+                               index_t Dv, Hook&& after_tile = {}) noexcept {
   constexpr index_t W = simd::width<T>;
   index_t d0 = 0;
-  for (; d0 + 4 * W <= Dv; d0 += 4 * W) detail::outer_products_columns<T, 4>(e, n, L, v, Dv, memory, d0);
-  for (; d0 + W <= Dv; d0 += W) detail::outer_products_columns<T, 1>(e, n, L, v, Dv, memory, d0);
+  for (; d0 + 4 * W <= Dv; d0 += 4 * W)
+    detail::outer_products_columns<T, 4>(e, n, L, v, Dv, memory, d0, after_tile);
+  for (; d0 + W <= Dv; d0 += W)
+    detail::outer_products_columns<T, 1>(e, n, L, v, Dv, memory, d0, after_tile);
   for (; d0 < Dv; ++d0)  // columns past the last full vector
     for (index_t l = 0; l < L; ++l) {
       T sum = memory[l * Dv + d0];
@@ -126,15 +142,15 @@ void accumulate_outer_products(const T* e, index_t n, index_t L, const T* v, T* 
 /// out[s][d] = scale[s] sum_{l < L} g[s][l] memory[l][d] for s < n: g is
 /// n x L, contiguous; memory L x Dv, contiguous; output row s at
 /// out + s * out_stride.
-template <Real T>
+template <Real T, class Hook = detail::NoTileHook>
 void read_memory_rows(const T* g, index_t n, index_t L, const T* memory, index_t Dv, T* out,
-                      index_t out_stride, const T* scale) noexcept {
+                      index_t out_stride, const T* scale, Hook&& after_tile = {}) noexcept {
   constexpr index_t W = simd::width<T>;
   index_t d0 = 0;
   for (; d0 + 4 * W <= Dv; d0 += 4 * W)
-    detail::read_columns<T, 4>(g, n, L, memory, Dv, scale, out, out_stride, d0);
+    detail::read_columns<T, 4>(g, n, L, memory, Dv, scale, out, out_stride, d0, after_tile);
   for (; d0 + W <= Dv; d0 += W)
-    detail::read_columns<T, 1>(g, n, L, memory, Dv, scale, out, out_stride, d0);
+    detail::read_columns<T, 1>(g, n, L, memory, Dv, scale, out, out_stride, d0, after_tile);
   for (; d0 < Dv; ++d0)
     for (index_t s = 0; s < n; ++s) {
       T sum = 0;

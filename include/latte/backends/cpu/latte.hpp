@@ -16,11 +16,14 @@
 // still uses every core. Workspace is O(threads * L * Dv), independent of T.
 //
 // Bidirectional: the two contractions of eq. 7 in blocks of 64 tokens. Pass 1
-// per block: the block's column maximum of the key logits moves the shift
-// (rescaling alpha and M where it moved, as eq. 21 does per token), then
-// E = exp(K - shift), alpha += 1^T E, M += E^T V; pass 2 per block:
+// per block: E = exp(K - shift) in one pass over the key rows, which also
+// gives the block's column maxima; a latent's shift is its first block's
+// column maximum and moves only when a later maximum passes it by more than
+// 8 (rescaling alpha and M, as eq. 21 does per token, and taking the block's
+// E again); then alpha += 1^T E, M += E^T V. Pass 2 per block:
 // O = (softmax(Q) / alpha) M. Both contractions are the register-blocked
-// kernels of block_contractions.hpp. With fewer heads than threads, each
+// kernels of block_contractions.hpp; between their tiles the rows of the next
+// (head, block) are requested into L2. With fewer heads than threads, each
 // head's sequence is split into segments whose sums are merged between the
 // two passes.
 #include <algorithm>
@@ -30,6 +33,7 @@
 #include <vector>
 
 #include "latte/backends/cpu/block_contractions.hpp"
+#include "latte/backends/cpu/column_exps.hpp"
 #include "latte/backends/cpu/memory_pass.hpp"
 #include "latte/backends/cpu/parallel.hpp"
 #include "latte/backends/cpu/prefetch.hpp"
@@ -560,8 +564,6 @@ template <Stabilizer Stab, Positional Pos, Real T>
 void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
                                  TensorView<const T, 4> v, TensorView<T, 4> out,
                                  const std::vector<double>& angles) {
-  using Batch = simd::batch<T>;
-  constexpr index_t W = simd::width<T>;
   constexpr T lowest = -std::numeric_limits<T>::infinity();
   const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), L = q.extent(3);
   const index_t Dv = v.extent(3), pairs = Dv / 2, heads = B * H;
@@ -597,11 +599,13 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
   auto state_of = [&](index_t head, index_t segment) { return head * segments + segment; };
   auto theta_of = [&](index_t h) { return angles.empty() ? nullptr : angles.data() + h * pairs; };
   // Prefetch (prefetch.hpp), the same for both passes' two row streams x and y
-  // (keys and values, then queries and outputs): at row r of the block at t0,
-  // the same row of the next block of the range [.., end) is requested into L2
-  // (it is read a whole round of heads later); in the first block of a range,
-  // which nothing requested, the row `ahead` tokens on is requested into L1
-  // (rows 0 .. ahead - 1 by prefetch_first_rows).
+  // (keys and values, then queries and outputs). A worker walks its heads
+  // [first, last) block by block; the rows of the next (head, block) item are
+  // requested into L2 a few at a time between the register tiles of this
+  // one's contraction (`tiles` tiles expected), so that the requests trickle
+  // out while the arithmetic runs instead of queueing up in a burst. The
+  // range's very first block, which nothing requested, asks for the row
+  // `ahead` tokens on into L1 as it goes (rows 0 .. ahead - 1 up front).
   constexpr index_t ahead = 4;
   auto prefetch_first_rows = [&](const auto& x, const auto& y, index_t b, index_t h, index_t t0,
                                  index_t n) {
@@ -611,26 +615,66 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
     }
   };
   auto prefetch_ahead = [&](const auto& x, const auto& y, index_t b, index_t h, index_t t0,
-                            index_t r, index_t n, index_t end, bool first_block) {
-    if (first_block && r + ahead < n) {
+                            index_t r, index_t n) {
+    if (r + ahead < n) {
       prefetch_row(x.row(b, t0 + r + ahead, h), sizeof(T) * x.extent(3));
       prefetch_row(y.row(b, t0 + r + ahead, h), sizeof(T) * y.extent(3));
     }
-    if (t0 + block + r < end) {
-      prefetch_row<CacheLevel::l2>(x.row(b, t0 + block + r, h), sizeof(T) * x.extent(3));
-      prefetch_row<CacheLevel::l2>(y.row(b, t0 + block + r, h), sizeof(T) * y.extent(3));
+  };
+  // The hook for the contraction of head j's block at t0 of a worker's range.
+  auto prefetch_next_item = [&](const auto& x, const auto& y, index_t j, index_t t0, index_t first,
+                                index_t last, index_t end, index_t tiles) {
+    index_t next_j = j + 1, next_t0 = t0;
+    if (next_j == last) next_j = first, next_t0 = t0 + block;
+    const index_t rows = next_t0 < end ? std::min(block, end - next_t0) : 0;
+    const index_t per_tile = (rows + tiles - 1) / std::max<index_t>(tiles, 1);
+    const index_t b = next_j / H, h = next_j % H;
+    return [&x, &y, b, h, next_t0, rows, per_tile, row = index_t{0}]() mutable {
+      for (const index_t until = std::min(rows, row + per_tile); row < until; ++row) {
+        prefetch_row<CacheLevel::l2>(x.row(b, next_t0 + row, h), sizeof(T) * x.extent(3));
+        prefetch_row<CacheLevel::l2>(y.row(b, next_t0 + row, h), sizeof(T) * y.extent(3));
+      }
+    };
+  };
+
+
+  // How far a column's maximum may pass its shift before the shift moves: the
+  // exponentials stay below e^8 ~ 2981, far from overflow in alpha and M, and
+  // a shift that lags the maximum underflows fewer of them, not more.
+  constexpr T shift_lag = 8;
+  const index_t k_stride = k.stride(1);
+  // Records the block's column maxima; moves the shift of each latent whose
+  // maximum went past it by more than shift_lag (or that had no finite
+  // maximum yet) to Stab::reference_for(maximum), rescaling alpha_l and M_l
+  // summed under the old one. Returns whether any shift moved.
+  auto move_shifts = [&](const T* block_max, T* max_j, T* shift_j, T* alpha, T* memory_j) {
+    bool moved = false;
+    for (index_t l = 0; l < L; ++l) {
+      if (!(block_max[l] > max_j[l])) continue;
+      const bool empty = max_j[l] == lowest;
+      max_j[l] = block_max[l];
+      const T target = Stab::reference_for(block_max[l]);
+      if (!empty) {
+        if (!(target > shift_j[l] + shift_lag)) continue;
+        const T scale = std::exp(shift_j[l] - target);
+        alpha[l] *= scale;
+        for (index_t d = 0; d < Dv; ++d) memory_j[l * Dv + d] *= scale;
+      }
+      shift_j[l] = target;
+      moved = true;
     }
+    return moved;
   };
 
   // Pass 1: alpha_l = sum_s exp(k_{s,l} - shift_l) and M_l = sum_s exp(k_{s,l} -
-  // shift_l) R^{-s} v_s, the shift following the column maximum block by block.
+  // shift_l) R^{-s} v_s, the shift following the column maximum within shift_lag.
   parallel_for(items, workers, [&](index_t item, int) {
     // Plain variables, not structured bindings: lambdas below capture them
     // (C++20 allows capturing a binding; clang before 16 rejects it).
     const index_t first = head_range(item).first, last = head_range(item).second;
     const index_t begin = time_range(item).first, end = time_range(item).second;
     const index_t segment = item % segments;
-    AlignedVector<T> keys(block * L), values(block * Dv), block_max(L);
+    AlignedVector<T> keys(block * L), values(block * Dv), block_max(L), block_sum(L);
     std::vector<RotationStepper<T>> rotation(Pos::rotates_values ? last - first : 0,
                                              RotationStepper<T>(Pos::rotates_values ? pairs : 0));
     for (index_t j = 0; j < static_cast<index_t>(rotation.size()); ++j)
@@ -644,69 +688,41 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
         T* shift_j = shift.data() + state * L;
         T* max_j = column_max.data() + state * L;
         T* memory_j = memory.data() + state * L * Dv;
-        // The block's keys and values, copied to contiguous blocks (rows of one
-        // head lie H * L apart: a block of them would share a few L1 sets), the
-        // keys' column maximum and the values rotated (R^{-s} v_s).
-        std::fill(block_max.begin(), block_max.end(), lowest);
-        if (first_block) prefetch_first_rows(k, v, b, h, t0, n);
+        const bool unrequested = first_block && j == first;
+        if (unrequested) prefetch_first_rows(k, v, b, h, t0, n);
+        // The block's values, copied to a contiguous block (rows of one head lie
+        // H * Dv apart: a block of them would share a few L1 sets) and rotated
+        // (R^{-s} v_s).
         for (index_t r = 0; r < n; ++r) {
-          prefetch_ahead(k, v, b, h, t0, r, n, end, first_block);
-          const T* key = k.row(b, t0 + r, h);
-          T* row = keys.data() + r * L;
-          index_t l = 0;
-          for (; l + W <= L; l += W) {
-            const Batch x = simd::load(key + l);
-            simd::store(row + l, x);
-            simd::store(block_max.data() + l, simd::max(simd::load(block_max.data() + l), x));
-          }
-          for (; l < L; ++l) {
-            row[l] = key[l];
-            block_max[l] = std::max(block_max[l], key[l]);
-          }
-          const T* value = v.row(b, t0 + r, h);
+          if (unrequested) prefetch_ahead(k, v, b, h, t0, r, n);
           T* value_row = values.data() + r * Dv;
-          simd::copy(value, Dv, value_row);
+          simd::copy(v.row(b, t0 + r, h), Dv, value_row);
           if constexpr (Pos::rotates_values) {
             rotation[j - first].rotate(value_row, /*forward=*/false);
             rotation[j - first].next();
           }
         }
-        // Where the maximum moved, the shift moves with it and what was summed
-        // under the old shift is rescaled (as RunningMax's eq. 21, once per block).
-        for (index_t l = 0; l < L; ++l) {
-          if (!(block_max[l] > max_j[l])) continue;
-          const T moved = Stab::reference_for(block_max[l]);
-          if (max_j[l] != lowest && moved != shift_j[l]) {
-            const T scale = std::exp(shift_j[l] - moved);
-            alpha[l] *= scale;
-            for (index_t d = 0; d < Dv; ++d) memory_j[l * Dv + d] *= scale;
-          }
-          max_j[l] = block_max[l];
-          shift_j[l] = moved;
+        // e_{s,l} = exp(k_{s,l} - shift_l) into the contiguous block `keys`,
+        // their column sums and the block's column maxima, in one pass over
+        // the key rows. The shift follows the column maximum (Stab::reference_for)
+        // but, once set, moves only when the maximum passes it by more than
+        // `shift_lag` (so e <= e^shift_lag); then what was summed under the old
+        // shift is rescaled (as RunningMax's eq. 21, once per block) and the
+        // block's exponentials are taken again. In the first block of a state
+        // the maxima come first, from a pass of their own.
+        const T* key = k.row(b, t0, h);
+        if (first_block) {
+          column_max_rows(key, k_stride, n, L, block_max.data());
+          move_shifts(block_max.data(), max_j, shift_j, alpha, memory_j);
         }
-        // e_{s,l} = exp(k_{s,l} - shift_l) in place; alpha_l += sum_s e_{s,l}.
-        index_t l = 0;
-        for (; l + W <= L; l += W) {
-          const Batch reference = simd::load(shift_j + l);
-          Batch sum(T(0));
-          for (index_t r = 0; r < n; ++r) {
-            T* x = keys.data() + r * L + l;
-            const Batch e = simd::exp(simd::load(x) - reference);
-            simd::store(x, e);
-            sum = sum + e;
-          }
-          simd::store(alpha + l, simd::load(alpha + l) + sum);
-        }
-        for (; l < L; ++l) {
-          T sum = 0;
-          for (index_t r = 0; r < n; ++r) {
-            T& x = keys[r * L + l];
-            x = std::exp(x - shift_j[l]);
-            sum += x;
-          }
-          alpha[l] += sum;
-        }
-        accumulate_outer_products(keys.data(), n, L, values.data(), memory_j, Dv);
+        shifted_column_exps(key, k_stride, n, L, shift_j, keys.data(), block_sum.data(),
+                            block_max.data());
+        if (!first_block && move_shifts(block_max.data(), max_j, shift_j, alpha, memory_j))
+          shifted_column_exps(key, k_stride, n, L, shift_j, keys.data(), block_sum.data(),
+                              block_max.data());
+        for (index_t l = 0; l < L; ++l) alpha[l] += block_sum[l];
+        accumulate_outer_products(keys.data(), n, L, values.data(), memory_j, Dv,
+                                  prefetch_next_item(k, v, j, t0, first, last, end, (L + 3) / 4));
       }
     }
   });
@@ -762,19 +778,21 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
       const bool first_block = t0 == begin;
       for (index_t j = first; j < last; ++j) {
         const index_t b = j / H, h = j % H;
-        auto prefetch = [&](index_t r) { prefetch_ahead(q, out, b, h, t0, r, n, end, first_block); };
-        if (first_block) prefetch_first_rows(q, out, b, h, t0, n);
+        const bool unrequested = first_block && j == first;
+        if (unrequested) prefetch_first_rows(q, out, b, h, t0, n);
         // row_scale: each row's sum beta_t, then 1 / beta_t (0 for a row of -inf).
         for (index_t r0 = 0; r0 < n; r0 += stage_tokens) {
           const index_t rows = std::min(stage_tokens, n - r0);
-          for (index_t r = r0; r < r0 + rows; ++r) prefetch(r);
+          if (unrequested)
+            for (index_t r = r0; r < r0 + rows; ++r) prefetch_ahead(q, out, b, h, t0, r, n);
           latent_softmax_exps(q.row(b, t0 + r0, h), q_stride, rows, L, gamma.data() + r0 * L,
                               row_scale.data() + r0);
         }
         for (index_t r = 0; r < n; ++r)
           row_scale[r] = row_scale[r] == T(0) ? T(0) : T(1) / row_scale[r];
         read_memory_rows(gamma.data(), n, L, memory.data() + state_of(j, 0) * L * Dv, Dv,
-                         out.row(b, t0, h), out.stride(1), row_scale.data());
+                         out.row(b, t0, h), out.stride(1), row_scale.data(),
+                         prefetch_next_item(q, out, j, t0, first, last, end, (n + 3) / 4));
         if constexpr (Pos::rotates_values)
           for (index_t i = 0; i < n; ++i) {
             rotation[j - first].rotate(out.row(b, t0 + i, h), /*forward=*/true);  // R^t
