@@ -25,7 +25,8 @@
 // kernels of block_contractions.hpp; between their tiles the rows of the next
 // (head, block) are requested into L2. With fewer heads than threads, each
 // head's sequence is split into segments whose sums are merged between the
-// two passes.
+// two passes; otherwise each worker runs both passes over its own heads in
+// one parallel region.
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -668,7 +669,7 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
 
   // Pass 1: alpha_l = sum_s exp(k_{s,l} - shift_l) and M_l = sum_s exp(k_{s,l} -
   // shift_l) R^{-s} v_s, the shift following the column maximum within shift_lag.
-  parallel_for(items, workers, [&](index_t item, int) {
+  auto sum_keys_and_values = [&](index_t item) {
     // Plain variables, not structured bindings: lambdas below capture them
     // (C++20 allows capturing a binding; clang before 16 rejects it).
     const index_t first = head_range(item).first, last = head_range(item).second;
@@ -725,12 +726,12 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
                                   prefetch_next_item(k, v, j, t0, first, last, end, (L + 3) / 4));
       }
     }
-  });
+  };
 
   // Merge the segments of each head into its first (shifting each to the
   // largest column maximum), then M_l <- M_l / alpha_l = sum_s p(s|l) R^{-s} v_s
   // (zero for an empty latent).
-  for (index_t j = 0; j < heads; ++j) {
+  auto finish_head = [&](index_t j) {
     const index_t into = state_of(j, 0);
     for (index_t segment = 1; segment < segments; ++segment) {
       const index_t from = state_of(j, segment);
@@ -759,11 +760,11 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
       else
         for (index_t d = 0; d < Dv; ++d) row[d] /= alpha;
     }
-  }
+  };
 
   // Pass 2: o_t = R^t sum_l p(l|t) M_l / alpha_l, p(l|t) = e_{t,l} / sum_l e_{t,l}.
   const index_t q_stride = q.stride(1);
-  parallel_for(items, workers, [&](index_t item, int) {
+  auto read_outputs = [&](index_t item) {
     // Plain variables, not structured bindings: lambdas below capture them
     // (C++20 allows capturing a binding; clang before 16 rejects it).
     const index_t first = head_range(item).first, last = head_range(item).second;
@@ -800,7 +801,22 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
           }
       }
     }
-  });
+  };
+
+  // With whole heads per worker, each worker's heads need nothing from
+  // another's: one parallel region runs both passes (no second fork and join,
+  // no serial merge). Otherwise the segments' sums are merged between them.
+  if (segments == 1) {
+    parallel_for(items, workers, [&](index_t item, int) {
+      sum_keys_and_values(item);
+      for (index_t j = head_range(item).first; j < head_range(item).second; ++j) finish_head(j);
+      read_outputs(item);
+    });
+  } else {
+    parallel_for(items, workers, [&](index_t item, int) { sum_keys_and_values(item); });
+    for (index_t j = 0; j < heads; ++j) finish_head(j);
+    parallel_for(items, workers, [&](index_t item, int) { read_outputs(item); });
+  }
 }
 
 }  // namespace latte::cpu
