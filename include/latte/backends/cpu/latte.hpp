@@ -638,7 +638,6 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
     };
   };
 
-
   // How far a column's maximum may pass its shift before the shift moves: the
   // exponentials stay below e^8 ~ 2981, far from overflow in alpha and M, and
   // a shift that lags the maximum underflows fewer of them, not more.
