@@ -610,17 +610,11 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
   constexpr index_t ahead = 4;
   auto prefetch_first_rows = [&](const auto& x, const auto& y, index_t b, index_t h, index_t t0,
                                  index_t n) {
-    for (index_t r = 0; r < std::min(ahead, n); ++r) {
-      prefetch_row(x.row(b, t0 + r, h), sizeof(T) * x.extent(3));
-      prefetch_row(y.row(b, t0 + r, h), sizeof(T) * y.extent(3));
-    }
+    for (index_t r = 0; r < std::min(ahead, n); ++r) prefetch_token_rows(b, t0 + r, h, x, y);
   };
   auto prefetch_ahead = [&](const auto& x, const auto& y, index_t b, index_t h, index_t t0,
                             index_t r, index_t n) {
-    if (r + ahead < n) {
-      prefetch_row(x.row(b, t0 + r + ahead, h), sizeof(T) * x.extent(3));
-      prefetch_row(y.row(b, t0 + r + ahead, h), sizeof(T) * y.extent(3));
-    }
+    if (r + ahead < n) prefetch_token_rows(b, t0 + r + ahead, h, x, y);
   };
   // The hook for the contraction of head j's block at t0 of a worker's range.
   auto prefetch_next_item = [&](const auto& x, const auto& y, index_t j, index_t t0, index_t first,
@@ -631,10 +625,8 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
     const index_t per_tile = (rows + tiles - 1) / std::max<index_t>(tiles, 1);
     const index_t b = next_j / H, h = next_j % H;
     return [&x, &y, b, h, next_t0, rows, per_tile, row = index_t{0}]() mutable {
-      for (const index_t until = std::min(rows, row + per_tile); row < until; ++row) {
-        prefetch_row<CacheLevel::l2>(x.row(b, next_t0 + row, h), sizeof(T) * x.extent(3));
-        prefetch_row<CacheLevel::l2>(y.row(b, next_t0 + row, h), sizeof(T) * y.extent(3));
-      }
+      for (const index_t until = std::min(rows, row + per_tile); row < until; ++row)
+        prefetch_token_rows<CacheLevel::l2>(b, next_t0 + row, h, x, y);
     };
   };
 
