@@ -102,7 +102,8 @@ TEST_CASE("Latte bidirectional VAPOR == oracle (float, double)") {
 // block remainder for float (16 lanes) and double (8 lanes) under AVX-512 and
 // AVX2, at lengths that end a run on each of the quad, pair and single paths
 // (first run or a later one), with keys scaled so that maxima move often
-// (rescaling quads) or almost never.
+// (rescaling quads) or almost never, without and with VAPOR (whose rotations
+// come in rows per run of positions, run_rotations.hpp).
 TEST_CASE_TEMPLATE("Latte causal cpu == oracle at every register-block remainder", T, float,
                    double) {
   Rng rng(109);
@@ -111,20 +112,28 @@ TEST_CASE_TEMPLATE("Latte causal cpu == oracle at every register-block remainder
   for (const index_t Dv : {8, 16, 24, 40, 72})
     for (const index_t L : {3, 64})
       for (const index_t Tn : {1, 2, 3, 4, 5, 6, 7, 13, 16, 17, 18, 19, 35, 301})
-        for (const double key_scale : {0.1, 8.0}) {
-          const auto q = random_tensor<T, 4>(rng, {1, Tn, 2, L}, 2.0);
-          const auto k = random_tensor<T, 4>(rng, {1, Tn, 2, L}, key_scale);
-          const auto v = uniform_tensor<T, 4>(rng, {1, Tn, 2, Dv}, -1, 1);
-          const LatteAttention<Causal> attention({.heads = 2, .latents = L, .value_dim = Dv});
-          Tensor<T, 4> out(v.extents());
-          attention.forward(exec::cpu, q, k, v, out.view());
-          const double error = relative_error(out, latte_oracle(true, q, k, v, {}));
-          CHECK_MESSAGE(error <= Tolerance<T>::relative,
-                        "T=" << Tn << " L=" << L << " Dv=" << Dv << " key scale " << key_scale
-                             << " error=" << error);
-          worst = std::max(worst, error);
-          ++cases;
-        }
+        for (const double key_scale : {0.1, 8.0})
+          for (const bool vapor : {false, true}) {
+            const auto q = random_tensor<T, 4>(rng, {1, Tn, 2, L}, 2.0);
+            const auto k = random_tensor<T, 4>(rng, {1, Tn, 2, L}, key_scale);
+            const auto v = uniform_tensor<T, 4>(rng, {1, Tn, 2, Dv}, -1, 1);
+            const LatteDims dims{.heads = 2, .latents = L, .value_dim = Dv};
+            Tensor<T, 4> out(v.extents());
+            std::vector<long double> angles;
+            if (vapor) {
+              LatteAttention<Causal, RunningMax, VAPOR>(dims).forward(exec::cpu, q, k, v,
+                                                                      out.view());
+              angles = oracle_angles({}, 2, Dv);
+            } else {
+              LatteAttention<Causal>(dims).forward(exec::cpu, q, k, v, out.view());
+            }
+            const double error = relative_error(out, latte_oracle(true, q, k, v, angles));
+            CHECK_MESSAGE(error <= Tolerance<T>::relative,
+                          "T=" << Tn << " L=" << L << " Dv=" << Dv << " key scale " << key_scale
+                               << (vapor ? " VAPOR" : "") << " error=" << error);
+            worst = std::max(worst, error);
+            ++cases;
+          }
   std::printf("[oracle] Latte causal cpu register-block remainders %s cases=%d max_rel_error=%.3e\n",
               dtype_name<T>(), cases, worst);
 }

@@ -39,6 +39,7 @@
 #include "latte/backends/cpu/parallel.hpp"
 #include "latte/backends/cpu/prefetch.hpp"
 #include "latte/backends/cpu/rotation.hpp"
+#include "latte/backends/cpu/run_rotations.hpp"
 #include "latte/backends/cpu/simd.hpp"
 #include "latte/backends/reference/latte.hpp"
 #include "latte/core/huge_page_allocator.hpp"
@@ -65,9 +66,9 @@ struct LatteScratch {
         rotated(rotates_values ? 4 * Dv : 0),
         rotation_cos(rotates_values ? stage_tokens * Dv : 0),
         rotation_sin(rotates_values ? stage_tokens * Dv : 0),
-        rotation(rotates_values ? Dv / 2 : 0) {}
+        rotation(rotates_values ? Dv / 2 : 0, stage_tokens) {}
   AlignedVector<T> carry_scale, weight, gamma, rotated, rotation_cos, rotation_sin;
-  RotationStepper<T> rotation;  // fills rotation_cos / rotation_sin, one row per position
+  RunRotations<T> rotation;  // fills rotation_cos / rotation_sin, one row per position
 };
 
 /// The L-wide key stage (eq. 21): m <- max(m, k), c = exp(m_old - m),
@@ -338,11 +339,7 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
   // output (one stepper and one cos / sin per position instead of two).
   auto fill_rotations = [&](index_t n) {
     if constexpr (Pos::rotates_values)
-      for (index_t j = 0; j < n; ++j) {
-        scratch.rotation.write_rows(scratch.rotation_cos.data() + j * Dv,
-                                    scratch.rotation_sin.data() + j * Dv);
-        scratch.rotation.next();
-      }
+      scratch.rotation.fill(n, scratch.rotation_cos.data(), scratch.rotation_sin.data(), Dv);
   };
   // Token t's value, the run's row j holding its position.
   auto value_of = [&](index_t t, index_t j, T* rotated) {
@@ -438,12 +435,16 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
     }
     return;
   }
-  for (; t < t1; ++t) {  // state only: one token per pass
-    prefetch_token(t + ahead);
-    fill_rotations(1);
-    const T* value = value_of(t, 0, scratch.rotated.data());
-    const bool rescale = absorb_keys<Stab>(k.row(b, t, h), carry, c, w, L);
-    update_and_read(carry.memory, c, w, gamma, value, static_cast<T*>(nullptr), L, Dv, rescale);
+  for (; t < t1; t += stage_tokens) {  // state only: one token per pass, in runs
+    const index_t n = std::min(stage_tokens, t1 - t);
+    fill_rotations(n);
+    for (index_t j = 0; j < n; ++j) {
+      prefetch_token(t + j + ahead);
+      const T* value = value_of(t + j, j, scratch.rotated.data());
+      const bool rescale = absorb_keys<Stab>(k.row(b, t + j, h), carry, c, w, L);
+      update_and_read(carry.memory, c, w, gamma, value, static_cast<T*>(nullptr), L, Dv,
+                      rescale);
+    }
   }
 }
 
