@@ -101,9 +101,11 @@ TEST_CASE("Latte bidirectional VAPOR == oracle (float, double)") {
 // The random shapes above have Dv in {1, 5, 64} only; these widths reach every
 // block remainder for float (16 lanes) and double (8 lanes) under AVX-512 and
 // AVX2, at lengths that end a run on each of the quad, pair and single paths
-// (first run or a later one), with keys scaled so that maxima move often
-// (rescaling quads) or almost never, without and with VAPOR (whose rotations
-// come in rows per run of positions, run_rotations.hpp).
+// (first run or a later one), with keys scaled so that maxima move almost
+// never or often (rescaling quads; the reference moves only when a key passes
+// it by more than 8, and with keys rising by 400 it must, or fp32 overflows),
+// without and with VAPOR (rotations in rows per run of positions,
+// run_rotations.hpp).
 TEST_CASE_TEMPLATE("Latte causal cpu == oracle at every register-block remainder", T, float,
                    double) {
   Rng rng(109);
@@ -112,10 +114,16 @@ TEST_CASE_TEMPLATE("Latte causal cpu == oracle at every register-block remainder
   for (const index_t Dv : {8, 16, 24, 40, 72})
     for (const index_t L : {3, 64})
       for (const index_t Tn : {1, 2, 3, 4, 5, 6, 7, 13, 16, 17, 18, 19, 35, 301})
-        for (const double key_scale : {0.1, 8.0})
+        for (const double key_scale : {0.1, 8.0, 400.0})
           for (const bool vapor : {false, true}) {
             const auto q = random_tensor<T, 4>(rng, {1, Tn, 2, L}, 2.0);
-            const auto k = random_tensor<T, 4>(rng, {1, Tn, 2, L}, key_scale);
+            // 400: keys of scale 8 that also rise by 400 logits over the sequence.
+            auto k = random_tensor<T, 4>(rng, {1, Tn, 2, L}, std::min(key_scale, 8.0));
+            if (key_scale == 400.0)
+              for (index_t t = 0; t < Tn; ++t)
+                for (index_t h = 0; h < 2; ++h)
+                  for (index_t l = 0; l < L; ++l)
+                    k(0, t, h, l) += T(key_scale * double(t) / double(Tn));
             const auto v = uniform_tensor<T, 4>(rng, {1, Tn, 2, Dv}, -1, 1);
             const LatteDims dims{.heads = 2, .latents = L, .value_dim = Dv};
             Tensor<T, 4> out(v.extents());

@@ -56,6 +56,13 @@ using reference::LatteCarry;
 /// scan runs before their passes over the memory.
 inline constexpr index_t stage_tokens = 16;
 
+/// How far a key may pass its latent's shift before the shift moves, in the
+/// causal scan (RunningMax's running reference) and the bidirectional pass
+/// (the column shift): every exponential stays below e^8 ~ 2981, far from
+/// overflow in alpha and M, a shift that lags the maximum underflows fewer
+/// terms, not more, and M_l / alpha_l, all the output reads, is unchanged.
+inline constexpr int shift_lag = 8;
+
 /// Per-worker scratch for the causal scan (c, w, gamma of `stage_tokens`
 /// tokens; with `rotates_values` (VAPOR), rotated values of up to four and the
 /// rotation of each of `stage_tokens` positions as interleaved cos / sin rows).
@@ -73,6 +80,11 @@ struct LatteScratch {
 
 /// The L-wide key stage (eq. 21): m <- max(m, k), c = exp(m_old - m),
 /// w = exp(k - m), alpha <- c alpha + w. Returns whether any c != 1.
+/// With RunningMax the vector lanes keep a lagging reference instead of the
+/// exact maximum: m moves to k only when k > m + shift_lag (or m is still
+/// -inf), so w <= e^shift_lag and the memory is rescaled only on those rare
+/// moves (about once per latent in a sequence of centred keys, where the
+/// exact maximum moves ~ln T times): the scan stays on its four-token passes.
 template <Stabilizer Stab, Real T>
 bool absorb_keys(const T* k, LatteCarry<T> carry, T* c, T* w, index_t L) noexcept {
   bool rescaled = false;
@@ -81,9 +93,10 @@ bool absorb_keys(const T* k, LatteCarry<T> carry, T* c, T* w, index_t L) noexcep
     using B = simd::batch<T>;
     constexpr index_t W = simd::width<T>;
     constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+    const B lag(static_cast<T>(shift_lag));
     for (; l + W <= L; l += W) {
       const B key = simd::load(k + l), old_max = simd::load(carry.running_max + l);
-      const B new_max = simd::max(old_max, key);
+      const B new_max = simd::select_greater(key, old_max + lag, key, old_max);
       const bool moved = simd::any_greater(new_max, old_max);  // rare once the max settles
       rescaled = rescaled || moved;
       // Where everything so far is -inf the sums stay empty: c = 1, w = 0.
@@ -356,6 +369,9 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
       rotate_pairs<true>(o, o, scratch.rotation_cos.data() + j * Dv,
                          scratch.rotation_sin.data() + j * Dv, Dv);
   };
+  // Quads without a rescale rotate in registers when Dv is whole vectors.
+  const bool quad_rotates =
+      Pos::rotates_values && simd::width<T> >= 2 && Dv % simd::width<T> == 0;
   // Rows `ahead` tokens on are requested while this token computes (prefetch.hpp).
   constexpr index_t ahead = 4;
   auto prefetch_token = [&]<CacheLevel Level = CacheLevel::l1>(index_t s) {
@@ -404,10 +420,24 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
         T* outs[4];
         for (int i = 0; i < 4; ++i) {
           prefetch_next_run(j + i);
-          values[i] = value_of(t + j + i, j + i, scratch.rotated.data() + i * Dv);
           outs[i] = out.row(b, t + j + i, h);
         }
-        if (rescaled[j] || rescaled[j + 1] || rescaled[j + 2] || rescaled[j + 3]) {
+        const bool rescales = rescaled[j] || rescaled[j + 1] || rescaled[j + 2] || rescaled[j + 3];
+        if (!rescales && quad_rotates) {  // the rotations in registers (memory_pass.hpp)
+          const T *cos_rows[4], *sin_rows[4];
+          for (int i = 0; i < 4; ++i) {
+            values[i] = v.row(b, t + j + i, h);
+            cos_rows[i] = scratch.rotation_cos.data() + (j + i) * Dv;
+            sin_rows[i] = scratch.rotation_sin.data() + (j + i) * Dv;
+          }
+          if constexpr (simd::width<T> >= 2)
+            update_and_read_quad<T, true>(carry.memory, w + j * L, gamma + j * L, values, outs, L,
+                                          Dv, {cos_rows, sin_rows});
+          continue;
+        }
+        for (int i = 0; i < 4; ++i)
+          values[i] = value_of(t + j + i, j + i, scratch.rotated.data() + i * Dv);
+        if (rescales) {
           pair(t + j, j, rescaled[j], rescaled[j + 1], values[0], values[1]);
           pair(t + j + 2, j + 2, rescaled[j + 2], rescaled[j + 3], values[2], values[3]);
         } else {
@@ -631,10 +661,6 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
     };
   };
 
-  // How far a column's maximum may pass its shift before the shift moves: the
-  // exponentials stay below e^8 ~ 2981, far from overflow in alpha and M, and
-  // a shift that lags the maximum underflows fewer of them, not more.
-  constexpr T shift_lag = 8;
   const index_t k_stride = k.stride(1);
   // Records the block's column maxima; moves the shift of each latent whose
   // maximum went past it by more than shift_lag (or that had no finite
@@ -648,7 +674,7 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
       max_j[l] = block_max[l];
       const T target = Stab::reference_for(block_max[l]);
       if (!empty) {
-        if (!(target > shift_j[l] + shift_lag)) continue;
+        if (!(target > shift_j[l] + T(shift_lag))) continue;
         const T scale = std::exp(shift_j[l] - target);
         alpha[l] *= scale;
         for (index_t d = 0; d < Dv; ++d) memory_j[l * Dv + d] *= scale;

@@ -10,23 +10,40 @@
 // scan (paper 000 eqs. 10-12: w = exp(k - m), g = p(l|t) / alpha, N = L, used
 // while no running max moves) and the linear family's (paper 001 eq. 4: w =
 // e(k), g = e(q), N = E) both run it.
+//
+// With a PairRotations (VAPOR, paper 000 eq. 22) value j enters the memory as
+// R^{-p_j} v_j and output j leaves as R^{p_j} o_j, both rotated in registers
+// from the rows rotate_pairs takes (rotation.hpp): x cos_row -/+ swap(x) sin_row.
 #include "latte/backends/cpu/simd.hpp"
 #include "latte/core/types.hpp"
 
 namespace latte::cpu {
 
+/// The rotations of the four tokens of a pass as interleaved rows (token j's
+/// at cos_rows[j], sin_rows[j]); none when cos_rows is null.
+template <Real T>
+struct PairRotations {
+  const T* const* cos_rows = nullptr;
+  const T* const* sin_rows = nullptr;
+};
+
 /// One register block of R vectors (columns d0 .. d0 + R W) of the pass; w and
 /// g hold token j's values at [j N, (j + 1) N).
-template <Real T, int R>
+template <Real T, int R, bool Rotate>
 LATTE_FLATTEN void update_read_quad_block(T* memory, index_t Dv, index_t d0, const T* w,
                                           const T* g, const T* const* v, T* const* out,
-                                          index_t N) noexcept {
+                                          index_t N, PairRotations<T> rotation) noexcept {
   using B = simd::batch<T>;
   constexpr index_t W = simd::width<T>;
   constexpr int K = 4;
   B value[K][R], acc[K][R];
   simd::unrolled<K * R>([&](auto i) {  // constant indices (simd::unrolled)
-    value[i / R][i % R] = simd::load(v[i / R] + d0 + (i % R) * W);
+    const index_t column = d0 + (i % R) * W;
+    B x = simd::load(v[i / R] + column);
+    if constexpr (Rotate)  // R^{-p} v
+      x = x * simd::load(rotation.cos_rows[i / R] + column) -
+          simd::swap_pairs(x) * simd::load(rotation.sin_rows[i / R] + column);
+    value[i / R][i % R] = x;
     acc[i / R][i % R] = B(T(0));
   });
   for (index_t n = 0; n < N; ++n) {
@@ -42,18 +59,27 @@ LATTE_FLATTEN void update_read_quad_block(T* memory, index_t Dv, index_t d0, con
     }
     for (int r = 0; r < R; ++r) simd::store(row + r * W, m[r]);
   }
-  simd::unrolled<K * R>(
-      [&](auto i) { simd::store(out[i / R] + d0 + (i % R) * W, acc[i / R][i % R]); });
+  simd::unrolled<K * R>([&](auto i) {
+    const index_t column = d0 + (i % R) * W;
+    B o = acc[i / R][i % R];
+    if constexpr (Rotate)  // R^{p} o
+      o = o * simd::load(rotation.cos_rows[i / R] + column) +
+          simd::swap_pairs(o) * simd::load(rotation.sin_rows[i / R] + column);
+    simd::store(out[i / R] + column, o);
+  });
 }
 
-/// The whole pass for four tokens: value j at v[j], output j to out[j].
-template <Real T>
+/// The whole pass for four tokens: value j at v[j], output j to out[j]. With
+/// a rotation Dv must be a multiple of the vector width (no scalar tail).
+template <Real T, bool Rotate = false>
 void update_and_read_quad(T* memory, const T* w, const T* g, const T* const* v, T* const* out,
-                          index_t N, index_t Dv) noexcept {
+                          index_t N, index_t Dv, PairRotations<T> rotation = {}) noexcept {
   constexpr index_t W = simd::width<T>;
   index_t d = 0;
-  for (; d + 2 * W <= Dv; d += 2 * W) update_read_quad_block<T, 2>(memory, Dv, d, w, g, v, out, N);
-  for (; d + W <= Dv; d += W) update_read_quad_block<T, 1>(memory, Dv, d, w, g, v, out, N);
+  for (; d + 2 * W <= Dv; d += 2 * W)
+    update_read_quad_block<T, 2, Rotate>(memory, Dv, d, w, g, v, out, N, rotation);
+  for (; d + W <= Dv; d += W)
+    update_read_quad_block<T, 1, Rotate>(memory, Dv, d, w, g, v, out, N, rotation);
   for (index_t e = d; e < Dv; ++e) {
     T acc[4] = {0, 0, 0, 0};
     for (index_t n = 0; n < N; ++n) {

@@ -182,6 +182,13 @@ template <Real T>
 [[nodiscard]] inline bool any_greater(const batch<T>& a, const batch<T>& b) noexcept {
   return xsimd::any(a > b);
 }
+/// Lane by lane: if_greater where a > b, otherwise `otherwise` (NaN: otherwise).
+template <Real T>
+[[nodiscard]] inline batch<T> select_greater(const batch<T>& a, const batch<T>& b,
+                                             const batch<T>& if_greater,
+                                             const batch<T>& otherwise) noexcept {
+  return xsimd::select(a > b, if_greater, otherwise);
+}
 
 // Horizontal reductions as halving trees (log2(width) dependent steps, no
 // branches): they sit on the per-token chain of the scans' softmax stages.
@@ -402,6 +409,12 @@ template <Real T>
 template <Real T>
 [[nodiscard]] inline bool any_greater(const batch<T>& a, const batch<T>& b) noexcept {
   return a.value > b.value;
+}
+template <Real T>
+[[nodiscard]] inline batch<T> select_greater(const batch<T>& a, const batch<T>& b,
+                                             const batch<T>& if_greater,
+                                             const batch<T>& otherwise) noexcept {
+  return a.value > b.value ? if_greater : otherwise;
 }
 template <Real T>
 [[nodiscard]] inline T reduce_add(const batch<T>& x) noexcept { return x.value; }
