@@ -12,6 +12,7 @@
 #include <random>
 
 #include "latte/backends/cpu/rotation.hpp"
+#include "latte/backends/cpu/run_rotations.hpp"
 #include "latte/backends/cpu/simd.hpp"
 #include "latte/core/angles.hpp"
 #include "oracles/latte_oracle.hpp"
@@ -334,6 +335,65 @@ TEST_CASE_TEMPLATE(
     // last anchor, measured ~15 epsilon (3e-15); the bound leaves 2x.
     const double bound = std::is_same_v<T, float> ? 2.0 : 32.0;
     INFO("n = " << n << ", worst error " << worst << " eps * (|x| + |y|)");
+    CHECK(worst <= bound);
+  }
+}
+
+TEST_CASE_TEMPLATE("cpu RunRotations: rows of runs of positions against the oracle's angles", T,
+                   float, double) {
+  // Each row is a base rotation (moved in double by whole runs, exact again
+  // every 64 runs in fp32 / 4 in fp64) times an offset (j theta, j < 16), both
+  // rounded to T and multiplied in T. Runs of 16 cross many anchors; a short
+  // run re-anchors; seeks that bring the same angles and position again reuse
+  // the kept offsets and base, and other angles replace them.
+  constexpr index_t run = 16;
+  for (const index_t pairs : {1, 6, 32}) {
+    std::vector<double> theta(static_cast<std::size_t>(pairs)), other(theta.size());
+    for (index_t i = 0; i < pairs; ++i) {
+      theta[i] = std::pow(10000.0, -2.0 * double(i) / double(2 * pairs));
+      other[i] = 0.7 + 0.3 * double(i);
+    }
+    const index_t width = 2 * pairs;
+    cpu::RunRotations<T> rotations(pairs, run);
+    std::vector<T> cos_rows(static_cast<std::size_t>(run * width)), sin_rows(cos_rows.size());
+    double worst = 0;  // in units of the type's epsilon
+    auto check_runs = [&](const std::vector<double>& angles, std::int64_t start,
+                          const std::vector<index_t>& lengths) {
+      rotations.seek(angles.data(), start);
+      std::int64_t position = start;
+      for (const index_t n : lengths) {
+        REQUIRE(rotations.position() == position);
+        rotations.fill(n, cos_rows.data(), sin_rows.data(), width);
+        for (index_t j = 0; j < n; ++j)
+          for (index_t i = 0; i < pairs; ++i) {
+            const long double angle = oracle_reduced_angle(position + j, angles[i]);
+            const long double c = std::cos(angle), sn = std::sin(angle);
+            const T* cos_row = cos_rows.data() + j * width;
+            const T* sin_row = sin_rows.data() + j * width;
+            const long double error = std::max({std::fabs(cos_row[2 * i] - c),
+                                                std::fabs(cos_row[2 * i + 1] - c),
+                                                std::fabs(sin_row[2 * i] + sn),
+                                                std::fabs(sin_row[2 * i + 1] - sn)});
+            worst = std::max(worst, double(error) / std::numeric_limits<T>::epsilon());
+          }
+        position += n;
+      }
+    };
+    std::vector<index_t> lengths(150, run);  // 2400 positions
+    lengths.insert(lengths.begin() + 70, 5);  // a short run inside
+    check_runs(theta, 999'997, lengths);
+    check_runs(theta, 999'997, {run, run, 3});  // the same seek again (kept base)
+    check_runs(theta, 12, {run, 7});            // same angles, another position
+    check_runs(other, 12, {run, run});          // other angles
+    check_runs(theta, 999'997, {run, run});     // back to the first
+    // fp32: base and offset each rounded to fp32, then two products and a sum:
+    // measured 1.0 epsilon. fp64: an offset is up to 15 products of the
+    // one-position rotation and the base up to 3 run products past its anchor:
+    // measured 16 epsilon (3.6e-15; the RotationStepper above drifts as far).
+    // The bounds leave 2x.
+    const double bound = std::is_same_v<T, float> ? 2.0 : 32.0;
+    std::printf("[rotation] RunRotations %s pairs=%ld worst row error %.2f eps (bound %.0f)\n",
+                dtype_name<T>(), static_cast<long>(pairs), worst, bound);
     CHECK(worst <= bound);
   }
 }

@@ -347,9 +347,9 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
   const index_t L = q.extent(3), Dv = v.extent(3);
   if constexpr (Pos::rotates_values) scratch.rotation.seek(theta, position);
   T *c = scratch.carry_scale.data(), *w = scratch.weight.data(), *gamma = scratch.gamma.data();
-  // VAPOR (eq. 22): the rotations of the next n positions, row j for token
-  // t + j, serve both R^{-s} on the value entering the memory and R^{t} on the
-  // output (one stepper and one cos / sin per position instead of two).
+  // VAPOR (eq. 22): the rotations of the next n positions (run_rotations.hpp),
+  // row j for token t + j, serve both R^{-s} on the value entering the memory
+  // and R^{t} on the output.
   auto fill_rotations = [&](index_t n) {
     if constexpr (Pos::rotates_values)
       scratch.rotation.fill(n, scratch.rotation_cos.data(), scratch.rotation_sin.data(), Dv);

@@ -7,9 +7,8 @@
 // ~1e-14, and 1024 for fp32 ~1e-13, each far below its type's rounding.
 //
 // The stepper keeps each position's rotation as two interleaved rows (cos_row,
-// sin_row), which rotate_pairs applies with vector instructions; the causal
-// Latte scan copies one row pair per token of a run and rotates both the
-// value entering the memory (R^{-s}) and the output (R^{t}) from it.
+// sin_row), which rotate_pairs applies with vector instructions. (The causal
+// Latte scan takes its rows per run of positions from run_rotations.hpp.)
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -101,13 +100,6 @@ class RotationStepper {
   /// sin_row[2i+1] = sin_i, the form rotate_pairs takes.
   [[nodiscard]] const T* cos_row() const noexcept { return cos_t_.data(); }
   [[nodiscard]] const T* sin_row() const noexcept { return sin_t_.data(); }
-
-  /// Copies cos_row() and sin_row() (2 * pairs values each) to the given rows.
-  void write_rows(T* cos_row, T* sin_row) const noexcept {
-    const auto n = static_cast<index_t>(cos_t_.size());
-    simd::copy(cos_t_.data(), n, cos_row);
-    simd::copy(sin_t_.data(), n, sin_row);
-  }
 
   [[nodiscard]] std::int64_t position() const noexcept { return position_; }
 
