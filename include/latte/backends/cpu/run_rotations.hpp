@@ -34,8 +34,7 @@ template <Real T>
 class RunRotations {
  public:
   /// Runs between exact recomputations of the base: 1024 positions for fp32
-  /// and 64 for fp64 at 16-position runs (a double complex product adds
-  /// ~1e-16).
+  /// and 64 for fp64 at 16-position runs (a double complex product adds ~1e-16).
   static constexpr int anchor_every = std::is_same_v<T, float> ? 64 : 4;
 
   RunRotations() = default;
@@ -100,8 +99,8 @@ class RunRotations {
   [[nodiscard]] std::int64_t position() const noexcept { return position_; }
 
  private:
-  /// Offsets j theta for j < run_length (interleaved, in T) and the double
-  /// rotation of a whole run, by products of the one-position rotation.
+  /// Offsets j theta for j < run_length (interleaved, in T) as products of the
+  /// one-position rotation, and the rotation of a whole run (exact, in double).
   void make_offsets() noexcept {
     for (index_t i = 0; i < pairs_; ++i) {
       const CosSin step = rotation_cos_sin(1, theta_[i]);
@@ -129,8 +128,7 @@ class RunRotations {
       rotate_by(base_cos_, base_sin_, run_cos_.data(), run_sin_.data());
       return;
     }
-    anchor(position_);  // a short run ends a scan; the next fill starts a new
-                        // one exactly
+    anchor(position_);  // due, or after a short run (a scan's last): start exactly
     runs_since_anchor_ = 0;
   }
 
@@ -142,8 +140,7 @@ class RunRotations {
     }
   }
 
-  /// (cos, sin) <- (cos, sin) times the rotation (by_cos, by_sin), pair by
-  /// pair.
+  /// (cos, sin) <- (cos, sin) times the rotation (by_cos, by_sin), pair by pair.
   void rotate_by(std::vector<double>& cos, std::vector<double>& sin, const double* by_cos,
                  const double* by_sin) noexcept {
     double* __restrict c = cos.data();
