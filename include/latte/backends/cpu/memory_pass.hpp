@@ -20,7 +20,7 @@
 namespace latte::cpu {
 
 /// The rotations of the four tokens of a pass as interleaved rows (token j's
-/// at cos_rows[j], sin_rows[j]); none when cos_rows is null.
+/// at cos_rows[j], sin_rows[j]); read only by update_and_read_quad<T, true>.
 template <Real T>
 struct PairRotations {
   const T* const* cos_rows = nullptr;
