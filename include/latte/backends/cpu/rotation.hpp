@@ -46,6 +46,45 @@ void rotate_pairs(const T* in, T* out, const T* cos_row, const T* sin_row, index
   if (i < n) out[i] = in[i];
 }
 
+/// cos[i], sin[i] <- cos and sin of position * theta[i], i < pairs (reduced as
+/// in core/angles.hpp).
+inline void rotations_at(const double* theta, std::int64_t position, double* cos, double* sin,
+                         std::size_t pairs) noexcept {
+  for (std::size_t i = 0; i < pairs; ++i) {
+    const CosSin at = rotation_cos_sin(position, theta[i]);
+    cos[i] = at.cos;
+    sin[i] = at.sin;
+  }
+}
+
+/// (cos[i], sin[i]) <- (cos[i], sin[i]) times the rotation (by_cos[i], by_sin[i]),
+/// i < pairs: the angles add (one complex product per pair, in double).
+inline void compose_rotations(double* __restrict cos, double* __restrict sin,
+                              const double* __restrict by_cos, const double* __restrict by_sin,
+                              std::size_t pairs) noexcept {
+  for (std::size_t i = 0; i < pairs; ++i) {
+    const double c = cos[i] * by_cos[i] - sin[i] * by_sin[i];
+    const double s = sin[i] * by_cos[i] + cos[i] * by_sin[i];
+    cos[i] = c;
+    sin[i] = s;
+  }
+}
+
+/// The rows rotate_pairs takes, in T, from double cos / sin: pair i becomes
+/// (cos, cos) in cos_row and (-sin, sin) in sin_row.
+template <Real T>
+void interleave_rotations(const double* __restrict cos, const double* __restrict sin,
+                          T* __restrict cos_row, T* __restrict sin_row,
+                          std::size_t pairs) noexcept {
+  for (std::size_t i = 0; i < pairs; ++i) {
+    const T c = static_cast<T>(cos[i]), s = static_cast<T>(sin[i]);
+    cos_row[2 * i] = c;
+    cos_row[2 * i + 1] = c;
+    sin_row[2 * i] = -s;
+    sin_row[2 * i + 1] = s;
+  }
+}
+
 template <Real T>
 class RotationStepper {
  public:
@@ -59,11 +98,7 @@ class RotationStepper {
   /// Points the stepper at one head's angles and an absolute position.
   void seek(const double* theta, std::int64_t position) noexcept {
     theta_ = theta;
-    for (std::size_t i = 0; i < cos_.size(); ++i) {
-      const CosSin step = rotation_cos_sin(1, theta[i]);
-      step_cos_[i] = step.cos;
-      step_sin_[i] = step.sin;
-    }
+    rotations_at(theta, 1, step_cos_.data(), step_sin_.data(), step_cos_.size());
     anchor(position);
   }
 
@@ -75,16 +110,7 @@ class RotationStepper {
       return;
     }
     ++position_;
-    double* __restrict cos_d = cos_.data();
-    double* __restrict sin_d = sin_.data();
-    const double* __restrict step_cos = step_cos_.data();
-    const double* __restrict step_sin = step_sin_.data();
-    for (std::size_t i = 0; i < cos_.size(); ++i) {
-      const double c = cos_d[i] * step_cos[i] - sin_d[i] * step_sin[i];
-      const double s = sin_d[i] * step_cos[i] + cos_d[i] * step_sin[i];
-      cos_d[i] = c;
-      sin_d[i] = s;
-    }
+    compose_rotations(cos_.data(), sin_.data(), step_cos_.data(), step_sin_.data(), cos_.size());
     write_interleaved();
   }
 
@@ -106,27 +132,13 @@ class RotationStepper {
  private:
   /// cos_t_ / sin_t_ from the double values: pair i is (cos, cos) and (-sin, sin).
   void write_interleaved() noexcept {
-    const double* __restrict cos_d = cos_.data();
-    const double* __restrict sin_d = sin_.data();
-    T* __restrict cos_t = cos_t_.data();
-    T* __restrict sin_t = sin_t_.data();
-    for (std::size_t i = 0; i < cos_.size(); ++i) {
-      const T c = static_cast<T>(cos_d[i]), s = static_cast<T>(sin_d[i]);
-      cos_t[2 * i] = c;
-      cos_t[2 * i + 1] = c;
-      sin_t[2 * i] = -s;
-      sin_t[2 * i + 1] = s;
-    }
+    interleave_rotations(cos_.data(), sin_.data(), cos_t_.data(), sin_t_.data(), cos_.size());
   }
 
   void anchor(std::int64_t position) noexcept {
     position_ = position;
     since_anchor_ = 0;
-    for (std::size_t i = 0; i < cos_.size(); ++i) {
-      const CosSin at = rotation_cos_sin(position, theta_[i]);
-      cos_[i] = at.cos;
-      sin_[i] = at.sin;
-    }
+    rotations_at(theta_, position, cos_.data(), sin_.data(), cos_.size());
     write_interleaved();
   }
 

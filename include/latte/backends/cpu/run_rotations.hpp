@@ -23,8 +23,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "latte/backends/cpu/rotation.hpp"
 #include "latte/backends/cpu/simd.hpp"
-#include "latte/core/angles.hpp"
 #include "latte/core/huge_page_allocator.hpp"
 #include "latte/core/types.hpp"
 
@@ -102,30 +102,25 @@ class RunRotations {
   /// Offsets j theta for j < run_length (interleaved, in T) as products of the
   /// one-position rotation, and the rotation of a whole run (exact, in double).
   void make_offsets() noexcept {
-    for (index_t i = 0; i < pairs_; ++i) {
-      const CosSin step = rotation_cos_sin(1, theta_[i]);
-      step_cos_[i] = step.cos;
-      step_sin_[i] = step.sin;
-    }
+    const auto pairs = static_cast<std::size_t>(pairs_);
+    rotations_at(theta_.data(), 1, step_cos_.data(), step_sin_.data(), pairs);
     std::fill(cos_j_.begin(), cos_j_.end(), 1.0);
     std::fill(sin_j_.begin(), sin_j_.end(), 0.0);
     const index_t width = 2 * pairs_;
     for (index_t j = 0; j < run_length_; ++j) {
-      interleave(cos_j_.data(), sin_j_.data(), offset_cos_.data() + j * width,
-                 offset_sin_.data() + j * width);
-      rotate_by(cos_j_, sin_j_, step_cos_.data(), step_sin_.data());
+      interleave_rotations(cos_j_.data(), sin_j_.data(), offset_cos_.data() + j * width,
+                           offset_sin_.data() + j * width, pairs);
+      compose_rotations(cos_j_.data(), sin_j_.data(), step_cos_.data(), step_sin_.data(), pairs);
     }
-    for (index_t i = 0; i < pairs_; ++i) {  // exact, not the run_length-th product
-      const CosSin run = rotation_cos_sin(run_length_, theta_[i]);
-      run_cos_[i] = run.cos;
-      run_sin_[i] = run.sin;
-    }
+    // exact, not the run_length-th product
+    rotations_at(theta_.data(), run_length_, run_cos_.data(), run_sin_.data(), pairs);
   }
 
   void advance(index_t n) noexcept {
     position_ += n;
     if (n == run_length_ && ++runs_since_anchor_ < anchor_every) {
-      rotate_by(base_cos_, base_sin_, run_cos_.data(), run_sin_.data());
+      compose_rotations(base_cos_.data(), base_sin_.data(), run_cos_.data(), run_sin_.data(),
+                        base_cos_.size());
       return;
     }
     anchor(position_);  // due, or after a short run (a scan's last): start exactly
@@ -133,40 +128,13 @@ class RunRotations {
   }
 
   void anchor(std::int64_t position) noexcept {
-    for (index_t i = 0; i < pairs_; ++i) {
-      const CosSin at = rotation_cos_sin(position, theta_[i]);
-      base_cos_[i] = at.cos;
-      base_sin_[i] = at.sin;
-    }
-  }
-
-  /// (cos, sin) <- (cos, sin) times the rotation (by_cos, by_sin), pair by pair.
-  void rotate_by(std::vector<double>& cos, std::vector<double>& sin, const double* by_cos,
-                 const double* by_sin) noexcept {
-    double* __restrict c = cos.data();
-    double* __restrict s = sin.data();
-    for (index_t i = 0; i < pairs_; ++i) {
-      const double next_c = c[i] * by_cos[i] - s[i] * by_sin[i];
-      const double next_s = s[i] * by_cos[i] + c[i] * by_sin[i];
-      c[i] = next_c;
-      s[i] = next_s;
-    }
+    rotations_at(theta_.data(), position, base_cos_.data(), base_sin_.data(), base_cos_.size());
   }
 
   void write_base_rows() noexcept {
-    interleave(base_cos_.data(), base_sin_.data(), base_cos_row_.data(), base_sin_row_.data());
+    interleave_rotations(base_cos_.data(), base_sin_.data(), base_cos_row_.data(),
+                         base_sin_row_.data(), base_cos_.size());
     for (index_t i = 0; i < 2 * pairs_; ++i) minus_base_sin_row_[i] = -base_sin_row_[i];
-  }
-
-  /// Pair i becomes (c, c) in cos_row and (-s, s) in sin_row.
-  void interleave(const double* cos, const double* sin, T* cos_row, T* sin_row) const noexcept {
-    for (index_t i = 0; i < pairs_; ++i) {
-      const T c = static_cast<T>(cos[i]), s = static_cast<T>(sin[i]);
-      cos_row[2 * i] = c;
-      cos_row[2 * i + 1] = c;
-      sin_row[2 * i] = -s;
-      sin_row[2 * i + 1] = s;
-    }
   }
 
   index_t pairs_ = 0, run_length_ = 0;
