@@ -4,7 +4,9 @@
 //
 //   column_max_rows:      m[l] = max_r x[r][l]
 //   shifted_column_exps:  e[r][l] = exp(x[r][l] - shift[l]) into a contiguous
-//                         n x L block, sum[l] = sum_r e[r][l] and m[l] as above
+//                         n x L block, sum[l] = sum_r e[r][l] and m[l] as above;
+//                         optionally copies the rows of a second strided
+//                         input (the block's values) in the same pass
 //
 // Each reads every row once, in order, straight from the input (a block of
 // rows of one head lies H * L apart). Columns go in groups of four vectors
@@ -19,6 +21,18 @@
 #include "latte/core/types.hpp"
 
 namespace latte::cpu {
+
+/// Rows to copy alongside shifted_column_exps: row r of `from` (at from + r *
+/// stride, `width` wide) to to + r * width. The bidirectional pass copies its
+/// block of values so: each value row is loaded next to the key row of the
+/// same token, while the exponentials run (a separate copy loop waited on
+/// every row it loaded: about 2 % of the pass).
+template <Real T>
+struct RowCopy {
+  const T* from;
+  index_t stride, width;
+  T* to;
+};
 
 namespace detail {
 
@@ -38,7 +52,8 @@ inline void column_max_group(const T* x, index_t stride, index_t n, index_t l0,
 /// The columns [l0, l0 + G W) of shifted_column_exps.
 template <Real T, int G>
 inline void shifted_exps_group(const T* x, index_t stride, index_t n, index_t L, index_t l0,
-                               const T* shift, T* e, T* column_sum, T* column_max) noexcept {
+                               const T* shift, T* e, T* column_sum, T* column_max,
+                               const RowCopy<T>* copy) noexcept {
   using B = simd::batch<T>;
   constexpr index_t W = simd::width<T>;
   B s[G], m[G], sum[G];
@@ -47,7 +62,7 @@ inline void shifted_exps_group(const T* x, index_t stride, index_t n, index_t L,
     m[g] = B(-std::numeric_limits<T>::infinity());
     sum[g] = B(T(0));
   }
-  for (index_t r = 0; r < n; ++r)
+  for (index_t r = 0; r < n; ++r) {
     for (int g = 0; g < G; ++g) {
       const B value = simd::load(x + r * stride + l0 + g * W);
       m[g] = simd::max(m[g], value);
@@ -55,6 +70,8 @@ inline void shifted_exps_group(const T* x, index_t stride, index_t n, index_t L,
       simd::store(e + r * L + l0 + g * W, exponential);
       sum[g] = sum[g] + exponential;
     }
+    if (copy) simd::copy(copy->from + r * copy->stride, copy->width, copy->to + r * copy->width);
+  }
   for (int g = 0; g < G; ++g) {
     simd::store(column_sum + l0 + g * W, sum[g]);
     simd::store(column_max + l0 + g * W, m[g]);
@@ -78,16 +95,20 @@ void column_max_rows(const T* x, index_t stride, index_t n, index_t L, T* column
 }
 
 /// For l < L: e[r * L + l] = exp(x[r * stride + l] - shift[l]) for r < n,
-/// column_sum[l] = sum_r e[r * L + l] and column_max[l] = max_r x[r * stride + l].
+/// column_sum[l] = sum_r e[r * L + l] and column_max[l] = max_r x[r * stride + l];
+/// with `copy`, also its n rows (in the pass over the first group of columns).
 template <Real T>
 void shifted_column_exps(const T* x, index_t stride, index_t n, index_t L, const T* shift, T* e,
-                         T* column_sum, T* column_max) noexcept {
+                         T* column_sum, T* column_max, const RowCopy<T>* copy = nullptr) noexcept {
   constexpr index_t W = simd::width<T>;
   index_t l0 = 0;
-  for (; l0 + 4 * W <= L; l0 += 4 * W)
-    detail::shifted_exps_group<T, 4>(x, stride, n, L, l0, shift, e, column_sum, column_max);
-  for (; l0 + W <= L; l0 += W)
-    detail::shifted_exps_group<T, 1>(x, stride, n, L, l0, shift, e, column_sum, column_max);
+  for (; l0 + 4 * W <= L; l0 += 4 * W, copy = nullptr)
+    detail::shifted_exps_group<T, 4>(x, stride, n, L, l0, shift, e, column_sum, column_max, copy);
+  for (; l0 + W <= L; l0 += W, copy = nullptr)
+    detail::shifted_exps_group<T, 1>(x, stride, n, L, l0, shift, e, column_sum, column_max, copy);
+  if (copy)  // no whole vector of columns (L < width)
+    for (index_t r = 0; r < n; ++r)
+      simd::copy(copy->from + r * copy->stride, copy->width, copy->to + r * copy->width);
   for (; l0 < L; ++l0) {
     T sum = 0, m = -std::numeric_limits<T>::infinity();
     for (index_t r = 0; r < n; ++r) {
