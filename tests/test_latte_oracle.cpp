@@ -154,13 +154,16 @@ TEST_CASE_TEMPLATE("Latte causal cpu == oracle at every register-block remainder
 // remainders. With fewer heads than threads each head's sequence is cut into
 // segments of whole blocks whose sums are merged. These cases reach each tile
 // remainder (L mod 4, Dv past the last 4- and 1-vector block, T mod 4 and
-// mod 64) for float and double, with keys that rise along the sequence by 8
-// logits (the maximum moves in every block, the shift lags it) or by 400
-// (the shift moves in every block: without the move, fp32 overflows), keys
-// that fall (the first block holds the maximum), and the NoStabilizer form
-// (shift 0); every later segment holds a larger maximum when keys rise. With
-// 3 threads, one head runs as 3 segments (VAPOR seeks its rotation at each)
-// and two as one segment each.
+// mod 64) and each way the key pass copies the value rows (L below one vector,
+// in a one-vector and in a four-vector column group) for float and double,
+// with keys that rise along the sequence by 8 logits (the maximum moves in
+// every block, the shift lags it) or by 400 (the shift moves in every block:
+// without the move, fp32 overflows), keys that fall (the first block holds
+// the maximum), and the NoStabilizer form (shift 0); every later segment
+// holds a larger maximum when keys rise. With 3 threads, one head runs as 3
+// segments (VAPOR seeks its rotation at each) and two as one segment each;
+// a worker's first two (head, block) items copy their values apart, the
+// rest in the key pass.
 TEST_CASE_TEMPLATE("Latte bidirectional cpu == oracle across blocks, segments and tile remainders",
                    T, float, double) {
 #if defined(LATTE_WITH_OPENMP)
@@ -171,7 +174,7 @@ TEST_CASE_TEMPLATE("Latte bidirectional cpu == oracle across blocks, segments an
   double worst = 0;
   int cases = 0;
   for (const index_t Dv : {2, 8, 16, 24, 40, 72})
-    for (const index_t L : {1, 3, 6, 64})
+    for (const index_t L : {1, 3, 6, 20, 64})
       for (const index_t Tn : {1, 3, 5, 63, 64, 65, 130, 301})
         for (const int keys : {0, 1, 2, 3, 4}) {  // rising by 8 / 400, falling, NoStabilizer, VAPOR
           const index_t H = 1 + cases % 2;
