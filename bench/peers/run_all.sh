@@ -11,7 +11,7 @@ cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j "$(nproc)" --target latte-compare >/dev/null
 threads="$(nproc)"
 export OMP_NUM_THREADS="$threads"
-build/bench/latte-compare --csv --rounds 3 --t "$lengths" > "$csv"
+build/bench/latte-compare --csv --rounds 5 --t "$lengths" > "$csv"
 .venv-peers/bin/python bench/peers/sdpa.py --threads "$threads" --t "$lengths" --time-cap 60 >> "$csv"
 peer_lengths=$(echo "$lengths" | tr ',' '\n' | awk '$1 <= 65536' | paste -sd, -)
 .venv-peers/bin/python bench/peers/jax_scan.py --t "$peer_lengths" >> "$csv"

@@ -17,16 +17,16 @@
 //
 // Bidirectional: the two contractions of eq. 7 in blocks of 64 tokens. Pass 1
 // per block: E = exp(K - shift) in one pass over the key rows, which also
-// gives the block's column maxima; a latent's shift is its first block's
-// column maximum and moves only when a later maximum passes it by more than
-// 8 (rescaling alpha and M, as eq. 21 does per token, and taking the block's
-// E again); then alpha += 1^T E, M += E^T V. Pass 2 per block:
-// O = (softmax(Q) / alpha) M. Both contractions are the register-blocked
-// kernels of block_contractions.hpp; between their tiles the rows of the next
-// (head, block) are requested into L2. With fewer heads than threads, each
-// head's sequence is split into segments whose sums are merged between the
-// two passes; otherwise each worker runs both passes over its own heads in
-// one parallel region.
+// gives the block's column maxima and copies its value rows; a latent's
+// shift is its first block's column maximum and moves only when a later
+// maximum passes it by more than 8 (rescaling alpha and M, as eq. 21 does per
+// token, and taking the block's E again); then alpha += 1^T E, M += E^T V.
+// Pass 2 per block: O = (softmax(Q) / alpha) M. Both contractions are the
+// register-blocked kernels of block_contractions.hpp; between their tiles
+// the rows of the (head, block) two items on are requested into L2. With
+// fewer heads than threads, each head's sequence is split into segments whose
+// sums are merged between the two passes; otherwise each worker runs both
+// passes over its own heads in one parallel region.
 #include <algorithm>
 #include <cstdint>
 #include <limits>
