@@ -26,7 +26,7 @@ namespace latte::cpu {
 /// stride, `width` wide) to to + r * width. The bidirectional pass copies its
 /// block of values so: each value row is loaded next to the key row of the
 /// same token, while the exponentials run (a separate copy loop waited on
-/// every row it loaded: about 2 % of the pass).
+/// every row it loaded: the pass was about 1 % slower, 1 thread, T = 16K).
 template <Real T>
 struct RowCopy {
   const T* from;

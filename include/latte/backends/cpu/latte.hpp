@@ -715,7 +715,7 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
         // The block's values go to a contiguous block (rows of one head lie
         // H * Dv apart: a block of them would share a few L1 sets): copied in
         // the pass over the key rows below, or here, with prefetches ahead, by
-        // the range's first item, which nothing requested.
+        // the range's first `items_ahead` items, which nothing requested.
         const RowCopy<T> value_rows{v.row(b, t0, h), v.stride(1), Dv, values.data()};
         if (unrequested)
           for (index_t r = 0; r < n; ++r) {
