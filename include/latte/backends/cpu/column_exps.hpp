@@ -32,6 +32,8 @@ struct RowCopy {
   const T* from;
   index_t stride, width;
   T* to;
+
+  void copy_row(index_t r) const noexcept { simd::copy(from + r * stride, width, to + r * width); }
 };
 
 namespace detail {
@@ -70,7 +72,7 @@ inline void shifted_exps_group(const T* x, index_t stride, index_t n, index_t L,
       simd::store(e + r * L + l0 + g * W, exponential);
       sum[g] = sum[g] + exponential;
     }
-    if (copy) simd::copy(copy->from + r * copy->stride, copy->width, copy->to + r * copy->width);
+    if (copy) copy->copy_row(r);
   }
   for (int g = 0; g < G; ++g) {
     simd::store(column_sum + l0 + g * W, sum[g]);
@@ -107,8 +109,7 @@ void shifted_column_exps(const T* x, index_t stride, index_t n, index_t L, const
   for (; l0 + W <= L; l0 += W, copy = nullptr)
     detail::shifted_exps_group<T, 1>(x, stride, n, L, l0, shift, e, column_sum, column_max, copy);
   if (copy)  // no whole vector of columns (L < width)
-    for (index_t r = 0; r < n; ++r)
-      simd::copy(copy->from + r * copy->stride, copy->width, copy->to + r * copy->width);
+    for (index_t r = 0; r < n; ++r) copy->copy_row(r);
   for (; l0 < L; ++l0) {
     T sum = 0, m = -std::numeric_limits<T>::infinity();
     for (index_t r = 0; r < n; ++r) {

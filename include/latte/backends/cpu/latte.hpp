@@ -720,7 +720,7 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
         if (unrequested)
           for (index_t r = 0; r < n; ++r) {
             prefetch_ahead(k, v, b, h, t0, r, n);
-            simd::copy(v.row(b, t0 + r, h), Dv, values.data() + r * Dv);
+            value_rows.copy_row(r);
           }
         // e_{s,l} = exp(k_{s,l} - shift_l) into the contiguous block `keys`,
         // their column sums and the block's column maxima, in one pass over
