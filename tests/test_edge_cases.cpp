@@ -1119,4 +1119,111 @@ TEST_CASE_TEMPLATE("state saved by exec::cpu continues on exec::reference and vi
   }
 }
 
+
+// ============================================= values near the largest float
+
+/// Values as large as a mechanism's exact sums allow: |v| <= max / bound, where
+/// `bound` is the largest factor by which the reference backend's sums can
+/// exceed max |v|. The cpu kernels must keep within the same bound (no
+/// intermediate larger than the reference's): finite, and close to the oracle.
+template <class T>
+Tensor<T, 4> values_near_max(Rng& rng, const std::array<index_t, 4>& extents, double bound) {
+  auto v = uniform_tensor<T, 4>(rng, extents, 0.5, 1.0);
+  const double largest = static_cast<double>(std::numeric_limits<T>::max()) / bound;
+  for (index_t i = 0; i < v.size(); ++i)
+    v.data()[i] = static_cast<T>((i % 3 ? largest : -largest) * double(v.data()[i]));
+  return v;
+}
+
+template <class T>
+void check_near_max(const Tensor<T, 4>& out, const TensorLD<4>& oracle, const std::string& what) {
+  INFO(what);
+  CHECK(all_finite(out));
+  check_close(out, oracle, what);
+}
+
+TEST_CASE_TEMPLATE("values near the largest finite number: exec::cpu stays within the reference's bound",
+                   T, float, double) {
+  // Fails before: the cpu Latte scans let their shift lag the maximum by up to
+  // 8 (terms up to e^8 times a value) and the bidirectional read-out summed
+  // e_{t,l} M_l before dividing by beta_t (up to L times a value). L = 17 takes
+  // the cpu scans' vector lanes (and their scalar tail); T = 70 two blocks of
+  // the bidirectional pass.
+  for (const index_t Tn : {1, 2, 3, 40, 70}) {
+    CAPTURE(Tn);
+    Rng rng(static_cast<std::uint64_t>(100 + Tn));
+    const index_t B = 1, H = 2, L = 17, D = 6;
+    const auto q = uniform_tensor<T, 4>(rng, {B, Tn, H, D}, -1, 1);
+    const auto k = uniform_tensor<T, 4>(rng, {B, Tn, H, D}, -1, 1);
+    const auto latent_q = random_tensor<T, 4>(rng, {B, Tn, H, L}, 1.0);
+    auto latent_k = random_tensor<T, 4>(rng, {B, Tn, H, L}, 1.0);
+    for (index_t t = 0; t < Tn; ++t)  // latent 0's keys rise by 4 a token; latent 1's
+      for (index_t h = 0; h < H; ++h) {  // step up by 5 in the second block
+        latent_k(0, t, h, 0) = T(4 * t);
+        latent_k(0, t, h, 1) = T(t < 64 ? 0 : 5);
+      }
+    const auto macchiato_q = random_tensor<T, 4>(rng, {B, Tn, H, L + 1}, 1.0);
+    // Convex mechanisms: every sum is at most T times max |v| (weights <= 1).
+    const auto v = values_near_max<T>(rng, {B, Tn, H, D}, 2.0 * Tn);
+    Tensor<T, 4> out(v.extents());
+    {
+      const LatteAttention<Causal> causal({.heads = H, .latents = L, .value_dim = D});
+      const LatteAttention<Bidirectional> bidirectional({.heads = H, .latents = L, .value_dim = D});
+      const auto causal_oracle = latte_oracle(true, latent_q, latent_k, v);
+      causal.forward(exec::cpu, latent_q, latent_k, v, out.view());
+      check_near_max(out, causal_oracle, "latte causal cpu");
+      auto state = causal.template make_state<T>(B);
+      check_near_max(decode<exec::cpu_t>(causal, state, D, latent_q, latent_k, v), causal_oracle,
+                     "latte causal cpu decode");
+      bidirectional.forward(exec::cpu, latent_q, latent_k, v, out.view());
+      check_near_max(out, latte_oracle(false, latent_q, latent_k, v), "latte bidirectional cpu");
+    }
+    {
+      const auto angles = rope_schedule(H, D);
+      const LatteAttention<Causal, RunningMax, VAPOR> causal(
+          {.heads = H, .latents = L, .value_dim = D});
+      const LatteAttention<Bidirectional, RunningMax, VAPOR> bidirectional(
+          {.heads = H, .latents = L, .value_dim = D});
+      causal.forward(exec::cpu, latent_q, latent_k, v, out.view());
+      check_near_max(out, latte_oracle(true, latent_q, latent_k, v, angles), "latte VAPOR causal cpu");
+      bidirectional.forward(exec::cpu, latent_q, latent_k, v, out.view());
+      check_near_max(out, latte_oracle(false, latent_q, latent_k, v, angles),
+                     "latte VAPOR bidirectional cpu");
+    }
+    for (const bool causal : {true, false}) {
+      const index_t window = 2;
+      const MacchiatoSpec spec{.causal = causal, .window = window, .scale = inverse_sqrt(D)};
+      const auto oracle = macchiato_oracle(spec, macchiato_q, latent_k, q, k, v);
+      const MacchiatoDims dims{.heads = H, .latents = L, .key_dim = D, .value_dim = D, .window = window};
+      if (causal) LatteMacchiato<Causal>(dims).forward(exec::cpu, macchiato_q, latent_k, q, k, v, out.view());
+      else LatteMacchiato<Bidirectional>(dims).forward(exec::cpu, macchiato_q, latent_k, q, k, v, out.view());
+      check_near_max(out, oracle, causal ? "macchiato causal cpu" : "macchiato bidirectional cpu");
+    }
+    {
+      const SoftmaxDims dims{.heads = H, .key_dim = D, .value_dim = D};
+      SoftmaxAttention<Causal>(dims).forward(exec::cpu, q, k, v, out.view());
+      check_near_max(out, softmax_oracle({.causal = true}, inverse_sqrt(D), q, k, v), "softmax causal cpu");
+      SoftmaxAttention<Bidirectional>(dims).forward(exec::cpu, q, k, v, out.view());
+      check_near_max(out, softmax_oracle({.causal = false}, inverse_sqrt(D), q, k, v),
+                     "softmax bidirectional cpu");
+      SoftmaxAttention<Causal, SlidingWindow>(dims, {.left = 1}).forward(exec::cpu, q, k, v, out.view());
+      check_near_max(out, softmax_oracle({.causal = true, .left = 1}, inverse_sqrt(D), q, k, v),
+                     "softmax window cpu");
+    }
+    {
+      // Linear family: weights phi(q) . phi(k) <= 4 D (elu + 1 <= 2 on [-1, 1]).
+      const auto v_linear = values_near_max<T>(rng, {B, Tn, H, D}, 2.0 * Tn * 4 * D);
+      Tensor<T, 4> out_linear(v_linear.extents());
+      const LinearDims dims{.heads = H, .key_dim = D, .value_dim = D};
+      for (const bool causal : {true, false}) {
+        const LinearOracleSpec spec{.causal = causal, .feature = oracle_elu_plus_one};
+        if (causal) LinearAttention<Causal, EluPlusOne>(dims).forward(exec::cpu, q, k, v_linear, out_linear.view());
+        else LinearAttention<Bidirectional, EluPlusOne>(dims).forward(exec::cpu, q, k, v_linear, out_linear.view());
+        check_near_max(out_linear, linear_oracle(spec, q, k, v_linear),
+                       causal ? "linear causal cpu" : "linear bidirectional cpu");
+      }
+    }
+  }
+}
+
 }  // namespace

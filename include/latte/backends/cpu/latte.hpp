@@ -56,12 +56,14 @@ using reference::LatteCarry;
 /// scan runs before their passes over the memory.
 inline constexpr index_t stage_tokens = 16;
 
-/// How far a key may pass its latent's shift before the shift moves, in the
-/// causal scan (RunningMax's running reference) and the bidirectional pass
-/// (the column shift): every exponential stays below e^8 ~ 2981, far from
-/// overflow in alpha and M, a shift that lags the maximum underflows fewer
-/// terms, not more, and M_l / alpha_l, all the output reads, is unchanged.
-inline constexpr int shift_lag = 8;
+/// How far above a key its latent's shift is set when the key passes it, in
+/// the causal scan (RunningMax's running reference) and the bidirectional pass
+/// (the column shift). The shift never sits below the maximum, so every
+/// exponential is at most 1 (alpha and M stay within the reference backend's
+/// bounds: a value near the largest finite number does not overflow where the
+/// exact maximum would not), the next move waits until a key passes the
+/// maximum by more than 8, and M_l / alpha_l, all the output reads, is unchanged.
+inline constexpr int shift_headroom = 8;
 
 /// Per-worker scratch for the causal scan (c, w, gamma of `stage_tokens`
 /// tokens; with `rotates_values` (VAPOR), rotated values of up to four and the
@@ -80,11 +82,11 @@ struct LatteScratch {
 
 /// The L-wide key stage (eq. 21): m <- max(m, k), c = exp(m_old - m),
 /// w = exp(k - m), alpha <- c alpha + w. Returns whether any c != 1.
-/// With RunningMax the vector lanes keep a lagging reference instead of the
-/// exact maximum: m moves to k only when k > m + shift_lag (or m is still
-/// -inf), so w <= e^shift_lag and the memory is rescaled only on those rare
-/// moves (about once per latent in a sequence of centred keys, where the
-/// exact maximum moves ~ln T times): the scan stays on its four-token passes.
+/// With RunningMax the vector lanes keep a reference with headroom instead of
+/// the exact maximum: when k > m, m moves to k + shift_headroom, so w <= 1 and
+/// the memory is rescaled only on those rare moves (about once per latent in a
+/// sequence of centred keys, where the exact maximum moves ~ln T times): the
+/// scan stays on its four-token passes.
 template <Stabilizer Stab, Real T>
 bool absorb_keys(const T* k, LatteCarry<T> carry, T* c, T* w, index_t L) noexcept {
   bool rescaled = false;
@@ -93,10 +95,10 @@ bool absorb_keys(const T* k, LatteCarry<T> carry, T* c, T* w, index_t L) noexcep
     using B = simd::batch<T>;
     constexpr index_t W = simd::width<T>;
     constexpr T neg_inf = -std::numeric_limits<T>::infinity();
-    const B lag(static_cast<T>(shift_lag));
+    const B headroom(static_cast<T>(shift_headroom));
     for (; l + W <= L; l += W) {
       const B key = simd::load(k + l), old_max = simd::load(carry.running_max + l);
-      const B new_max = simd::select_greater(key, old_max + lag, key, old_max);
+      const B new_max = simd::select_greater(key, old_max, key + headroom, old_max);
       const bool moved = simd::any_greater(new_max, old_max);  // rare once the max settles
       rescaled = rescaled || moved;
       // Where everything so far is -inf the sums stay empty: c = 1, w = 0.
@@ -666,18 +668,20 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
 
   const index_t k_stride = k.stride(1);
   // Records the block's column maxima; moves the shift of each latent whose
-  // maximum went past it by more than shift_lag (or that had no finite
-  // maximum yet) to Stab::reference_for(maximum), rescaling alpha_l and M_l
-  // summed under the old one. Returns whether any shift moved.
+  // maximum went past it (or that had no finite maximum yet) to
+  // Stab::reference_for(maximum), plus shift_headroom with RunningMax,
+  // rescaling alpha_l and M_l summed under the old one. Returns whether any
+  // shift moved.
   auto move_shifts = [&](const T* block_max, T* max_j, T* shift_j, T* alpha, T* memory_j) {
     bool moved = false;
     for (index_t l = 0; l < L; ++l) {
       if (!(block_max[l] > max_j[l])) continue;
       const bool empty = max_j[l] == lowest;
       max_j[l] = block_max[l];
-      const T target = Stab::reference_for(block_max[l]);
+      T target = Stab::reference_for(block_max[l]);
+      if (!empty && !(target > shift_j[l])) continue;
+      if constexpr (std::is_same_v<Stab, RunningMax>) target += T(shift_headroom);
       if (!empty) {
-        if (!(target > shift_j[l] + T(shift_lag))) continue;
         const T scale = std::exp(shift_j[l] - target);
         alpha[l] *= scale;
         for (index_t d = 0; d < Dv; ++d) memory_j[l * Dv + d] *= scale;
@@ -689,7 +693,7 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
   };
 
   // Pass 1: alpha_l = sum_s exp(k_{s,l} - shift_l) and M_l = sum_s exp(k_{s,l} -
-  // shift_l) R^{-s} v_s, the shift following the column maximum within shift_lag.
+  // shift_l) R^{-s} v_s, the shift at most shift_headroom above the column maximum.
   auto sum_keys_and_values = [&](index_t item) {
     // Plain variables, not structured bindings: lambdas below capture them
     // (C++20 allows capturing a binding; clang before 16 rejects it).
@@ -724,12 +728,12 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
           }
         // e_{s,l} = exp(k_{s,l} - shift_l) into the contiguous block `keys`,
         // their column sums and the block's column maxima, in one pass over
-        // the key rows. The shift follows the column maximum (Stab::reference_for)
-        // but, once set, moves only when the maximum passes it by more than
-        // `shift_lag` (so e <= e^shift_lag); then what was summed under the old
-        // shift is rescaled (as RunningMax's eq. 21, once per block) and the
-        // block's exponentials are taken again. In the first block of a state
-        // the maxima come first, from a pass of their own.
+        // the key rows. The shift is set `shift_headroom` above the column
+        // maximum (Stab::reference_for) and moves only when the maximum passes
+        // it (so e <= 1); then what was summed under the old shift is rescaled
+        // (as RunningMax's eq. 21, once per block) and the block's exponentials
+        // are taken again. In the first block of a state the maxima come first,
+        // from a pass of their own.
         const T* key = k.row(b, t0, h);
         if (first_block) {
           column_max_rows(key, k_stride, n, L, block_max.data());
@@ -812,8 +816,14 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
           latent_softmax_exps(q.row(b, t0 + r0, h), q_stride, rows, L, gamma.data() + r0 * L,
                               row_scale.data() + r0);
         }
-        for (index_t r = 0; r < n; ++r)
-          row_scale[r] = row_scale[r] == T(0) ? T(0) : T(1) / row_scale[r];
+        // p(l|t) = e_{t,l} / beta_t before the contraction, not after: the sum
+        // of p(l|t) M_l is bounded by max |M_l|, the sum of e_{t,l} M_l only by
+        // L times that (a value near the largest finite number overflowed).
+        for (index_t r = 0; r < n; ++r) {
+          const T inverse = row_scale[r] == T(0) ? T(0) : T(1) / row_scale[r];
+          for (index_t l = 0; l < L; ++l) gamma[r * L + l] *= inverse;
+          row_scale[r] = T(1);
+        }
         read_memory_rows(gamma.data(), n, L, memory.data() + state_of(j, 0) * L * Dv, Dv,
                          out.row(b, t0, h), out.stride(1), row_scale.data(),
                          prefetch_item_ahead(q, out, j, t0, first, last, end, (n + 3) / 4));
