@@ -419,6 +419,8 @@ TEST_CASE_TEMPLATE("VAPOR: a RoPE base <= 1", A, VAPOR_TYPES) {
   expect_error([&] { A(kLatteDims, params); }, "base");
   params.base = std::numeric_limits<double>::quiet_NaN();
   expect_error([&] { A(kLatteDims, params); }, "base");
+  params.base = std::numeric_limits<double>::infinity();  // theta would be 1, 0, 0, ...
+  expect_error([&] { A(kLatteDims, params); }, "base", "finite");
 }
 TEST_CASE("VAPOR: params_from a float view of the wrong shape") {
   Tensor<float, 2> good({kH, kDv / 2}, 0.5f), bad({kH, kDv / 2 + 1}, 0.5f);
@@ -487,6 +489,45 @@ TEST_CASE_TEMPLATE("forward: out starts at the key tensor", A, ALL_TYPES) {
   expect_error(
       [&] { attention.forward(exec::reference, in.q.cview(), keys, in.v.cview(), same_start); },
       "out", "aliases input '" + std::string(arg_name<A>(kKey)) + "'");
+}
+
+TEST_CASE_TEMPLATE("forward: out interleaved with values, sharing no element, is accepted",
+                   A, ALL_TYPES) {
+  // Each (b, t, h) row of values is followed by the row of out at the same
+  // index: the byte ranges overlap, no element is shared. One element further
+  // back, every out row shares its first element with a values row.
+  const A attention = make_attention<A>();
+  Inputs in = Inputs::make<A>();
+  in.forward(attention);  // separate buffers: what the interleaved call must give
+  const auto extents = in.v.extents();
+  const std::array<index_t, 4> strides{kT * kH * 2 * kDv, kH * 2 * kDv, 2 * kDv, 1};
+  std::vector<float> buffer(static_cast<std::size_t>(2 * in.v.size()), 0.f);
+  for (index_t b = 0; b < kB; ++b)
+    for (index_t t = 0; t < kT; ++t)
+      for (index_t h = 0; h < kH; ++h)
+        for (index_t d = 0; d < kDv; ++d)
+          buffer[static_cast<std::size_t>(b * strides[0] + t * strides[1] + h * strides[2] + d)] =
+              in.v(b, t, h, d);
+  const TensorView<const float, 4> values(buffer.data(), extents, strides);
+  const TensorView<float, 4> between(buffer.data() + kDv, extents, strides);
+  REQUIRE_NOTHROW(
+      attention.forward(exec::reference, in.q.cview(), in.k.cview(), values, between));
+  bool same = true;
+  for (index_t b = 0; b < kB; ++b)
+    for (index_t t = 0; t < kT; ++t)
+      for (index_t h = 0; h < kH; ++h)
+        for (index_t d = 0; d < kDv; ++d) same = same && between(b, t, h, d) == in.out(b, t, h, d);
+  CHECK(same);
+  const TensorView<float, 4> sharing(buffer.data() + kDv - 1, extents, strides);
+  expect_error(
+      [&] { attention.forward(exec::reference, in.q.cview(), in.k.cview(), values, sharing); },
+      "out", "aliases input 'values'");
+  // One-element outputs: the last element of each values row, then the element after it.
+  const TensorView<float, 4> last_of_row(buffer.data() + kDv - 1, {kB, kT, kH, 1}, strides);
+  const TensorView<float, 4> after_row(buffer.data() + kDv, {kB, kT, kH, 1}, strides);
+  CHECK(detail::shares_element(last_of_row, values));
+  CHECK_FALSE(detail::shares_element(after_row, values));
+  CHECK_FALSE(detail::shares_element(between, values));
 }
 
 TEST_CASE_TEMPLATE("step: out is the values buffer", A, CAUSAL_TYPES) {

@@ -276,6 +276,8 @@ TEST_CASE("RoPE angles: shape [H, Dk/2], finite, base > 1") {
   options.positional = {};
   options.positional.base = 1.0;
   expect_error([&] { CausalRope({kH, kDk, kDv}, options); }, "base");
+  options.positional.base = std::numeric_limits<double>::infinity();
+  expect_error([&] { CausalRope({kH, kDk, kDv}, options); }, "base", "finite");
 }
 
 /// A feature map whose phi has no features.

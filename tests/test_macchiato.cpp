@@ -915,6 +915,8 @@ TEST_CASE("RoPE: a NaN window angle or a base <= 1") {
   RoPE::Params base;
   base.base = 1.0;
   expect_error([&] { RopeVaporMacchiato(kDims, {}, {}, base); }, "window_positional.base");
+  base.base = std::numeric_limits<double>::infinity();
+  expect_error([&] { RopeVaporMacchiato(kDims, {}, {}, base); }, "window_positional.base", "finite");
 }
 TEST_CASE("VAPOR: latent angles of the wrong shape [H, Dv/2 + 1]") {
   VAPOR::Params good, bad;

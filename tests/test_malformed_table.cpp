@@ -610,6 +610,8 @@ Registry build_registry() {
     add_call_row(rows, ctor, "VAPOR angle inf", "angles", with_angles(inf_angles));
     add_call_row(rows, ctor, "VAPOR base 1", "base",
                  [good] { (void)A(good, {.angles = {}, .base = 1.0}); });
+    add_call_row(rows, ctor, "VAPOR base inf", "base",
+                 [good] { (void)A(good, {.angles = {}, .base = kInf}); });
     add_call_row(rows, ctor, "LatteAttention<bidirectional> heads 0", "dims.heads", [] {
       (void)LatteAttention<Bidirectional>({.heads = 0, .latents = kL, .value_dim = kDv});
     });

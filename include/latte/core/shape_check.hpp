@@ -1,7 +1,10 @@
 #pragma once
 // Shape and aliasing checks shared by every entry point. Each failure is a
 // latte::Error naming the argument, the layout and expected vs given extents.
+#include <algorithm>
 #include <array>
+#include <cstddef>
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -46,11 +49,60 @@ void check_distinct_elements(const TensorView<T, N>& view, std::string_view argu
   }
 }
 
-/// An output must not share memory with an input.
+/// True when a byte of some element of `output` is a byte of some element of
+/// `input`. `output` must address distinct elements (check_distinct_elements):
+/// its dimensions, ordered by stride, then nest (each stride passes the whole
+/// span of the smaller ones), so the largest element at or below an offset is
+/// found greedily, one division per dimension. The input is walked row by row
+/// (its feature dimension is contiguous), only when the two byte ranges meet:
+/// an output interleaved with an input (even and odd rows of one buffer) shares
+/// no element and is accepted.
+template <class O, std::size_t N, class I, std::size_t M>
+[[nodiscard]] bool shares_element(const TensorView<O, N>& output, const TensorView<I, M>& input) {
+  if (!may_overlap(output, input)) return false;
+  std::array<std::array<index_t, 2>, N> by_stride{};  // {stride, extent}, largest stride first
+  std::size_t dims = 0;
+  for (std::size_t d = 0; d < N; ++d)
+    if (output.extent(d) > 1) {
+      if (output.stride(d) == 0) return true;  // not distinct: refused anyway
+      by_stride[dims++] = {output.stride(d), output.extent(d)};
+    }
+  std::sort(by_stride.begin(), by_stride.begin() + static_cast<std::ptrdiff_t>(dims),
+            [](const auto& a, const auto& b) { return a[0] > b[0]; });
+  constexpr auto out_size = static_cast<std::intptr_t>(sizeof(O));
+  const auto out_first = reinterpret_cast<std::intptr_t>(output.data());
+  // Whether an output element has a byte in [first, last] (addresses).
+  auto meets = [&](std::intptr_t first, std::intptr_t last) {
+    if (last < out_first) return false;
+    index_t below = static_cast<index_t>((last - out_first) / out_size), offset = 0;
+    for (std::size_t i = 0; i < dims; ++i) {
+      const auto [stride, extent] = by_stride[i];
+      const index_t step = std::min(below / stride, extent - 1);
+      offset += step * stride;
+      below -= step * stride;
+    }
+    return out_first + offset * out_size + out_size > first;  // that element ends past `first`
+  };
+  constexpr auto in_size = static_cast<std::intptr_t>(sizeof(I));
+  const auto in_first = reinterpret_cast<std::intptr_t>(input.data());
+  const std::intptr_t row_bytes = input.extent(M - 1) * in_size;
+  std::array<index_t, M> at{};  // the row's index in the input's leading dimensions
+  for (;;) {
+    index_t row = 0;
+    for (std::size_t d = 0; d + 1 < M; ++d) row += at[d] * input.stride(d);
+    const std::intptr_t first = in_first + row * in_size;
+    if (meets(first, first + row_bytes - 1)) return true;
+    std::size_t d = M - 1;
+    while (d > 0 && ++at[d - 1] == input.extent(d - 1)) at[--d] = 0;
+    if (d == 0) return false;
+  }
+}
+
+/// An output must not share an element with an input.
 template <class O, std::size_t N, class I, std::size_t M>
 void check_no_overlap(const TensorView<O, N>& output, std::string_view output_name,
                       const TensorView<I, M>& input, std::string_view input_name) {
-  if (!may_overlap(output, input)) return;
+  if (!shares_element(output, input)) return;
   throw Error(output_name, std::string("aliases input '") + std::string(input_name) +
                                "'; outputs must not share memory with inputs");
 }

@@ -60,8 +60,8 @@ struct PairRotation {
     const index_t pairs = dim / 2;
     std::vector<double> table(static_cast<std::size_t>(heads * pairs));
     if (params.angles.extent(0) == 0 && params.angles.extent(1) == 0) {  // not given
-      require(params.base > 1.0, "base",
-              expected_given("base of the RoPE schedule", "> 1", params.base));
+      require(params.base > 1.0 && std::isfinite(params.base), "base",
+              expected_given("base of the RoPE schedule", "finite and > 1", params.base));
       for (index_t h = 0; h < heads; ++h)
         for (index_t i = 0; i < pairs; ++i)
           table[static_cast<std::size_t>(h * pairs + i)] = rope_theta(i, dim, params.base);
