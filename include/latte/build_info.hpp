@@ -32,7 +32,7 @@ struct BuildInfo {
          << "), SIMD " << simd << " (" << float_lanes << (float_lanes == 1 ? " float" : " floats")
          << ", xsimd " << (xsimd ? "on" : "off") << "), CUDA "
          << (cuda_kernels   ? "on"
-             : cuda_backend ? "built, not in this translation unit (compile it with nvcc)"
+             : cuda_backend ? "built (exec::cuda runs in files nvcc compiles)"
                             : "off");
     return line.str();
   }
