@@ -97,5 +97,7 @@ class LatteConan(ConanFile):
                 self.cpp_info.cxxflags = ["-fopenmp"]
                 self.cpp_info.sharedlinkflags = ["-fopenmp"]
                 self.cpp_info.exelinkflags = ["-fopenmp"]
+        else:  # off even when the consumer compiles with -fopenmp (core/config.hpp)
+            self.cpp_info.defines.append("LATTE_WITH_OPENMP=0")
         if self.options.cuda:
             self.cpp_info.defines.append("LATTE_WITH_CUDA=1")

@@ -101,13 +101,38 @@ latte_add_consumer_test(package_add_subdirectory
   "-DLATTE_WITH_CUDA=${LATTE_WITH_CUDA}")
 
 # ---- Conan 2 -------------------------------------------------------------------
-# scripts/setup.sh installs conan into .venv/; a missing conan fails this test
-# with a message saying so (it is never skipped).
+# scripts/setup.sh installs conan into .venv/. Without it the test reports itself
+# skipped, with the reason; LATTE_REQUIRE_CONAN=ON (scripts/test.sh, hence CI) makes a
+# missing conan a failure instead.
 find_program(LATTE_CONAN_EXECUTABLE conan
   HINTS "${PROJECT_SOURCE_DIR}/.venv/bin"
   DOC "Conan 2 client for the package_conan_create test (scripts/setup.sh installs it in .venv/)")
-add_test(NAME package_conan_create
-  COMMAND "${CMAKE_COMMAND}" -D "CONAN=${LATTE_CONAN_EXECUTABLE}"
-          -D "SOURCE_DIR=${PROJECT_SOURCE_DIR}" -D "WORK_DIR=${latte_package_work}/conan"
-          -P "${CMAKE_CURRENT_LIST_DIR}/latte_conan_create.cmake")
-set_tests_properties(package_conan_create PROPERTIES LABELS package TIMEOUT 600)
+option(LATTE_REQUIRE_CONAN "Fail package_conan_create, rather than skip it, when conan is missing"
+       OFF)
+if(NOT LATTE_CONAN_EXECUTABLE)
+  if(LATTE_REQUIRE_CONAN)
+    message(STATUS "latte: conan not found: package_conan_create will fail (LATTE_REQUIRE_CONAN=ON); "
+                   "./scripts/setup.sh installs it into .venv/")
+  else()
+    message(STATUS "latte: conan not found: package_conan_create will be skipped; "
+                   "./scripts/setup.sh installs it into .venv/")
+  endif()
+endif()
+set(latte_conan_skip_line "package_conan_create skipped:")
+function(latte_add_conan_test name conan require)
+  add_test(NAME ${name}
+    COMMAND "${CMAKE_COMMAND}" -D "CONAN=${conan}" -D "REQUIRE_CONAN=${require}"
+            -D "SOURCE_DIR=${PROJECT_SOURCE_DIR}" -D "WORK_DIR=${latte_package_work}/${name}"
+            -P "${CMAKE_CURRENT_LIST_DIR}/latte_conan_create.cmake")
+endfunction()
+latte_add_conan_test(package_conan_create "${LATTE_CONAN_EXECUTABLE}" "${LATTE_REQUIRE_CONAN}")
+set_tests_properties(package_conan_create PROPERTIES LABELS package TIMEOUT 600
+  SKIP_REGULAR_EXPRESSION "${latte_conan_skip_line}")
+# Both answers to a missing conan (a name conan cannot have): skipped with the
+# reason, or, required, a failure that says why.
+latte_add_conan_test(package_conan_missing_skips "conan-NOTFOUND" OFF)
+set_tests_properties(package_conan_missing_skips PROPERTIES LABELS package TIMEOUT 60
+  PASS_REGULAR_EXPRESSION "${latte_conan_skip_line} conan \\(Conan 2\\) was not found")
+latte_add_conan_test(package_conan_missing_required "conan-NOTFOUND" ON)
+set_tests_properties(package_conan_missing_required PROPERTIES LABELS package TIMEOUT 60
+  PASS_REGULAR_EXPRESSION "cannot be tested, and[ \n]+LATTE_REQUIRE_CONAN is ON")

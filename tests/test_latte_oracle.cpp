@@ -6,12 +6,12 @@
 #include <cstdio>
 #include <numbers>
 
-#if defined(LATTE_WITH_OPENMP)
-#include <omp.h>
-#endif
-
 #include "oracles/latte_oracle.hpp"
 #include "support.hpp"
+
+#if LATTE_WITH_OPENMP
+#include <omp.h>
+#endif
 
 namespace {
 using namespace latte;
@@ -166,7 +166,7 @@ TEST_CASE_TEMPLATE("Latte causal cpu == oracle at every register-block remainder
 // rest in the key pass.
 TEST_CASE_TEMPLATE("Latte bidirectional cpu == oracle across blocks, segments and tile remainders",
                    T, float, double) {
-#if defined(LATTE_WITH_OPENMP)
+#if LATTE_WITH_OPENMP
   const int threads_before = omp_get_max_threads();
   omp_set_num_threads(3);
 #endif
@@ -207,7 +207,7 @@ TEST_CASE_TEMPLATE("Latte bidirectional cpu == oracle across blocks, segments an
           worst = std::max(worst, error);
           ++cases;
         }
-#if defined(LATTE_WITH_OPENMP)
+#if LATTE_WITH_OPENMP
   omp_set_num_threads(threads_before);
 #endif
   std::printf("[oracle] Latte bidirectional cpu blocks, segments and tile remainders %s cases=%d "

@@ -4,14 +4,10 @@
 #include <string>
 
 // The CUDA kernels are .cuh templates: they exist only in a translation unit
-// compiled by nvcc with LATTE_WITH_CUDA (CMake defines it on latte::latte when a
-// toolkit is found). Anywhere else exec::cuda is a tag whose use fails to compile
-// with a static_assert that says so, never with a link error.
-#if defined(__CUDACC__) && defined(LATTE_WITH_CUDA)
-#define LATTE_CUDA_KERNELS 1
-#else
-#define LATTE_CUDA_KERNELS 0
-#endif
+// compiled by nvcc with LATTE_WITH_CUDA (LATTE_CUDA_KERNELS, core/config.hpp).
+// Anywhere else exec::cuda is a tag whose use fails to compile with a
+// static_assert that says so, never with a link error.
+#include "latte/core/config.hpp"
 
 namespace latte::exec {
 

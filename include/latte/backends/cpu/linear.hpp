@@ -66,7 +66,7 @@ template <FeatureMap Map, Real T>
 void feature_map_row(const T* x, index_t key_dim, T* phi, index_t feature_dim) noexcept {
   constexpr bool builtin = std::is_same_v<Map, Relu> || std::is_same_v<Map, EluPlusOne> ||
                            std::is_same_v<Map, Identity>;
-#if defined(LATTE_WITH_XSIMD)
+#if LATTE_WITH_XSIMD
   if constexpr (builtin) {
     using B = simd::batch<T>;
     constexpr index_t W = simd::width<T>;

@@ -1,6 +1,6 @@
 #pragma once
 // Threads for the CPU backend: OpenMP when latte is built with it
-// (LATTE_WITH_OPENMP), a serial loop otherwise. Kernels split work into
+// (LATTE_WITH_OPENMP, core/config.hpp), a serial loop otherwise. Kernels split work into
 // independent tasks (heads, time segments) and run them through
 // parallel_for, which also tells each task which worker runs it so that
 // per-worker scratch can be allocated up front. Called from inside a caller's
@@ -9,9 +9,10 @@
 #include <cstddef>
 #include <vector>
 
+#include "latte/core/config.hpp"
 #include "latte/core/types.hpp"
 
-#if defined(LATTE_WITH_OPENMP)
+#if LATTE_WITH_OPENMP
 #include <omp.h>
 #endif
 
@@ -19,7 +20,7 @@ namespace latte::cpu {
 
 /// Workers a parallel_for started here will use.
 [[nodiscard]] inline int thread_count() noexcept {
-#if defined(LATTE_WITH_OPENMP)
+#if LATTE_WITH_OPENMP
   return omp_in_parallel() ? 1 : omp_get_max_threads();
 #else
   return 1;
@@ -30,7 +31,7 @@ namespace latte::cpu {
 /// `workers` is the value thread_count() had when the caller sized its scratch.
 template <class Body>
 void parallel_for(index_t count, int workers, Body&& body) {
-#if defined(LATTE_WITH_OPENMP)
+#if LATTE_WITH_OPENMP
   if (count > 1 && workers > 1) {
 #pragma omp parallel for schedule(static) num_threads(workers)
     for (index_t i = 0; i < count; ++i) body(i, omp_get_thread_num());

@@ -2,7 +2,7 @@
 // SIMD for the CPU backend: xsimd batches of the widest instruction set the
 // translation unit is compiled for (build with -march=native, or -mavx512f /
 // -mavx2 -mfma, to get wide kernels), and a one-lane scalar stand-in when
-// latte is built without xsimd (LATTE_WITH_XSIMD off).
+// latte is built without xsimd (LATTE_WITH_XSIMD 0, core/config.hpp).
 //
 // Debian's xsimd is 8.1, which has no reduce_add / reduce_max (they arrived in
 // 9.0): both are written here (trees in registers for 512-bit batches).
@@ -13,9 +13,10 @@
 #include <type_traits>
 #include <utility>
 
+#include "latte/core/config.hpp"
 #include "latte/core/types.hpp"
 
-#if defined(LATTE_WITH_XSIMD)
+#if LATTE_WITH_XSIMD
 #include <xsimd/xsimd.hpp>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -50,7 +51,7 @@ inline void unrolled(F&& f) {
   }(std::make_integer_sequence<int, N>{});
 }
 
-#if defined(LATTE_WITH_XSIMD)
+#if LATTE_WITH_XSIMD
 
 template <Real T>
 using batch = xsimd::batch<T>;
