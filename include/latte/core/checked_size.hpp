@@ -40,9 +40,9 @@ namespace sizes {
 /// The product of `factors`, each >= 0, as an element count whose bytes
 /// (`element_size` each) index_t can hold; throws latte::Error naming
 /// `argument`, with the factors, on a negative factor or an overflow.
-[[nodiscard]] inline index_t checked_product(std::string_view argument,
-                                             std::span<const index_t> factors,
-                                             std::size_t element_size = 1) {
+/// (Not [[nodiscard]]: a call may be the check alone.)
+inline index_t checked_product(std::string_view argument, std::span<const index_t> factors,
+                               std::size_t element_size = 1) {
   const index_t limit =
       std::numeric_limits<index_t>::max() / static_cast<index_t>(element_size ? element_size : 1);
   bool zero = false, negative = false;
@@ -60,16 +60,14 @@ namespace sizes {
   return product;
 }
 
-[[nodiscard]] inline index_t checked_product(std::string_view argument,
-                                             std::initializer_list<index_t> factors,
-                                             std::size_t element_size = 1) {
+inline index_t checked_product(std::string_view argument, std::initializer_list<index_t> factors,
+                               std::size_t element_size = 1) {
   return checked_product(argument, std::span(factors.begin(), factors.size()), element_size);
 }
 
 /// `checked_product` for an allocation of `factors` elements of type T.
 template <class T>
-[[nodiscard]] index_t checked_count(std::string_view argument,
-                                    std::initializer_list<index_t> factors) {
+index_t checked_count(std::string_view argument, std::initializer_list<index_t> factors) {
   return checked_product(argument, factors, sizeof(T));
 }
 
