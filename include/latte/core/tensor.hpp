@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <vector>
 
+#include "latte/core/checked_size.hpp"
 #include "latte/core/error.hpp"
 #include "latte/core/huge_page_allocator.hpp"
 #include "latte/core/tensor_view.hpp"
@@ -21,12 +22,10 @@ class Tensor {
 
   Tensor() = default;
   explicit Tensor(const extents_type& extents, T fill = T{}) : extents_(extents) {
-    index_t count = 1;
-    for (index_t e : extents_) {
+    for (index_t e : extents_)
       if (e < 0)  // the message is built only on failure: constructing allocates once
         throw Error("extents", "extents must be non-negative, given " + format_extents(extents_));
-      count *= e;
-    }
+    const index_t count = detail::checked_product("extents", extents_, sizeof(T));
     storage_.assign(static_cast<std::size_t>(count), fill);
   }
 

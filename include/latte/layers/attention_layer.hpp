@@ -27,6 +27,7 @@
 
 #include <Eigen/Core>
 
+#include "latte/core/checked_size.hpp"
 #include "latte/core/error.hpp"
 #include "latte/core/shape_check.hpp"
 #include "latte/core/tensor.hpp"
@@ -98,6 +99,9 @@ class AttentionLayer {
     Weights weights;
     const auto inputs = Inputs::inputs(attention);
     const index_t H = Inputs::heads(attention);
+    for (std::size_t i = 0; i < input_count; ++i)
+      detail::checked_count<Scalar>("model_dim", {model_dim, H, inputs[i].width});
+    detail::checked_count<Scalar>("model_dim", {H, Inputs::value_dim(attention), model_dim});
     for (std::size_t i = 0; i < input_count; ++i)
       weights.projections[i] = glorot(model_dim, H * inputs[i].width);
     weights.output = glorot(H * Inputs::value_dim(attention), model_dim);
@@ -230,11 +234,11 @@ class AttentionLayer {
 
   void validate_sequence(const TensorView<const Scalar, 3>& x, const TensorView<Scalar, 3>& out) const {
     check_view(x, "x");
-    detail::require(x.extent(2) == model_dim_, "x",
-                    detail::expected_given("shape [B, T, model_dim]",
-                                           format_extents(std::array<index_t, 3>{
-                                               x.extent(0), x.extent(1), model_dim_}),
-                                           format_extents(x.extents())));
+    if (x.extent(2) != model_dim_)  // the message only on failure: validating allocates nothing
+      throw Error("x", detail::expected_given("shape [B, T, model_dim]",
+                                              format_extents(std::array<index_t, 3>{
+                                                  x.extent(0), x.extent(1), model_dim_}),
+                                              format_extents(x.extents())));
     detail::check_shape(out, "out", x.extents(), "[B, T, model_dim]");
     detail::check_output(out, "out", detail::named(x, "x"));
   }
@@ -262,6 +266,9 @@ class AttentionLayer {
     const index_t B = x.extent(0), Tn = x.extent(1), H = Inputs::heads(attention_);
     if (B == 0 || Tn == 0) return;
     const auto inputs = Inputs::inputs(attention_);
+    for (std::size_t i = 0; i < input_count; ++i)  // the workspaces below, before any is allocated
+      detail::checked_count<Scalar>("x", {B, Tn, H, inputs[i].width});
+    detail::checked_count<Scalar>("x", {B, Tn, H, Inputs::value_dim(attention_)});
     Tensor<Scalar, 3> mixed({B, Mixer::mixes ? Tn : 0, Mixer::mixes ? model_dim_ : 0});
     if constexpr (Mixer::mixes)
       Mixer::forward(weights_.mixer, x, mixed.view(), state != nullptr ? &state->mixer : nullptr);

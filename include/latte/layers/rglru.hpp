@@ -25,6 +25,7 @@
 
 #include <Eigen/Core>
 
+#include "latte/core/checked_size.hpp"
 #include "latte/core/error.hpp"
 #include "latte/core/shape_check.hpp"
 #include "latte/core/tensor.hpp"
@@ -50,6 +51,7 @@ struct RGLRU {
     /// gate weights N(0, 1/C), zero biases.
     [[nodiscard]] static Weights initial(index_t channels, std::uint64_t seed) {
       detail::check_positive(channels, "channels");
+      detail::checked_count<T>("channels", {channels, channels});
       std::mt19937_64 rng(seed);
       std::normal_distribution<double> gate(0.0, 1.0 / std::sqrt(static_cast<double>(channels)));
       std::uniform_real_distribution<double> decay(0.9, 0.999);

@@ -41,6 +41,7 @@
 
 #include "latte/backends/cpu/conv_compressed.hpp"
 #include "latte/backends/reference/conv_compressed.hpp"
+#include "latte/core/checked_size.hpp"
 #include "latte/core/shape_check.hpp"
 #include "latte/core/state_storage.hpp"
 #include "latte/core/tensor.hpp"
@@ -90,6 +91,7 @@ struct ConvCompressedParams {
     detail::check_positive(dims.group_size, "dims.group_size");
     detail::check_positive(dims.levels, "dims.levels");
     const index_t H = dims.heads, Dk = dims.key_dim, Dv = dims.value_dim;
+    count(dims);
     ConvCompressedParams params;
     for (index_t level = 1; level <= dims.levels; ++level) {
       params.conv_weight.emplace_back(std::array<index_t, 4>{H, dims.group_size, Dv, Dv});
@@ -103,6 +105,17 @@ struct ConvCompressedParams {
     params.cross_key = Tensor<double, 3>({H, Dk, Dv});
     params.cross_value = Tensor<double, 3>({H, Dv, Dv});
     return params;
+  }
+
+  /// How many weights `dims` needs; throws latte::Error naming "dims" when
+  /// that count overflows (checked before any weight is allocated).
+  static index_t count(const ConvCompressedDims& dims) {
+    const index_t H = dims.heads, Dk = dims.key_dim, Dv = dims.value_dim;
+    const index_t per_level = detail::checked_sum(
+        "dims", {detail::checked_product("dims", {dims.group_size, Dv, Dv}), Dv,
+                 detail::checked_product("dims", {3, Dk, Dv}), detail::checked_product("dims", {Dv, Dv})});
+    return detail::checked_count<double>("dims", {H, detail::checked_sum("dims", {dims.levels, 1}),
+                                                  per_level});
   }
 };
 
@@ -136,6 +149,7 @@ class ConvCompressedAttention {
     detail::require(!Dir::is_causal || window_.right == 0, "dims.window_right",
                     detail::expected_given("window size to the right under Causal", 0,
                                            window_.right));
+    ConvCompressedParams::count(dims);
     dims_.window_left = window_.left;
     dims_.window_right = window_.right;
     scale_ = scale.value_or(1.0 / std::sqrt(static_cast<double>(dims.key_dim)));
@@ -167,6 +181,7 @@ class ConvCompressedAttention {
                TensorView<T, 4> out) const {
     require_host_backend<E>();
     validate_sequence(queries, keys, values, out);
+    if (out.empty()) return;  // no output: allocate and loop over nothing
     if constexpr (std::is_same_v<E, exec::cpu_t>)
       cpu::conv_compressed_forward<Dir::is_causal>(queries, keys, values, out, weights<T>(),
                                                    static_cast<T>(scale_), window_);
@@ -183,6 +198,12 @@ class ConvCompressedAttention {
   [[nodiscard]] State<T> make_state(index_t batch, index_t context_capacity) const {
     detail::check_positive(batch, "batch");
     detail::check_positive(context_capacity, "context_capacity");
+    // One sequence's rings and compressed store first, so that a huge capacity is named as such.
+    const ConvCompressedStateShape one = state_shape(1, context_capacity);
+    const index_t per_token = detail::checked_sum("dims", {dims_.key_dim, dims_.value_dim});
+    detail::checked_count<T>("context_capacity", {dims_.heads, dims_.levels, one.ring(), per_token});
+    detail::checked_count<T>("context_capacity",
+                             {dims_.heads, one.compressed_capacity(), per_token});
     return State<T>(kind<T>(), state_shape(batch, context_capacity));
   }
 
@@ -232,6 +253,7 @@ class ConvCompressedAttention {
     require_host_backend<E>();
     validate_sequence(queries, keys, values, out);
     validate_state(state, queries.extent(0), queries.extent(1));
+    if (out.empty()) return;  // no output: allocate and loop over nothing
     const index_t Tn = queries.extent(1);
     if constexpr (std::is_same_v<E, exec::cpu_t>) {
       auto carry_of = [&](index_t b, index_t h) { return state.carry(b, h); };

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "latte/backends/reference/conv_compressed.hpp"
+#include "latte/core/checked_size.hpp"
 #include "latte/core/state_storage.hpp"
 #include "latte/core/types.hpp"
 
@@ -35,7 +36,7 @@ struct ConvCompressedStateShape {
 
   /// Slots of each window ring.
   [[nodiscard]] index_t ring() const noexcept {
-    return std::min<index_t>(window_left + 1, context_capacity);
+    return window_left < context_capacity ? window_left + 1 : context_capacity;  // no overflow
   }
   /// Top-level compressed tokens the state can hold.
   [[nodiscard]] index_t compressed_capacity() const noexcept {
@@ -53,7 +54,9 @@ class ConvCompressedState : public StateStorage<T> {
   ConvCompressedState(std::string kind, const ConvCompressedStateShape& shape)
       : StateStorage<T>(std::move(kind), sizes_for(shape), fields_for(shape), 0),
         shape_(shape),
-        scratch_(static_cast<std::size_t>(4 * shape.value_dim + 2 * shape.key_dim)) {}
+        scratch_(static_cast<std::size_t>(detail::checked_sum(
+            "value_dim", {detail::checked_product("value_dim", {4, shape.value_dim}),
+                          detail::checked_product("key_dim", {2, shape.key_dim})}))) {}
 
   static std::vector<StateSize> sizes_for(const ConvCompressedStateShape& s) {
     return {{"batch", s.batch},
@@ -66,6 +69,10 @@ class ConvCompressedState : public StateStorage<T> {
             {"context_capacity", s.context_capacity}};
   }
   static std::vector<StateField> fields_for(const ConvCompressedStateShape& s) {
+    const index_t widest = detail::checked_sum("key_dim", {s.key_dim, s.value_dim});
+    detail::checked_count<T>("batch", {s.batch, s.heads, s.levels, s.ring(), widest});
+    detail::checked_count<T>("batch", {s.batch, s.heads, s.compressed_capacity(), widest});
+    detail::checked_count<T>("batch", {s.batch, s.heads, s.levels, s.value_dim});
     const auto heads = static_cast<std::size_t>(s.batch * s.heads);
     const auto ring = static_cast<std::size_t>(s.levels * s.ring());
     const auto stored = static_cast<std::size_t>(s.compressed_capacity());

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "latte/backends/reference/softmax.hpp"
+#include "latte/core/checked_size.hpp"
 #include "latte/core/state_storage.hpp"
 #include "latte/core/types.hpp"
 
@@ -37,6 +38,8 @@ class KVCache : public StateStorage<T> {
   }
   static std::vector<StateField> fields_for(index_t batch, index_t heads, index_t key_dim,
                                             index_t value_dim, index_t capacity) {
+    detail::checked_count<T>(
+        "batch", {batch, heads, capacity, detail::checked_sum("key_dim", {key_dim, value_dim})});
     const auto slots = static_cast<std::size_t>(batch * heads * capacity);
     return {{"keys", slots * static_cast<std::size_t>(key_dim)},
             {"values", slots * static_cast<std::size_t>(value_dim)}};

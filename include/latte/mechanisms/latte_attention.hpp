@@ -20,6 +20,7 @@
 
 #include "latte/backends/cpu/latte.hpp"
 #include "latte/backends/reference/latte.hpp"
+#include "latte/core/checked_size.hpp"
 #include "latte/core/shape_check.hpp"
 #include "latte/core/state_storage.hpp"
 #include "latte/core/tensor_view.hpp"
@@ -63,6 +64,7 @@ class LatteAttention {
     detail::check_positive(dims.heads, "dims.heads");
     detail::check_positive(dims.latents, "dims.latents");
     detail::check_positive(dims.value_dim, "dims.value_dim");
+    detail::checked_count<double>("dims", {dims.heads, carry_size()});  // one sequence's carries
     angles_ = Pos::resolve_angles(positional, dims.heads, dims.value_dim);
   }
 
@@ -86,16 +88,17 @@ class LatteAttention {
     static_assert(exec::implemented<E> || exec::cuda_unavailable<E>,
                   "this execution backend is not implemented yet");
     validate_sequence(query_logits, key_logits, values, out);
+    if (out.empty()) return;  // no output: allocate and loop over nothing
     if constexpr (std::is_same_v<E, exec::cuda_t>) {
 #if LATTE_CUDA_KERNELS
       forward_cuda(e, query_logits, key_logits, values, out);
 #endif
     } else if constexpr (Dir::is_causal) {
       const index_t L = dims_.latents, Dv = dims_.value_dim;
-      std::vector<T> carries(static_cast<std::size_t>(query_logits.extent(0) * dims_.heads *
-                                                      (2 * L + L * Dv)));
+      std::vector<T> carries(static_cast<std::size_t>(detail::checked_count<T>(
+          "query_logits", {query_logits.extent(0), dims_.heads, carry_size()})));
       auto carry_of = [&](index_t b, index_t h) {
-        T* base = carries.data() + (b * dims_.heads + h) * (2 * L + L * Dv);
+        T* base = carries.data() + (b * dims_.heads + h) * carry_size();
         const reference::LatteCarry<T> carry{base, base + L, base + 2 * L};
         reference::latte_reset<Stab>(carry, L, Dv);
         return carry;
@@ -172,6 +175,7 @@ class LatteAttention {
     static_assert(exec::implemented<E>, "this execution backend is not implemented yet");
     validate_sequence(query_logits, key_logits, values, out);
     validate_state(state, query_logits.extent(0), query_logits.extent(1));
+    if (out.empty()) return;  // no output: allocate and loop over nothing
     auto carry_of = [&](index_t b, index_t h) { return state.carry(b, h); };
     if constexpr (std::is_same_v<E, exec::cpu_t>)
       cpu::latte_causal_forward<Stab, Pos>(query_logits, key_logits, values, out, angles_,
@@ -248,6 +252,12 @@ class LatteAttention {
       cuda::latte_forward<Dir::is_causal, Pos>(cuda::stream_of(e.stream), q, k, v, out, angles_);
   }
 #endif
+
+  /// One (batch, head)'s carry: alpha, m [L] and vtilde [L x Dv].
+  [[nodiscard]] index_t carry_size() const {
+    const index_t L = dims_.latents;
+    return detail::checked_sum("dims", {L, L, detail::checked_product("dims", {L, dims_.value_dim})});
+  }
 
   template <class T>
   void validate_sequence(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,

@@ -41,6 +41,7 @@
 #include "latte/backends/reference/latte.hpp"
 #include "latte/backends/reference/macchiato.hpp"
 #include "latte/core/error.hpp"
+#include "latte/core/checked_size.hpp"
 #include "latte/core/shape_check.hpp"
 #include "latte/core/state_storage.hpp"
 #include "latte/core/tensor_view.hpp"
@@ -122,6 +123,8 @@ class LatteMacchiato {
     detail::require(dims.window >= 1, "dims.window",
                     detail::expected_given("window size w (tokens on each allowed side)", ">= 1",
                                            dims.window));
+    detail::checked_count<double>("dims", {dims.heads, carry_size()});  // one sequence's carries
+    detail::checked_count<double>("dims", {dims.heads, window_row()});  // one ring slot per head
     scale_ = options.scale.value_or(1.0 / std::sqrt(static_cast<double>(dims.key_dim)));
     detail::require(std::isfinite(scale_), "options.scale",
                     detail::expected_given("value", "a finite number", scale_));
@@ -153,11 +156,12 @@ class LatteMacchiato {
                TensorView<T, 4> out) const {
     require_host_backend<E>();
     validate_sequence(query_logits, key_logits, window_queries, window_keys, values, out);
+    if (out.empty()) return;  // no output: allocate and loop over nothing
     if constexpr (std::is_same_v<E, exec::cpu_t>) {
       if constexpr (Dir::is_causal) {
-        const index_t L = dims_.latents, Dv = dims_.value_dim, carry_size = 2 * L + L * Dv;
-        std::vector<T> carries(
-            static_cast<std::size_t>(query_logits.extent(0) * dims_.heads * carry_size));
+        const index_t L = dims_.latents, Dv = dims_.value_dim, carry_size = this->carry_size();
+        std::vector<T> carries(static_cast<std::size_t>(detail::checked_count<T>(
+            "query_logits", {query_logits.extent(0), dims_.heads, carry_size})));
         auto carry_of = [&](index_t b, index_t h) {
           T* base = carries.data() + (b * dims_.heads + h) * carry_size;
           const reference::LatteCarry<T> carry{base, base + L, base + 2 * L};
@@ -181,8 +185,9 @@ class LatteMacchiato {
       if (B == 0 || Tn == 0) return;
       // One head's carry, a ring of min(w + 1, T) slots (token t in slot t % capacity) and scratch.
       const index_t capacity = dims_.window >= Tn ? Tn : dims_.window + 1;  // no w + 1 overflow
-      std::vector<T> workspace(static_cast<std::size_t>(
-          2 * L + L * Dv + capacity * (Dk + Dv) + reference::MacchiatoScratch<T>::size(Dk, Dv)));
+      std::vector<T> workspace(static_cast<std::size_t>(detail::checked_sum(
+          "window_keys", {carry_size(), detail::checked_count<T>("window_keys", {capacity, window_row()}),
+                          reference::MacchiatoScratch<T>::size(Dk, Dv)})));
       T* base = workspace.data();
       const reference::LatteCarry<T> carry{base, base + L, base + 2 * L};
       const reference::KVSlots<T> ring{base + 2 * L + L * Dv,
@@ -220,6 +225,8 @@ class LatteMacchiato {
                   detail::expected_given(std::string("window size for a ") + dtype_name<T>() +
                                              " decode state",
                                          "<= " + std::to_string(exact_up_to - 1), dims_.window));
+    // One sequence's ring first, so that a huge window is named as such.
+    detail::checked_count<T>("dims.window", {dims_.heads, dims_.window + 1, window_row()});
     const MacchiatoDims& d = dims_;
     State<T> state(kind<T>(), batch, d.heads, d.latents, d.key_dim, d.value_dim, d.window,
                    first_position);
@@ -260,6 +267,7 @@ class LatteMacchiato {
     require_host_backend<E>();
     validate_sequence(query_logits, key_logits, window_queries, window_keys, values, out);
     validate_state(state, query_logits.extent(0), query_logits.extent(1));
+    if (out.empty()) return;  // no output: allocate and loop over nothing
     const index_t B = query_logits.extent(0), Tn = query_logits.extent(1);
     const index_t capacity = state.capacity(), fill = state.window_fill();
     const std::int64_t first = state.position();
@@ -346,6 +354,15 @@ class LatteMacchiato {
         q.row(b, t, h), k.row(b, t, h), wq.row(b, t, h), wk.row(b, t, h), v.row(b, t, h),
         out.row(b, t, h), carry, ring, capacity, visible, sizes(), static_cast<T>(scale_),
         angles_of(h), position, scratch);
+  }
+
+  /// One (batch, head)'s latent carry (alpha, m [L], vtilde [L x Dv]) and window slot (Dk + Dv).
+  [[nodiscard]] index_t carry_size() const {
+    const index_t L = dims_.latents;
+    return detail::checked_sum("dims", {L, L, detail::checked_product("dims", {L, dims_.value_dim})});
+  }
+  [[nodiscard]] index_t window_row() const {
+    return detail::checked_sum("dims", {dims_.key_dim, dims_.value_dim});
   }
 
   /// A positional policy's angle table; its errors are renamed

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "latte/backends/reference/latte.hpp"
+#include "latte/core/checked_size.hpp"
 #include "latte/core/state_storage.hpp"
 #include "latte/core/types.hpp"
 
@@ -27,7 +28,9 @@ class LatteState : public StateStorage<T> {
              std::int64_t first_position)
       : StateStorage<T>(std::move(kind), sizes_for(batch, heads, latents, value_dim),
                         fields_for(batch, heads, latents, value_dim), first_position),
-        scratch_(static_cast<std::size_t>(3 * latents + value_dim)) {}
+        scratch_(static_cast<std::size_t>(
+            detail::checked_sum("latents", {detail::checked_product("latents", {3, latents}),
+                                            value_dim}))) {}
 
   static std::vector<StateSize> sizes_for(index_t batch, index_t heads, index_t latents,
                                           index_t value_dim) {
@@ -35,10 +38,12 @@ class LatteState : public StateStorage<T> {
   }
   static std::vector<StateField> fields_for(index_t batch, index_t heads, index_t latents,
                                             index_t value_dim) {
+    // memory is the largest field: when it fits, so do the others.
+    const index_t memory = detail::checked_count<T>("batch", {batch, heads, latents, value_dim});
     const auto per_latent = static_cast<std::size_t>(batch * heads * latents);
     return {{"running_max", per_latent},
             {"normaliser", per_latent},
-            {"memory", per_latent * static_cast<std::size_t>(value_dim)}};
+            {"memory", static_cast<std::size_t>(memory)}};
   }
 
   [[nodiscard]] index_t heads() const noexcept { return this->size_of("heads"); }

@@ -52,6 +52,7 @@
 #include "latte/backends/cpu/lavo.hpp"
 #include "latte/backends/reference/lavo.hpp"
 #include "latte/core/orthonormal_basis.hpp"
+#include "latte/core/checked_size.hpp"
 #include "latte/core/shape_check.hpp"
 #include "latte/core/state_storage.hpp"
 #include "latte/core/tensor.hpp"
@@ -122,6 +123,8 @@ class Lavo {
                     detail::expected_given("value", "LavoEmptyMemory::zero or ::local_only",
                                            static_cast<int>(params.empty_memory)));
     const index_t H = dims.heads, r = dims.bases, d = dims.dim, bias_length = 2 * dims.window - 1;
+    detail::checked_count<double>("dims", {H, r, d});                 // the bases
+    detail::checked_count<double>("dims.window", {H, dims.window, d});  // one sequence's ring
     if (params.bases.size() == 0 && params.bases.extents() == std::array<index_t, 3>{}) {
       bases_ = orthonormal_bases(H, r, d, params.basis_seed);
     } else {
@@ -173,6 +176,7 @@ class Lavo {
                TensorView<T, 4> out) const {
     require_host_backend<E>();
     validate_sequence(queries, keys, values, out);
+    if (out.empty()) return;  // no output: allocate and loop over nothing
     if constexpr (std::is_same_v<E, exec::cpu_t>) {
       auto head_of = [&](index_t h) { return head<T>(h); };
       if constexpr (Dir::is_causal)
@@ -220,6 +224,7 @@ class Lavo {
     detail::check_distinct_elements(out, "out");
     detail::check_no_overlap(out, "out", queries, "queries");
     detail::check_no_overlap(out, "out", source, "source");
+    if (out.empty()) return;  // no output: allocate and loop over nothing
     if constexpr (std::is_same_v<E, exec::cpu_t>)
       cpu::lavo_cross_forward(queries, source, out, [&](index_t h) { return head<T>(h); });
     else
@@ -262,6 +267,7 @@ class Lavo {
     require_host_backend<E>();
     validate_sequence(queries, keys, values, out);
     validate_state(state, queries.extent(0), queries.extent(1));
+    if (out.empty()) return;  // no output: allocate and loop over nothing
     if constexpr (std::is_same_v<E, exec::cpu_t>)
       cpu::lavo_causal_forward(
           queries, keys, values, out, state.position(), [&](index_t h) { return head<T>(h); },

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "latte/backends/reference/lavo.hpp"
+#include "latte/core/checked_size.hpp"
 #include "latte/core/state_storage.hpp"
 #include "latte/core/types.hpp"
 
@@ -39,6 +40,8 @@ class LavoState : public StateStorage<T> {
   }
   static std::vector<StateField> fields_for(index_t batch, index_t heads, index_t dim,
                                             index_t bases, index_t window) {
+    detail::checked_count<T>("batch", {batch, heads, window, dim});
+    detail::checked_count<T>("batch", {batch, heads, bases});
     const auto per_head = static_cast<std::size_t>(batch * heads);
     const auto ring = per_head * static_cast<std::size_t>(window) * static_cast<std::size_t>(dim);
     const auto memory = per_head * static_cast<std::size_t>(bases);

@@ -36,6 +36,7 @@
 
 #include "latte/backends/cpu/linear.hpp"
 #include "latte/backends/reference/linear.hpp"
+#include "latte/core/checked_size.hpp"
 #include "latte/core/shape_check.hpp"
 #include "latte/core/state_storage.hpp"
 #include "latte/core/tensor_view.hpp"
@@ -104,6 +105,8 @@ class LinearAttention {
     detail::require(feature_dim_ >= 1, "feature_map",
                     detail::expected_given(std::string(Map::name) + " feature_dim(Dk)", ">= 1",
                                            feature_dim_));
+    // One sequence's state (memory [E x Dv] and normaliser [E] per head).
+    detail::checked_count<double>("dims", {dims.heads, carry_size()});
     options_.normaliser.validate();
     if constexpr (position_proportions) {
       if (options_.reweight.length)
@@ -513,11 +516,18 @@ class LinearAttention {
     }
   }
 
+  /// One (batch, head)'s state: memory [E x Dv] and normaliser [E].
+  [[nodiscard]] index_t carry_size() const {
+    const index_t E = detail::checked_product("dims", {Rw::streams, feature_dim_});
+    return detail::checked_product("dims", {E, detail::checked_sum("dims", {dims_.value_dim, 1})});
+  }
+
   template <class E, Real T>
   void run_forward(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
                    const TensorView<const T, 4>& v, const TensorView<T, 4>& out,
                    const SequenceProportions<T>* given, State<T>* state) const {
     if (!given) require_modules();
+    if (out.empty()) return;  // no output: allocate and loop over nothing
     if constexpr (Dir::is_causal) {
       const reference::LinearSpec call = spec();
       index_t length = 0;
@@ -537,8 +547,9 @@ class LinearAttention {
       const index_t Ex = call.expanded_dim(), Dv = dims_.value_dim;
       if constexpr (std::is_same_v<E, exec::cpu_t>) {
         // One zeroed carry per (b, h): the heads run in parallel.
-        const index_t carry_size = Ex * Dv + Ex;
-        std::vector<T> carries(static_cast<std::size_t>(q.extent(0) * dims_.heads * carry_size));
+        const index_t carry_size = this->carry_size();
+        std::vector<T> carries(static_cast<std::size_t>(
+            detail::checked_count<T>("queries", {q.extent(0), dims_.heads, carry_size})));
         cpu::linear_causal_forward<Map, Rw, Pos>(
             q, k, v, out, call, 0, sequence_proportions<T>(given, length),
             [&](index_t b, index_t h) {
@@ -566,6 +577,7 @@ class LinearAttention {
                          const TensorView<const T, 4>& v, const TensorView<T, 4>& out,
                          const SequenceProportions<T>* given) const {
     if (!given) require_modules();
+    if (out.empty()) return;  // no output: allocate and loop over nothing
     index_t length = 0;
     if constexpr (position_proportions) {
       const index_t longest = std::max(q.extent(1), k.extent(1));

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "latte/backends/reference/linear.hpp"
+#include "latte/core/checked_size.hpp"
 #include "latte/core/state_storage.hpp"
 #include "latte/core/types.hpp"
 
@@ -29,19 +30,24 @@ class LinearState : public StateStorage<T> {
       : StateStorage<T>(std::move(kind), sizes, fields_for(sizes), first_position) {
     // The reference step uses F + 2E values, the cpu step 2F + 4E.
     const index_t F = this->size_of("feature_dim");
-    scratch_.resize(static_cast<std::size_t>(2 * F + 4 * expanded_dim()));
+    scratch_.resize(static_cast<std::size_t>(detail::checked_sum(
+        "feature_dim", {detail::checked_product("feature_dim", {2, F}),
+                        detail::checked_product("feature_dim", {4, expanded_dim()})})));
   }
 
   /// The fields of a state with `sizes`: memory [B * H * E * Dv], normaliser [B * H * E].
   static std::vector<StateField> fields_for(const std::vector<StateSize>& sizes) {
     auto size = [&](const char* name) {
       for (const StateSize& s : sizes)
-        if (s.name == name) return static_cast<std::size_t>(s.value);
-      return std::size_t{0};
+        if (s.name == name) return static_cast<index_t>(s.value);
+      return index_t{0};
     };
-    const std::size_t heads = size("batch") * size("heads");
-    const std::size_t expanded = size("streams") * size("feature_dim");
-    return {{"memory", heads * expanded * size("value_dim")}, {"normaliser", heads * expanded}};
+    const index_t memory = detail::checked_count<T>(
+        "batch", {size("batch"), size("heads"), size("streams"), size("feature_dim"),
+                  size("value_dim")});  // the largest field: when it fits, so does the other
+    const index_t normaliser = size("batch") * size("heads") * size("streams") * size("feature_dim");
+    return {{"memory", static_cast<std::size_t>(memory)},
+            {"normaliser", static_cast<std::size_t>(normaliser)}};
   }
 
   [[nodiscard]] index_t heads() const noexcept { return this->size_of("heads"); }

@@ -23,6 +23,7 @@
 #include "latte/backends/reference/macchiato.hpp"
 #include "latte/backends/reference/softmax.hpp"
 #include "latte/core/error.hpp"
+#include "latte/core/checked_size.hpp"
 #include "latte/core/state_storage.hpp"
 #include "latte/core/types.hpp"
 
@@ -49,8 +50,12 @@ class MacchiatoState : public StateStorage<T> {
   }
   static std::vector<StateField> fields_for(index_t batch, index_t heads, index_t latents,
                                             index_t key_dim, index_t value_dim, index_t window) {
+    const index_t slots_per_head = detail::checked_sum("window", {window, 1});
+    detail::checked_count<T>("batch", {batch, heads, latents, value_dim});
+    detail::checked_count<T>("batch", {batch, heads, slots_per_head,
+                                       detail::checked_sum("key_dim", {key_dim, value_dim})});
     const auto per_latent = static_cast<std::size_t>(batch * heads * latents);
-    const auto slots = static_cast<std::size_t>(batch * heads * (window + 1));
+    const auto slots = static_cast<std::size_t>(batch * heads * slots_per_head);
     return {{"running_max", per_latent},
             {"normaliser", per_latent},
             {"memory", per_latent * static_cast<std::size_t>(value_dim)},

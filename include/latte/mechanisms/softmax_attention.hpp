@@ -16,6 +16,7 @@
 
 #include "latte/backends/cpu/softmax.hpp"
 #include "latte/backends/reference/softmax.hpp"
+#include "latte/core/checked_size.hpp"
 #include "latte/core/shape_check.hpp"
 #include "latte/core/state_storage.hpp"
 #include "latte/core/tensor_view.hpp"
@@ -60,6 +61,9 @@ class SoftmaxAttention {
     detail::check_positive(dims.key_dim, "dims.key_dim");
     detail::check_positive(dims.value_dim, "dims.value_dim");
     window.validate(Dir::is_causal);
+    // One cached token of every head (load_state divides by it).
+    detail::checked_count<double>(
+        "dims", {dims.heads, detail::checked_sum("dims", {dims.key_dim, dims.value_dim})});
     scale_ = scale.value_or(1.0 / std::sqrt(static_cast<double>(dims.key_dim)));
     detail::require(std::isfinite(scale_), "scale",
                     detail::expected_given("value", "a finite number", scale_));
@@ -86,6 +90,7 @@ class SoftmaxAttention {
                   "this execution backend is not implemented yet");
     validate_sequence(queries, keys, values, out);
     (void)e;
+    if (out.empty()) return;  // no output: allocate and loop over nothing
     if constexpr (std::is_same_v<E, exec::cuda_t>) {
 #if LATTE_CUDA_KERNELS
       forward_cuda(e, queries, keys, values, out);
@@ -118,6 +123,9 @@ class SoftmaxAttention {
     detail::check_positive(batch, "batch");
     capacity = tokens_visible_at_most(capacity);
     detail::check_positive(capacity, "capacity");
+    // One sequence's cache first, so that a huge window or capacity is named as such.
+    detail::checked_count<T>(std::is_same_v<Win, SlidingWindow> ? "window.left" : "capacity",
+                             {dims_.heads, capacity, dims_.key_dim + dims_.value_dim});
     return State<T>(kind<T>(), batch, dims_.heads, dims_.key_dim, dims_.value_dim, capacity);
   }
 

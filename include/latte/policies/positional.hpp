@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "latte/core/angles.hpp"
+#include "latte/core/checked_size.hpp"
 #include "latte/core/error.hpp"
 #include "latte/core/tensor.hpp"
 #include "latte/core/types.hpp"
@@ -58,7 +59,8 @@ struct PairRotation {
   static std::vector<double> resolve_angles(const Params& params, index_t heads, index_t dim,
                                             const char* layout = "[H, D/2]") {
     const index_t pairs = dim / 2;
-    std::vector<double> table(static_cast<std::size_t>(heads * pairs));
+    std::vector<double> table(
+        static_cast<std::size_t>(checked_product("dims", {heads, pairs}, sizeof(double))));
     if (params.angles.extent(0) == 0 && params.angles.extent(1) == 0) {  // not given
       require(params.base > 1.0 && std::isfinite(params.base), "base",
               expected_given("base of the RoPE schedule", "finite and > 1", params.base));

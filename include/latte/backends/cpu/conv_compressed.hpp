@@ -308,7 +308,7 @@ void conv_compressed_step(const T* q, const T* k, const T* v, T* out,
   constexpr index_t W = simd::width<T>;
   const index_t Dk = w.key_dim, Dv = w.value_dim, M = w.group_size, L = w.levels;
   auto window_visible = [&](std::int64_t index) {
-    return static_cast<index_t>(std::min<std::int64_t>(index + 1, window_left + 1));
+    return static_cast<index_t>(window_left >= index ? index + 1 : window_left + 1);  // no overflow
   };
   auto ring_of = [&](index_t level) {
     return reference::KVSlots<T>{carry.window_keys + level * ring * Dk,

@@ -42,6 +42,7 @@
 #include "latte/backends/cpu/run_rotations.hpp"
 #include "latte/backends/cpu/simd.hpp"
 #include "latte/backends/reference/latte.hpp"
+#include "latte/core/checked_size.hpp"
 #include "latte/core/huge_page_allocator.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
@@ -625,6 +626,7 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
   // Per head and segment: the column maximum of its keys, the shift it gives
   // (Stab::reference_for), alpha_l and the memory M_l = sum_s e_{s,l} R^{-s} v_s.
   const index_t states = heads * segments;
+  latte::detail::checked_count<T>("query_logits", {states, L, Dv});  // the largest workspace below
   AlignedVector<T> column_max(states * L, lowest), shift(states * L, Stab::reference_for(lowest));
   AlignedVector<T> normaliser(states * L, T(0)), memory(states * L * Dv, T(0));
   auto state_of = [&](index_t head, index_t segment) { return head * segments + segment; };

@@ -40,6 +40,7 @@
 #include "latte/backends/cpu/simd.hpp"
 #include "latte/backends/cpu/softmax_row.hpp"
 #include "latte/backends/reference/lavo.hpp"
+#include "latte/core/checked_size.hpp"
 #include "latte/core/huge_page_allocator.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
@@ -274,7 +275,8 @@ void lavo_causal_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
   for (int i = 0; i < workers; ++i) scratch.emplace_back(d, r);
   // Per (b, h, segment): incoming memory (sum, compensation) and window sum, and
   // pass 1's outgoing window totals and open-window sum.
-  const auto per_segment = static_cast<std::size_t>(heads_total * S * r);
+  const auto per_segment =
+      static_cast<std::size_t>(latte::detail::checked_count<T>("queries", {heads_total, S, r}));
   AlignedVector<T> start_sum(per_segment, T(0)), start_comp(per_segment, T(0)),
       start_window(per_segment, T(0)), delta_sum(per_segment, T(0)),
       delta_comp(per_segment, T(0)), end_window(per_segment, T(0));
@@ -456,7 +458,8 @@ void lavo_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4>
   std::vector<Scratch<T>> scratch;
   scratch.reserve(static_cast<std::size_t>(workers));
   for (int i = 0; i < workers; ++i) scratch.emplace_back(d, r);
-  const auto per_segment = static_cast<std::size_t>(heads_total * S * r);
+  const auto per_segment =
+      static_cast<std::size_t>(latte::detail::checked_count<T>("queries", {heads_total, S, r}));
   AlignedVector<T> seg_sum(per_segment, T(0)), seg_comp(per_segment, T(0));
   AlignedVector<T> mean(static_cast<std::size_t>(heads_total * r));
 
@@ -519,7 +522,8 @@ void lavo_cross_forward(TensorView<const T, 4> q, TensorView<const T, 4> source,
   std::vector<Scratch<T>> scratch;
   scratch.reserve(static_cast<std::size_t>(workers));
   for (int i = 0; i < workers; ++i) scratch.emplace_back(d, r);
-  const auto per_segment = static_cast<std::size_t>(heads_total * S_source * r);
+  const auto per_segment =
+      static_cast<std::size_t>(latte::detail::checked_count<T>("source", {heads_total, S_source, r}));
   AlignedVector<T> seg_sum(per_segment, T(0)), seg_comp(per_segment, T(0));
   AlignedVector<T> mean(static_cast<std::size_t>(heads_total * r), T(0));
 

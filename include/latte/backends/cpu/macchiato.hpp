@@ -30,6 +30,7 @@
 #include "latte/backends/cpu/rotation.hpp"
 #include "latte/backends/cpu/softmax.hpp"
 #include "latte/backends/reference/macchiato.hpp"
+#include "latte/core/checked_size.hpp"
 #include "latte/core/huge_page_allocator.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
@@ -114,7 +115,8 @@ void macchiato_causal_window(TensorView<const T, 4> q, TensorView<const T, 4> wq
   // what it held before the call: the first reads a copy.
   AlignedVector<T> rings_before;
   if (segments > 1) {
-    rings_before.resize(static_cast<std::size_t>(heads * capacity * (Dk + Dv)));
+    rings_before.resize(static_cast<std::size_t>(
+        latte::detail::checked_count<T>("query_logits", {heads, capacity, Dk + Dv})));
     for (index_t i = 0; i < heads; ++i) {
       const reference::KVSlots<T> ring = ring_of(i / H, i % H);
       if (ring.keys == nullptr) continue;

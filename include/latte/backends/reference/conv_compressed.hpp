@@ -225,7 +225,7 @@ void conv_compressed_step(const T* q, const T* k, const T* v, T* out, ConvCompre
                           ConvCompressedScratch<T> scratch) noexcept {
   const index_t Dk = w.key_dim, Dv = w.value_dim, M = w.group_size, L = w.levels;
   auto window_visible = [&](std::int64_t index) {
-    return static_cast<index_t>(std::min<std::int64_t>(index + 1, window_left + 1));
+    return static_cast<index_t>(window_left >= index ? index + 1 : window_left + 1);  // no overflow
   };
   auto ring_of = [&](index_t level) {  // level 0 holds the inputs, level l >= 1 c^(l)'s projections
     return KVSlots<T>{carry.window_keys + level * ring * Dk, carry.window_values + level * ring * Dv};
