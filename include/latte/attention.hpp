@@ -1,6 +1,7 @@
 #pragma once
 // latte — header-only linear-time attention. This umbrella header is the
 // whole public API; it only includes.
+#include "latte/core/crc32c.hpp"
 #include "latte/core/eigen.hpp"
 #include "latte/core/error.hpp"
 #include "latte/core/orthonormal_basis.hpp"
