@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <array>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <exception>
 #include <functional>
@@ -22,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "state_bytes.hpp"
 #include "support.hpp"
 
 namespace latte::test::malformed {
@@ -311,9 +313,35 @@ struct BadBytes {
   std::vector<std::byte> bytes;
 };
 
+/// The offset of the saved position in saved bytes: after the magic (8), the
+/// kind (u64 length + text) and the sizes (u64 count, then u64 length + name
+/// and i64 value each); docs/state-format.md.
+inline std::size_t saved_position_offset(const std::vector<std::byte>& bytes) {
+  std::size_t at = 8;
+  auto u64_at = [&](std::size_t offset) {
+    std::uint64_t value = 0;
+    std::memcpy(&value, bytes.data() + offset, sizeof value);
+    return static_cast<std::size_t>(value);
+  };
+  at += 8 + u64_at(at);
+  const std::size_t size_count = u64_at(at);
+  at += 8;
+  for (std::size_t i = 0; i < size_count; ++i) at += 8 + u64_at(at) + 8;
+  return at;
+}
+
+/// `bytes` with the saved position replaced by `position`, re-signed.
+inline std::vector<std::byte> with_saved_position(std::vector<std::byte> bytes,
+                                                  std::int64_t position) {
+  std::memcpy(bytes.data() + saved_position_offset(bytes), &position, sizeof position);
+  return resigned(std::move(bytes));
+}
+
 /// Variants of valid saved bytes that a loader must refuse: truncations, a
-/// trailing byte, an empty buffer, garbage, a corrupted magic, a negative
-/// position and a corrupted field count. `valid` must be a saved state.
+/// trailing byte, an empty buffer, garbage, a corrupted magic, a flipped bit in
+/// the data or the checksum, format 2 bytes; and, re-signed so that the check
+/// behind the checksum is what refuses them, a corrupted kind, sizes, position
+/// and field table. `valid` must be a saved state.
 inline std::vector<BadBytes> damaged_bytes(const std::vector<std::byte>& valid) {
   std::vector<BadBytes> cases;
   cases.push_back({"truncated by one byte", {valid.begin(), valid.end() - 1}});
@@ -322,6 +350,9 @@ inline std::vector<BadBytes> damaged_bytes(const std::vector<std::byte>& valid) 
   auto longer = valid;
   longer.push_back(std::byte{0});
   cases.push_back({"one trailing byte", longer});
+  auto inner = valid;
+  inner.insert(inner.end() - 4, std::byte{0});
+  cases.push_back({"one byte more data (re-signed)", resigned(inner)});
   cases.push_back({"empty buffer", {}});
   std::vector<std::byte> garbage(valid.size());
   for (std::size_t i = 0; i < garbage.size(); ++i)
@@ -330,24 +361,32 @@ inline std::vector<BadBytes> damaged_bytes(const std::vector<std::byte>& valid) 
   auto magic = valid;
   magic[0] = std::byte{'X'};
   cases.push_back({"corrupted magic", magic});
+  auto format2 = valid;
+  format2[7] = std::byte{'2'};
+  format2.resize(format2.size() - 4);
+  cases.push_back({"format 2 bytes (no checksum)", format2});
+  auto data_bit = valid;
+  data_bit[valid.size() - 5] ^= std::byte{0x01};
+  cases.push_back({"one bit flipped in the last data byte", data_bit});
+  auto checksum_bit = valid;
+  checksum_bit.back() ^= std::byte{0x80};
+  cases.push_back({"one bit flipped in the checksum", checksum_bit});
   // After the magic (8) the kind string: u64 length + text.
   std::uint64_t kind_length = 0;
   std::memcpy(&kind_length, valid.data() + 8, sizeof kind_length);
   auto kind = valid;
   kind[16] = static_cast<std::byte>(static_cast<unsigned char>(kind[16]) ^ 0x20);  // case flip
-  cases.push_back({"corrupted kind string", kind});
+  cases.push_back({"corrupted kind string", resigned(kind)});
   auto huge_kind = valid;
   const std::uint64_t huge = ~std::uint64_t{0} / 2;
   std::memcpy(huge_kind.data() + 8, &huge, sizeof huge);
-  cases.push_back({"kind length beyond the buffer", huge_kind});
+  cases.push_back({"kind length beyond the buffer", resigned(huge_kind)});
   // Sizes: u64 count, then (u64 length + name, i64 value) each; then i64 position.
   std::size_t at = 16 + kind_length;
-  std::uint64_t size_count = 0;
-  std::memcpy(&size_count, valid.data() + at, sizeof size_count);
   auto many_sizes = valid;
   const std::uint64_t too_many = 1u << 20;
   std::memcpy(many_sizes.data() + at, &too_many, sizeof too_many);
-  cases.push_back({"size count 2^20", many_sizes});
+  cases.push_back({"size count 2^20", resigned(many_sizes)});
   at += 8;
   const std::size_t first_size_value = at + 8 + [&] {
     std::uint64_t n = 0;
@@ -357,26 +396,19 @@ inline std::vector<BadBytes> damaged_bytes(const std::vector<std::byte>& valid) 
   auto big_batch = valid;
   const std::int64_t batch = std::int64_t{1} << 40;
   std::memcpy(big_batch.data() + first_size_value, &batch, sizeof batch);
-  cases.push_back({"batch 2^40", big_batch});
+  cases.push_back({"batch 2^40", resigned(big_batch)});
   auto negative_batch = valid;
   const std::int64_t minus_one = -1;
   std::memcpy(negative_batch.data() + first_size_value, &minus_one, sizeof minus_one);
-  cases.push_back({"batch -1", negative_batch});
-  for (std::uint64_t i = 0; i < size_count; ++i) {
-    std::uint64_t n = 0;
-    std::memcpy(&n, valid.data() + at, sizeof n);
-    at += 8 + n + 8;
-  }
-  auto negative_position = valid;
-  std::memcpy(negative_position.data() + at, &minus_one, sizeof minus_one);
-  cases.push_back({"position -1", negative_position});
-  at += 8;
+  cases.push_back({"batch -1", resigned(negative_batch)});
+  cases.push_back({"position -1", with_saved_position(valid, -1)});
+  at = saved_position_offset(valid) + 8;
   auto fields = valid;
   std::uint64_t field_count = 0;
   std::memcpy(&field_count, valid.data() + at, sizeof field_count);
   const std::uint64_t one_more = field_count + 1;
   std::memcpy(fields.data() + at, &one_more, sizeof one_more);
-  cases.push_back({"field count + 1", fields});
+  cases.push_back({"field count + 1", resigned(fields)});
   // First field: u64 length + name, then u64 count.
   at += 8;
   std::uint64_t name_length = 0;
@@ -386,7 +418,7 @@ inline std::vector<BadBytes> damaged_bytes(const std::vector<std::byte>& valid) 
   std::memcpy(&count, valid.data() + at + 8 + name_length, sizeof count);
   ++count;
   std::memcpy(field_size.data() + at + 8 + name_length, &count, sizeof count);
-  cases.push_back({"first field one element longer", field_size});
+  cases.push_back({"first field one element longer", resigned(field_size)});
   return cases;
 }
 

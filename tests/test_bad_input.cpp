@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "expect_error.hpp"
+#include "state_bytes.hpp"
 #include "support.hpp"
 
 namespace {
@@ -195,9 +196,12 @@ auto make_state(const A& attention, index_t batch, index_t capacity = 4 * kT) {
   }
 }
 
+/// Overwrites the int64 at `offset` and re-signs the bytes, so the loaders'
+/// own checks (not the checksum) see the edited value.
 void patch_int64(std::vector<std::byte>& bytes, std::size_t offset, std::int64_t value) {
   REQUIRE(offset + sizeof value <= bytes.size());
   std::memcpy(bytes.data() + offset, &value, sizeof value);
+  resign(bytes);
 }
 
 const std::vector<std::string> kLatteSizeNames{"batch", "heads", "latents", "value_dim"};
@@ -785,7 +789,12 @@ TEST_CASE_TEMPLATE("load_state: every truncation of valid bytes", A, CAUSAL_LATT
 TEST_CASE_TEMPLATE("load_state: one trailing byte", A, CAUSAL_LATTE_TYPES) {
   const A attention = make_attention<A>();
   auto bytes = saved_state(attention);
-  bytes.push_back(std::byte{0});
+  auto appended = bytes;
+  appended.push_back(std::byte{0});
+  expect_error([&] { (void)attention.template load_state<float>(appended); }, "bytes", "CRC-32C");
+  // Before the checksum and signed: the data is one byte longer than announced.
+  bytes.insert(bytes.end() - 4, std::byte{0});
+  resign(bytes);
   expect_error([&] { (void)attention.template load_state<float>(bytes); }, "bytes",
                "state data bytes");
 }
@@ -867,7 +876,7 @@ TEST_CASE("restore: a rejected buffer leaves the state unchanged") {
   Inputs theirs = Inputs::make<CausalLatte>(kB, 4, 2);
   theirs.forward(attention, other);
   auto bytes = other.save();
-  bytes.resize(bytes.size() - 4);  // cut inside the last field (memory)
+  bytes.resize(bytes.size() - 8);  // cut the checksum and inside the last field (memory)
 
   expect_error([&] { state.restore(bytes); }, "bytes", "");
   CHECK(state.save() == before);
@@ -1035,7 +1044,7 @@ TEST_CASE("KV cache: a rejected buffer leaves the cache unchanged") {
   mine.forward(attention, state);
   const auto before = state.save();
   auto bytes = saved_cache(5, 2);
-  bytes.resize(bytes.size() - 4);  // cut inside the last field (values)
+  bytes.resize(bytes.size() - 8);  // cut the checksum and inside the last field (values)
   expect_error([&] { state.restore(bytes); }, "bytes", "");
   CHECK(state.save() == before);
 }

@@ -18,6 +18,7 @@
 #include "oracles/conv_compressed_oracle.hpp"
 #include "oracles/softmax_oracle.hpp"
 #include "expect_error.hpp"
+#include "state_bytes.hpp"
 #include "support.hpp"
 
 namespace {
@@ -891,8 +892,9 @@ TEST_CASE("load_state: truncations, trailing bytes, other kinds and corrupted si
     CHECK_THROWS_AS((void)attention.load_state<float>(cut), latte::Error);
   }
   std::vector<std::byte> longer = bytes;
-  longer.push_back(std::byte{0});
-  expect_error([&] { (void)attention.load_state<float>(longer); }, "bytes");
+  longer.insert(longer.end() - 4, std::byte{0});  // before the checksum, signed
+  expect_error([&] { (void)attention.load_state<float>(resigned(longer)); }, "bytes",
+               "state data bytes");
   expect_error([&] { (void)attention.load_state<double>(bytes); }, "bytes", "state kind");
   std::vector<std::byte> garbage(bytes.size(), std::byte{0x5a});
   expect_error([&] { (void)attention.load_state<float>(garbage); }, "bytes", "magic");
@@ -910,10 +912,13 @@ TEST_CASE("load_state: truncations, trailing bytes, other kinds and corrupted si
     for (std::size_t i = 0; i < index; ++i) offset += 8 + names[i].size() + 8;
     return offset + 8 + names[index].size();
   };
-  auto patched = [&](std::size_t index, std::int64_t value) {
+  auto patched_at = [&](std::size_t offset, std::int64_t value) {
     std::vector<std::byte> copy = bytes;
-    std::memcpy(copy.data() + value_offset(index), &value, sizeof value);
-    return copy;
+    std::memcpy(copy.data() + offset, &value, sizeof value);
+    return resigned(std::move(copy));
+  };
+  auto patched = [&](std::size_t index, std::int64_t value) {
+    return patched_at(value_offset(index), value);
   };
   REQUIRE(patched(0, kB) == bytes);  // the offsets are right
   expect_error([&] { (void)attention.load_state<float>(patched(0, std::int64_t(1) << 60)); },
@@ -921,7 +926,19 @@ TEST_CASE("load_state: truncations, trailing bytes, other kinds and corrupted si
   expect_error([&] { (void)attention.load_state<float>(patched(7, std::int64_t(1) << 62)); },
                "bytes", "context_capacity");
   expect_error([&] { (void)attention.load_state<float>(patched(7, 5)); }, "bytes",
-               "saved position");  // the state is at position 7
+               "saved field");  // a smaller capacity has smaller fields
+  // The position follows the sizes: past context_capacity 16 is no state's.
+  const std::size_t position_offset = value_offset(7) + 8;
+  REQUIRE(patched_at(position_offset, 7) == bytes);  // the state is at position 7
+  expect_error([&] { (void)attention.load_state<float>(patched_at(position_offset, 17)); },
+               "bytes", "saved position");
+  {
+    auto target = attention.make_state<float>(kB, 16);
+    expect_error([&] { target.restore(patched_at(position_offset, 17)); }, "bytes",
+                 "saved position");
+    CHECK(target.position() == 0);
+    CHECK_NOTHROW(target.restore(patched_at(position_offset, 16)));
+  }
   expect_error([&] { (void)attention.load_state<float>(patched(7, 40)); }, "bytes");
   expect_error([&] { (void)attention.load_state<float>(patched(4, 3)); }, "bytes",
                "saved state sizes");

@@ -29,6 +29,7 @@
 #include "oracles/macchiato_oracle.hpp"
 #include "oracles/softmax_oracle.hpp"
 #include "expect_error.hpp"
+#include "state_bytes.hpp"
 #include "support.hpp"
 
 namespace {
@@ -876,7 +877,7 @@ TEST_CASE(
 /// Byte offsets in a saved state (core/state_storage.hpp: magic, kind, sizes
 /// (name, value), position): of each size's value, then of the position.
 std::vector<std::size_t> header_offsets(const std::vector<std::byte>& bytes) {
-  std::size_t offset = 8;  // "latteST2"
+  std::size_t offset = 8;  // "latteST3"
   auto read_u64 = [&] {
     std::uint64_t value = 0;
     std::memcpy(&value, bytes.data() + offset, sizeof value);
@@ -895,11 +896,11 @@ std::vector<std::size_t> header_offsets(const std::vector<std::byte>& bytes) {
   return offsets;
 }
 
-/// The saved bytes with the value at `offset` replaced by `value`.
+/// The saved bytes with the value at `offset` replaced by `value`, re-signed.
 std::vector<std::byte> patched(std::vector<std::byte> bytes, std::size_t offset,
                                std::int64_t value) {
   std::memcpy(bytes.data() + offset, &value, sizeof value);
-  return bytes;
+  return resigned(std::move(bytes));
 }
 
 /// The saved bytes of a state with its position replaced by `position`.

@@ -23,6 +23,7 @@
 #include "latte/mechanisms/lavo.hpp"
 #include "oracles/lavo_oracle.hpp"
 #include "expect_error.hpp"
+#include "state_bytes.hpp"
 #include "support.hpp"
 
 namespace {
@@ -846,8 +847,9 @@ TEST_CASE("Lavo bad input: load_state") {
     expect_error([&] { (void)attention.load_state<float>({bytes.data(), n}); }, "bytes", "");
   }
   auto trailing = bytes;
-  trailing.push_back(std::byte{0});
-  expect_error([&] { (void)attention.load_state<float>(trailing); }, "bytes", "state data bytes");
+  trailing.insert(trailing.end() - 4, std::byte{0});  // before the checksum, signed
+  expect_error([&] { (void)attention.load_state<float>(resigned(trailing)); }, "bytes",
+               "state data bytes");
   expect_error([&] { (void)attention.load_state<double>(bytes); }, "bytes", "float64");
   const Lavo<Causal> wider({.heads = kH, .dim = kD, .bases = kR, .window = kW + 2});
   expect_error([&] { (void)wider.load_state<float>(bytes); }, "bytes", "window=5");
@@ -859,6 +861,6 @@ TEST_CASE("Lavo bad input: load_state") {
   // A rejected restore leaves the state as it was.
   auto target = attention.make_state<float>(kB);
   const auto target_before = target.save();
-  expect_error([&] { target.restore({bytes.data(), bytes.size() - 4}); }, "bytes", "");
+  expect_error([&] { target.restore({bytes.data(), bytes.size() - 8}); }, "bytes", "");
   CHECK(target.save() == target_before);
 }

@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "malformed_cases.hpp"
+#include "state_bytes.hpp"
 #include "support.hpp"
 
 namespace {
@@ -363,10 +364,18 @@ std::string entry_name(const char* call, const char* exec) {
 }
 
 /// Everything the table is built from.
+/// One edited buffer through load_state and through State::restore: the two
+/// must give the same verdict (issue 23, class 4).
+struct VerdictPair {
+  std::string entry, case_name;
+  std::function<Outcome()> load, restore;
+};
+
 struct Registry {
   Table rows;
   std::vector<TensorEntry<4>> sequence_entries;
   std::vector<TensorEntry<3>> step_entries;
+  std::vector<VerdictPair> verdicts;
 
   void add(const TensorEntry<4>& entry) {
     sequence_entries.push_back(entry);
@@ -503,7 +512,9 @@ void add_make_state_batch_rows(Registry& registry) {
 }
 
 /// State::restore and load_state: damaged bytes, bytes of another dtype, of
-/// other dims, of another kind, and (restore only) of another batch.
+/// other dims, of another kind, and (restore only) of another batch; and the
+/// verdict pairs: each of those buffers of the same batch, and the valid bytes
+/// re-signed at other saved positions, through both paths.
 template <class M>
 void add_state_bytes_rows(Registry& registry, std::vector<BadBytes> extra = {},
                           std::vector<BadBytes> extra_restore_only = {}) {
@@ -541,6 +552,27 @@ void add_state_bytes_rows(Registry& registry, std::vector<BadBytes> extra = {},
         return attention->template load_state<float>(bytes);
       },
       both);
+
+  std::vector<BadBytes> edited = both;
+  for (std::int64_t position : {std::int64_t{0}, std::int64_t{1}, std::int64_t{kCapacity},
+                                std::int64_t{kCapacity + 1}, std::int64_t{1} << 40,
+                                std::numeric_limits<std::int64_t>::max()})
+    edited.push_back({"position " + std::to_string(position) + " (re-signed)",
+                      with_saved_position(valid, position)});
+  for (BadBytes& bytes : edited) {
+    auto shared = std::make_shared<const std::vector<std::byte>>(std::move(bytes.bytes));
+    registry.verdicts.push_back(
+        {entry_name<M>("load_state / State::restore", "-"), bytes.case_name,
+         [attention, shared] {
+           return attempt([&] { (void)attention->template load_state<float>(*shared); },
+                          [] { return true; });
+         },
+         [fresh, shared] {
+           auto state = fresh();
+           const auto before = state.save();
+           return attempt([&] { state.restore(*shared); }, [&] { return state.save() == before; });
+         }});
+  }
 }
 
 // ------------------------------------------------------ cross-attention --
@@ -703,17 +735,20 @@ Registry build_registry() {
             .make_state<float>(1);
       });
   {
-    // window_fill is the last field (one T): 0.5 and w + 2 are not fill counts.
+    // window_fill is the last field (one T, before the 4-byte checksum) of a
+    // state at position 0: 0.5 and w + 2 are not fill counts, and no state at
+    // position 0 holds a token (the ring would be read before token 0).
     auto corrupted_fill = [](float fill) {
       auto state = Macchiato::make_state<float>(Macchiato::make(), kB);
       auto bytes = state.save();
-      std::memcpy(bytes.data() + bytes.size() - sizeof(float), &fill, sizeof fill);
-      return bytes;
+      std::memcpy(bytes.data() + bytes.size() - 4 - sizeof(float), &fill, sizeof fill);
+      return resigned(std::move(bytes));
     };
     add_state_bytes_rows<Macchiato>(
         registry, {{"window_fill 0.5", corrupted_fill(0.5f)},
                    {"window_fill w + 2", corrupted_fill(static_cast<float>(kWindow + 2))},
-                   {"window_fill -1", corrupted_fill(-1.0f)}});
+                   {"window_fill -1", corrupted_fill(-1.0f)},
+                   {"window_fill 1 at position 0", corrupted_fill(1.0f)}});
     auto context = std::make_shared<StatefulContext<Macchiato>>();
     const auto step = step_entry<Macchiato>(exec::reference, context);
     add_context_row(rows, step, "state with window_fill 0.5 (written through field())", "state",
@@ -823,7 +858,11 @@ Registry build_registry() {
       registry, {{"bytes of a cosFormer with another length M",
                   CosFormer<Causal>({kH, kDk, kDv}, {.reweight = {.length = kCapacity + 1}})
                       .make_state<float>(kB)
-                      .save()}});
+                      .save()},
+                 {"position M + 1 (re-signed)",
+                  with_saved_position(
+                      CosFormerCausal::make_state<float>(CosFormerCausal::make(), kB).save(),
+                      kCapacity + 1)}});
   {
     const std::string make = entry_name<CosFormerCausal>("make_state", "-");
     add_call_row(rows, make, "no length M given (decode needs M)", "length", [] {
@@ -1206,7 +1245,10 @@ Registry build_registry() {
   add_call_row(rows, entry_name<ConvCausal>("make_state", "-"), "context_capacity 0",
                "context_capacity", [] { (void)ConvCausal::make().make_state<float>(kB, 0); });
   add_state_bytes_rows<ConvCausal>(
-      registry, {},
+      registry,
+      {{"position context_capacity + 1 (re-signed)",
+        with_saved_position(ConvCausal::make().make_state<float>(kB, kCapacity).save(),
+                            kCapacity + 1)}},
       {{"bytes of another context_capacity",
         ConvCausal::make().make_state<float>(kB, kCapacity + 1).save()}});
   {
@@ -1372,6 +1414,33 @@ TEST_CASE("every tensor entry's valid call succeeds and writes all of out") {
   for (const auto& entry : r.sequence_entries) check(entry);
   for (const auto& entry : r.step_entries) check(entry);
   MESSAGE("tensor entry points: " << r.sequence_entries.size() + r.step_entries.size());
+}
+
+TEST_CASE("load_state and State::restore give every edited buffer the same verdict") {
+  // Accepted by both, or refused by both with latte::Error naming 'bytes' and
+  // the restored-into state unchanged.
+  const Registry& r = registry();
+  auto verdict = [](const Outcome& outcome) -> std::string {
+    if (outcome.thrown == Outcome::Thrown::nothing) return "accepted";
+    if (outcome.thrown == Outcome::Thrown::latte_error && outcome.argument == "bytes")
+      return "refused";
+    return "refused by something else";
+  };
+  int disagreements = 0, accepted = 0;
+  for (const VerdictPair& pair : r.verdicts) {
+    const Outcome loaded = pair.load(), restored = pair.restore();
+    const std::string by_load = verdict(loaded), by_restore = verdict(restored);
+    accepted += by_load == "accepted";
+    const bool kept_if_refused = by_restore == "accepted" || restored.untouched;
+    if (by_load == by_restore && by_load != "refused by something else" && kept_if_refused)
+      continue;
+    ++disagreements;
+    FAIL_CHECK(pair.entry << " | " << pair.case_name << ": load_state " << by_load << " ("
+                          << loaded.what << "), restore " << by_restore << " (" << restored.what
+                          << ")" << (kept_if_refused ? "" : ", state changed"));
+  }
+  MESSAGE("verdict pairs: " << r.verdicts.size() << ", accepted by both: " << accepted
+                            << ", disagreements: " << disagreements);
 }
 
 TEST_CASE(

@@ -2,6 +2,7 @@
 // latte — header-only linear-time attention. This umbrella header is the
 // whole public API; it only includes.
 #include "latte/build_info.hpp"
+#include "latte/core/crc32c.hpp"
 #include "latte/core/eigen.hpp"
 #include "latte/core/error.hpp"
 #include "latte/core/orthonormal_basis.hpp"

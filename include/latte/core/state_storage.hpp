@@ -6,10 +6,12 @@
 // named fields of T. Mechanism states derive from it and add typed accessors.
 // States belong to one batch of sequences; step them from one thread at a time.
 //
-// Bytes: magic "latteST2", kind, sizes (name, value), position, field table
-// (name, element count), then the fields' data in host byte order. Reading
-// checks magic, kind, sizes and every length before it touches the state,
-// and a rejected buffer leaves the state as it was.
+// Bytes (format 3, docs/state-format.md): magic "latteST3", kind, sizes (name,
+// value), position, field table (name, element count), the fields' data in
+// host byte order, then the CRC-32C of everything before it. Reading checks
+// the magic and the checksum, then kind, sizes and every length, then what the
+// state type requires of its content (check_saved), before it touches the
+// state: a rejected buffer leaves the state as it was.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -22,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "latte/core/crc32c.hpp"
 #include "latte/core/error.hpp"
 #include "latte/core/huge_page_allocator.hpp"
 #include "latte/core/types.hpp"
@@ -113,7 +116,8 @@ struct KindNames {
 template <Real T>
 class StateStorage {
  public:
-  static constexpr std::string_view magic = "latteST2";
+  /// The first 8 bytes of a saved state: "latteST" and the format's version digit.
+  static constexpr std::string_view magic = "latteST3";
 
   /// What a saved buffer says about itself; read and fully length-checked
   /// before any state is allocated from it.
@@ -124,6 +128,10 @@ class StateStorage {
   };
 
   StateStorage() = default;
+  StateStorage(const StateStorage&) = default;
+  StateStorage(StateStorage&&) = default;
+  StateStorage& operator=(const StateStorage&) = default;
+  StateStorage& operator=(StateStorage&&) = default;
   StateStorage(std::string kind, std::vector<StateSize> sizes, std::vector<StateField> fields,
                std::int64_t position)
       : kind_(std::move(kind)), sizes_(std::move(sizes)), fields_(std::move(fields)),
@@ -177,6 +185,7 @@ class StateStorage {
 
   [[nodiscard]] std::vector<std::byte> save() const {
     detail::ByteSink sink;
+    sink.bytes.reserve(saved_size());
     sink.put_raw(magic.data(), magic.size());
     sink.put_string(kind_);
     sink.put<std::uint64_t>(sizes_.size());
@@ -191,13 +200,22 @@ class StateStorage {
       sink.put<std::uint64_t>(field.count);
     }
     for (const auto& field : data_) sink.put_raw(field.data(), field.size() * sizeof(T));
+    sink.put<std::uint32_t>(crc32c(sink.bytes));
     return std::move(sink.bytes);
   }
 
-  /// Reads and checks the header of saved bytes of `kind`: magic, kind, the
-  /// field table, and that the buffer holds exactly the data it announces.
+  /// The length of save()'s bytes: header, data and the 4-byte checksum.
+  [[nodiscard]] std::size_t saved_size() const noexcept {
+    std::size_t header = magic.size() + 8 + kind_.size() + 8 + 8 + 8;
+    for (const StateSize& size : sizes_) header += 8 + size.name.size() + 8;
+    for (const StateField& field : fields_) header += 8 + field.name.size() + 8;
+    return header + bytes() + sizeof(std::uint32_t);
+  }
+
+  /// Reads and checks the header of saved bytes of `kind`: magic, checksum,
+  /// kind, the field table, and that the buffer holds exactly the data it announces.
   [[nodiscard]] static Header read_header(std::span<const std::byte> bytes, std::string_view kind) {
-    detail::ByteSource source(bytes);
+    detail::ByteSource source(checked_body(bytes));
     Header header;
     read_header_into(source, kind, header);
     return header;
@@ -253,9 +271,10 @@ class StateStorage {
     return batch;
   }
 
-  /// Overwrites this state with saved bytes of the same kind and sizes; all or nothing.
+  /// Overwrites this state with saved bytes of the same kind and sizes whose
+  /// content this state type accepts (check_saved); all or nothing.
   void restore(std::span<const std::byte> bytes) {
-    detail::ByteSource source(bytes);
+    detail::ByteSource source(checked_body(bytes));
     Header header;
     read_header_into(source, kind_, header);
     require_layout(header, sizes_, fields_);
@@ -265,16 +284,58 @@ class StateStorage {
       data.emplace_back(field.count);
       source.get_raw(data.back().data(), field.count * sizeof(T));
     }
+    check_saved(header.position, data);
     data_.swap(data);
     position_ = header.position;
   }
 
+ protected:
+  ~StateStorage() = default;
+
+  /// Throws latte::Error("bytes") unless a saved `position` and `fields` (of
+  /// this state's layout) are content this state type can have written. The one
+  /// content check of saved bytes: restore calls it, and load_state ends in restore.
+  virtual void check_saved(std::int64_t /*position*/,
+                           const std::vector<AlignedVector<T>>& /*fields*/) const {}
+
  private:
+  /// What the checksum of saved bytes covers (all but its last 4 bytes), once the
+  /// magic names format 3 and the stored CRC-32C matches the computed one.
+  static std::span<const std::byte> checked_body(std::span<const std::byte> bytes) {
+    const std::string_view family = magic.substr(0, magic.size() - 1);  // "latteST"
+    const std::string_view head(reinterpret_cast<const char*>(bytes.data()),
+                                std::min(bytes.size(), magic.size()));
+    detail::require(head.substr(0, family.size()) == family && head.size() == magic.size(),
+                    "bytes", "not a latte state (magic 'latteST3' missing)");
+    detail::require(head != "latteST2", "bytes",
+                    "saved by state format 2 (magic 'latteST2'), which has no checksum; this "
+                    "version reads format 3 only (docs/state-format.md)");
+    detail::require(head == magic, "bytes",
+                    detail::expected_given("state format (magic)", magic, head));
+    constexpr std::size_t crc_size = sizeof(std::uint32_t);
+    detail::require(bytes.size() >= magic.size() + crc_size, "bytes",
+                    detail::expected_given("saved state bytes", ">= 12 (magic and checksum)",
+                                           bytes.size()));
+    const auto body = bytes.first(bytes.size() - crc_size);
+    std::uint32_t stored = 0;
+    std::memcpy(&stored, bytes.data() + body.size(), crc_size);
+    const std::uint32_t computed = crc32c(body);
+    if (stored != computed)
+      throw Error("bytes", detail::expected_given(
+                               "CRC-32C of the saved state (the bytes are corrupted or truncated)",
+                               hex(stored), hex(computed)));
+    return body;
+  }
+  static std::string hex(std::uint32_t value) {
+    constexpr char digits[] = "0123456789abcdef";
+    std::string text = "0x00000000";
+    for (std::size_t i = 0; i < 8; ++i) text[9 - i] = digits[(value >> (4 * i)) & 0xF];
+    return text;
+  }
+
   static void read_header_into(detail::ByteSource& source, std::string_view kind, Header& header) {
-    char head[magic.size()] = {};
-    source.get_raw(head, sizeof head);
-    detail::require(std::string_view(head, sizeof head) == magic, "bytes",
-                    "not a latte state (magic 'latteST2' missing)");
+    char head[magic.size()];
+    source.get_raw(head, sizeof head);  // the magic, checked by checked_body
     const std::string saved_kind = source.get_string();
     detail::require(saved_kind == kind, "bytes",
                     detail::expected_given("state kind", kind,

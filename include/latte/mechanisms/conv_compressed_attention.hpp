@@ -219,10 +219,6 @@ class ConvCompressedAttention {
     detail::require(batch >= 1, "bytes", detail::expected_given("saved batch", ">= 1", batch));
     detail::require(capacity >= 1, "bytes",
                     detail::expected_given("saved context_capacity", ">= 1", capacity));
-    detail::require(header.position <= capacity, "bytes",
-                    detail::expected_given("saved position",
-                                           "<= context_capacity " + std::to_string(capacity),
-                                           header.position));
     // The field counts of a corrupted size could overflow: bound the sizes by
     // the buffer before computing them.
     const ConvCompressedStateShape shape = state_shape(1, capacity);
@@ -239,7 +235,7 @@ class ConvCompressedAttention {
     const ConvCompressedStateShape saved = state_shape(batch, capacity);
     StateStorage<T>::require_layout(header, State<T>::sizes_for(saved), State<T>::fields_for(saved));
     State<T> state(kind<T>(), saved);
-    state.restore(bytes);
+    state.restore(bytes);  // checks the saved position too (ConvCompressedState::check_saved)
     return state;
   }
 

@@ -23,6 +23,7 @@
 
 #include "latte/backends/reference/conv_compressed.hpp"
 #include "latte/core/checked_size.hpp"
+#include "latte/core/error.hpp"
 #include "latte/core/state_storage.hpp"
 #include "latte/core/types.hpp"
 
@@ -106,6 +107,16 @@ class ConvCompressedState : public StateStorage<T> {
     T* p = scratch_.data();
     const index_t Dk = shape_.key_dim, Dv = shape_.value_dim;
     return {p, p + Dv, p + 2 * Dv, p + 2 * Dv + Dk, p + 2 * Dv + 2 * Dk, p + 3 * Dv + 2 * Dk};
+  }
+
+ protected:
+  /// A state never holds more than context_capacity tokens.
+  void check_saved(std::int64_t position, const std::vector<AlignedVector<T>>&) const override {
+    detail::require(position <= shape_.context_capacity, "bytes",
+                    detail::expected_given("saved position",
+                                           "<= context_capacity " +
+                                               std::to_string(shape_.context_capacity),
+                                           position));
   }
 
  private:

@@ -253,7 +253,7 @@ class LatteMacchiato {
         header, State<T>::sizes_for(batch, d.heads, d.latents, d.key_dim, d.value_dim, d.window),
         State<T>::fields_for(batch, d.heads, d.latents, d.key_dim, d.value_dim, d.window));
     State<T> state = make_state<T>(batch);
-    state.restore(bytes);  // MacchiatoState::restore also checks the saved window_fill
+    state.restore(bytes);  // checks the saved window_fill too (MacchiatoState::check_saved)
     return state;
   }
 
@@ -419,7 +419,8 @@ class LatteMacchiato {
     if (state.window_fill() < 0)
       throw Error("state", detail::expected_given(
                                "window_fill",
-                               "an integer in [0, " + std::to_string(d.window + 1) + "]",
+                               "an integer in [0, " + std::to_string(state.window_fill_limit()) +
+                                   "] (min(w + 1, position))",
                                *state.field(5)));
   }
 

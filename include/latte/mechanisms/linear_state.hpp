@@ -15,6 +15,7 @@
 
 #include "latte/backends/reference/linear.hpp"
 #include "latte/core/checked_size.hpp"
+#include "latte/core/error.hpp"
 #include "latte/core/state_storage.hpp"
 #include "latte/core/types.hpp"
 
@@ -66,6 +67,16 @@ class LinearState : public StateStorage<T> {
   }
   /// 2F + 4E values of scratch for a step (not part of the saved state).
   [[nodiscard]] T* scratch() noexcept { return scratch_.data(); }
+
+ protected:
+  /// cosFormer's proportions i / M hold for positions up to M: no state goes past M.
+  void check_saved(std::int64_t position, const std::vector<AlignedVector<T>>&) const override {
+    if (length() > 0)
+      detail::require(position <= length(), "bytes",
+                      detail::expected_given("saved position",
+                                             "<= cosFormer length M " + std::to_string(length()),
+                                             position));
+  }
 
  private:
   AlignedVector<T> scratch_;

@@ -6,15 +6,14 @@
 // App. B.2) — and a ring of the window's last w + 1 keys [Dk] and values [Dv],
 // token s in slot s % (w + 1), stored as the window reads them (R^s k_s under
 // RoPE; R^{-s} v_s when VAPOR acts on the window too). One count for the whole
-// state, `window_fill` (0..w + 1), says how many ring slots hold tokens, so a
-// state that starts at position p > 0 does not read slots it never wrote.
+// state, `window_fill` (0..min(w + 1, position)), says how many ring slots hold
+// tokens, so a state that starts at position p > 0 does not read slots it never wrote.
 // Size O(L * Dv + w * (Dk + Dv)) per head, constant in the context.
 // One state belongs to one batch of sequences and one attention type; step it
 // from one thread at a time. Saved bytes are StateStorage's format.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -85,29 +84,14 @@ class MacchiatoState : public StateStorage<T> {
             this->field(4) + head * capacity() * value_dim()};
   }
 
-  /// Ring slots holding tokens (0..w + 1), or -1 when the stored count is not
-  /// such an integer (a state corrupted through field(); the attention rejects it).
+  /// Ring slots holding tokens (0..w + 1, at most the position), or -1 when
+  /// the stored count is not such an integer (a state corrupted through
+  /// field(); the attention rejects it).
   [[nodiscard]] index_t window_fill() const noexcept {
-    return fill_count(*this->field(5), capacity());
+    return fill_count(*this->field(5), this->position());
   }
-
-  /// StateStorage::restore, which also refuses a saved window_fill that is not
-  /// an integer in [0, w + 1]: such bytes are not a state this type can have
-  /// written, and a rejected buffer must leave the state as it was.
-  void restore(std::span<const std::byte> bytes) {
-    const auto header = StateStorage<T>::read_header(bytes, this->kind());
-    StateStorage<T>::require_layout(
-        header, this->sizes(),
-        fields_for(this->batch(), heads(), latents(), key_dim(), value_dim(), window()));
-    // The layout is checked: window_fill, the last field, is the buffer's last T.
-    T fill;
-    std::memcpy(&fill, bytes.data() + bytes.size() - sizeof(T), sizeof(T));
-    if (fill_count(fill, capacity()) < 0)
-      throw Error("bytes", detail::expected_given(
-                               "saved window_fill",
-                               "an integer in [0, " + std::to_string(capacity()) + "]", fill));
-    StateStorage<T>::restore(bytes);
-  }
+  /// The most ring slots that can hold tokens now: min(w + 1, position).
+  [[nodiscard]] index_t window_fill_limit() const noexcept { return fill_limit(this->position()); }
   void set_window_fill(index_t fill) noexcept { *this->field(5) = static_cast<T>(fill); }
 
   /// Scratch for a step, 2 Dk + 2 Dv values (not part of the saved state).
@@ -115,10 +99,27 @@ class MacchiatoState : public StateStorage<T> {
     return reference::MacchiatoScratch<T>::carve(scratch_.data(), key_dim(), value_dim());
   }
 
+ protected:
+  /// A saved window_fill must be a fill this state can have had at the saved
+  /// position: the ring is read from position - fill on.
+  void check_saved(std::int64_t position,
+                   const std::vector<AlignedVector<T>>& fields) const override {
+    if (fill_count(fields[5][0], position) < 0)
+      throw Error("bytes", detail::expected_given(
+                               "saved window_fill",
+                               "an integer in [0, " + std::to_string(fill_limit(position)) +
+                                   "] (min(w + 1, saved position))",
+                               fields[5][0]));
+  }
+
  private:
-  /// `fill` as a slot count in [0, capacity], or -1 when it is not one.
-  [[nodiscard]] static index_t fill_count(T fill, index_t capacity) noexcept {
-    if (!(fill >= T(0) && fill <= static_cast<T>(capacity) && std::floor(fill) == fill)) return -1;
+  [[nodiscard]] index_t fill_limit(std::int64_t position) const noexcept {
+    return static_cast<index_t>(std::min<std::int64_t>(capacity(), position));
+  }
+  /// `fill` as a slot count in [0, min(capacity, position)], or -1 when it is not one.
+  [[nodiscard]] index_t fill_count(T fill, std::int64_t position) const noexcept {
+    const index_t limit = fill_limit(position);
+    if (!(fill >= T(0) && fill <= static_cast<T>(limit) && std::floor(fill) == fill)) return -1;
     return static_cast<index_t>(fill);
   }
 
