@@ -21,10 +21,13 @@
 // mechanism whose every output is a weighted mean of finite values).
 //
 // Every buffer the harness hands over is exactly as long as the view that
-// addresses it, so AddressSanitizer sees any access outside a view. Sizes that
-// would allocate without bound (windows -> KV caches and rings, context
-// capacities, convolution weights) are capped here, before allocation, or the
-// call is built so that validation must refuse it first.
+// addresses it, so AddressSanitizer sees any access outside a view; a view too
+// large for the harness to back is built so that validation must refuse it.
+// Sizes that only latte allocates from (batch, heads, windows, KV-cache and
+// context capacities, levels) are not capped: they reach latte up to 2^62 and
+// past it, and memory_cap.hpp bounds what is really allocated, so a product of
+// sizes that overflows must be a latte::Error and one that fits but exceeds the
+// memory cap may also be std::bad_alloc.
 #pragma once
 #include <fuzzer/FuzzedDataProvider.h>
 
@@ -37,6 +40,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <iterator>
+#include <new>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -48,21 +53,22 @@
 #include <vector>
 
 #include "latte/attention.hpp"
+#include "memory_cap.hpp"
 
 namespace latte_fuzz {
 
 using latte::index_t;
 using latte::TensorView;
 
-/// The most elements one buffer may hold: a view needing more is built so that
-/// validation must refuse it (see Fuzz::layout).
+/// The most elements one of the harness's own buffers (behind a view) may hold:
+/// a view needing more is built so that validation must refuse it (see Fuzz::layout).
 constexpr index_t kMaxElements = index_t{1} << 15;
-/// Decode parameters that size state (KV cache capacity, windows, context
-/// capacity) are capped at this many tokens whenever a state is to be made.
-constexpr index_t kMaxStateTokens = 64;
+
+/// The input's dtype, direction and common sizes, for fail()'s message.
+inline std::string current_input;
 
 [[noreturn]] inline void fail(const std::string& what) {
-  std::fprintf(stderr, "fuzz_attention: %s\n", what.c_str());
+  std::fprintf(stderr, "fuzz_attention: %s (%s)\n", what.c_str(), current_input.c_str());
   std::fflush(stderr);
   std::abort();
 }
@@ -100,20 +106,17 @@ struct Argument {
   [[nodiscard]] TensorView<const T, N> cview() const { return view(); }
 };
 
-/// Brute force: does `layout` address each of its elements once? (Independent of
-/// the library's stride-sorting check.)
+/// Brute force: the sorted offsets of the elements `layout` addresses, plus `base`
+/// (none for an empty view; the layout must be small enough to enumerate).
 template <std::size_t N>
-bool addresses_distinct(const Layout<N>& layout) {
+std::vector<index_t> element_offsets(const Layout<N>& layout, index_t base = 0) {
   index_t count = 1;
-  for (index_t e : layout.extents) {
-    if (e <= 0) return true;
-    count *= e;
-  }
+  for (index_t e : layout.extents) count *= std::max<index_t>(e, 0);
   std::vector<index_t> offsets;
   offsets.reserve(static_cast<std::size_t>(count));
   std::array<index_t, N> at{};
   for (index_t i = 0; i < count; ++i) {
-    index_t offset = 0;
+    index_t offset = base;
     for (std::size_t d = 0; d < N; ++d) offset += at[d] * layout.strides[d];
     offsets.push_back(offset);
     for (std::size_t d = N; d-- > 0;) {
@@ -122,6 +125,14 @@ bool addresses_distinct(const Layout<N>& layout) {
     }
   }
   std::sort(offsets.begin(), offsets.end());
+  return offsets;
+}
+
+/// Does `layout` address each of its elements once? (Independent of the
+/// library's stride-sorting check.)
+template <std::size_t N>
+bool addresses_distinct(const Layout<N>& layout) {
+  const auto offsets = element_offsets(layout);
   return std::adjacent_find(offsets.begin(), offsets.end()) == offsets.end();
 }
 
@@ -139,21 +150,26 @@ class Fuzz {
   }
 
   /// A size that shapes tensors (B, T, H, L, Dk, Dv, d, r): usually in [low, high],
-  /// sometimes 0 or negative, never huge (a huge size every argument agrees on
-  /// would be a valid call the harness cannot back with memory).
+  /// sometimes 0 or negative, rarely huge (views it makes too large to back are
+  /// refused by construction; states, tables and empty views are not).
   index_t size(index_t low, index_t high) {
-    switch (in_.ConsumeIntegralInRange<int>(0, 15)) {
-      case 0: return 0;
-      case 1: return pick<index_t>({-1, -7, std::numeric_limits<index_t>::min()});
+    switch (in_.ConsumeIntegralInRange<int>(0, 31)) {
+      case 0: case 1: return 0;
+      case 2: case 3: return pick<index_t>({-1, -7, std::numeric_limits<index_t>::min()});
+      case 4: return huge();
       default: return in_.ConsumeIntegralInRange<index_t>(low, high);
     }
+  }
+  /// A size past any memory: 2^31 to 2^62 and the int64 limit.
+  index_t huge() {
+    return pick<index_t>({index_t{1} << 31, index_t{1} << 40, index_t{1} << 62,
+                          (index_t{1} << 62) - 1, std::numeric_limits<index_t>::max() - 1,
+                          std::numeric_limits<index_t>::max()});
   }
   /// A parameter that shapes no tensor (windows, M, levels, leap_factor): as
   /// size(), and sometimes huge.
   index_t parameter(index_t low, index_t high) {
-    if (coin(12))
-      return pick<index_t>({index_t{1} << 31, index_t{1} << 40, std::numeric_limits<index_t>::max(),
-                            std::numeric_limits<index_t>::max() - 1});
+    if (coin(12)) return huge();
     return size(low, high);
   }
 
@@ -291,10 +307,11 @@ class Fuzz {
     }
     call.out.layout = layout(extents(out_extents));
     call.out.buffer_elements = call.out.layout.span;
-    if (!call.inputs.empty() && coin(12)) {  // the output overlaps an input's elements
+    if (!call.inputs.empty() && coin(12)) {  // the output lies in an input's buffer
       const auto j = in_.ConsumeIntegralInRange<std::size_t>(0, call.inputs.size() - 1);
       Argument<T, N>& input = call.inputs[j];
-      call.out.offset = in_.ConsumeIntegralInRange<index_t>(0, input.layout.span - 1);
+      const auto gap = coin(2) ? interleave(input.layout, call.out.layout) : std::nullopt;
+      call.out.offset = gap ? *gap : in_.ConsumeIntegralInRange<index_t>(0, input.layout.span - 1);
       input.buffer_elements = std::max(input.buffer_elements, call.out.offset + call.out.layout.span);
       call.aliased = static_cast<int>(j);
     }
@@ -337,6 +354,34 @@ class Fuzz {
   }
 
  private:
+  /// Lays `a` and `b` out in one buffer, interleaved along an outer dimension
+  /// (a's rows at even slots, b's at odd ones: the byte ranges overlap, no
+  /// element is shared); returns b's offset, or nullopt for views it cannot take.
+  template <std::size_t N>
+  std::optional<index_t> interleave(Layout<N>& a, Layout<N>& b) {
+    static_assert(N >= 2);
+    for (const Layout<N>* l : {&a, &b})
+      if (!l->valid || l->oversized || l->null_data || !l->distinct || l->span <= 1) return std::nullopt;
+    const auto d = in_.ConsumeIntegralInRange<std::size_t>(0, N - 2);
+    index_t block = 1;
+    for (Layout<N>* l : {&a, &b}) {  // dimensions inside d: contiguous
+      index_t stride = 1;
+      for (std::size_t i = N; i-- > d + 1;) {
+        l->strides[i] = stride;
+        stride *= l->extents[i];
+      }
+      block = std::max(block, stride);
+    }
+    index_t stride = 2 * block;
+    for (std::size_t i = d + 1; i-- > 0;) {  // d and outside it: shared, every slot doubled
+      a.strides[i] = b.strides[i] = stride;
+      stride *= std::max(a.extents[i], b.extents[i]);
+    }
+    finish(a);
+    finish(b);
+    return block;
+  }
+
   template <std::size_t N>
   static void contiguous(Layout<N>& layout) {
     index_t stride = 1;
@@ -387,16 +432,30 @@ class Fuzz {
 // ------------------------------------------------------------------ oracles --
 
 /// A call that returned: what validation must have refused, and finiteness.
+/// The aliasing rule: an output in an input's buffer must be refused when some
+/// output element shares a byte with some input element (one dtype, so: the same
+/// element offset); interleaved, it is valid. Brute force over the small buffers.
+/// (Before issue 23 class 4 latte refused any overlap of the two byte ranges.)
+template <class T, std::size_t N>
+bool must_refuse_aliasing(const Argument<T, N>& out, const Argument<T, N>& input) {
+  auto elements = [](const Argument<T, N>& a) {
+    const Layout<N>& l = a.layout;
+    const bool none = l.oversized || l.null_data ||
+                      std::any_of(l.extents.begin(), l.extents.end(), [](index_t e) { return e <= 0; });
+    return none ? std::vector<index_t>{} : element_offsets(l, a.offset);
+  };
+  const auto written = elements(out), read = elements(input);
+  std::vector<index_t> shared;
+  std::set_intersection(written.begin(), written.end(), read.begin(), read.end(),
+                        std::back_inserter(shared));
+  return !shared.empty();
+}
+
 template <class T, std::size_t N>
 void check_accepted(const Fuzz::Call<T, N>& call, bool expect_finite, const char* what) {
-  if (call.aliased >= 0 && !call.out.layout.oversized && !call.out.layout.null_data) {
-    const auto& input = call.inputs[static_cast<std::size_t>(call.aliased)];
-    bool out_empty = false;
-    for (index_t e : call.out.layout.extents) out_empty = out_empty || e == 0;
-    bool in_empty = input.layout.null_data;
-    for (index_t e : input.layout.extents) in_empty = in_empty || e == 0;
-    if (!out_empty && !in_empty) fail(std::string(what) + ": an output aliasing an input was accepted");
-  }
+  if (call.aliased >= 0 &&
+      must_refuse_aliasing(call.out, call.inputs[static_cast<std::size_t>(call.aliased)]))
+    fail(std::string(what) + ": an output sharing an element with an input was accepted");
   for (const auto& input : call.inputs)
     if (input.layout.oversized) fail(std::string(what) + ": a view larger than its memory was accepted");
   if (call.out.layout.oversized) fail(std::string(what) + ": an output larger than its memory was accepted");
@@ -428,19 +487,26 @@ bool inputs_moderate(const Fuzz::Call<T, N>& call, double bound) {
                      [&](const auto& input) { return input.stats.moderate(bound); });
 }
 
-/// Runs `body`; a latte::Error is an accepted outcome, any other exception is not.
+/// Runs `body`, a call whose sizes make `demand` (memory_cap.hpp) of the allocator;
+/// whether it returns. A latte::Error is always an accepted outcome, std::bad_alloc
+/// only above the memory cap, a return only where the sizes do not overflow.
 template <class Body>
-bool attempt(Body&& body) {
+bool attempt(Body&& body, Demand demand = Demand::fits) {
   try {
     body();
-    return true;
   } catch (const latte::Error&) {
     return false;
+  } catch (const std::bad_alloc&) {
+    if (demand == Demand::over_cap) return false;
+    fail(demand == Demand::fits ? "std::bad_alloc from a call whose sizes fit the memory cap"
+                                : "std::bad_alloc (not latte::Error) for sizes whose byte count overflows");
   } catch (const std::exception& e) {
     fail(std::string("unexpected exception (not latte::Error): ") + e.what());
   } catch (...) {
     fail("unexpected exception of unknown type");
   }
+  if (demand == Demand::overflows) fail("a call whose sizes overflow int64 bytes was accepted");
+  return true;
 }
 
 // --------------------------------------------------------- generic driving --
@@ -477,13 +543,16 @@ void drive_forward(Fuzz& fuzz, const Features& f, index_t batch, index_t time, i
 
 /// make_state, forward(..., state), step, save, load_state / restore: every
 /// outcome a latte::Error or a return; saved bytes reload to the same bytes.
-template <class T, class Make, class ForwardState, class Step, class Load>
+/// `state_demand(batch)`: what make_state(batch) asks of the allocator (the
+/// largest of the state's fields, from the harness's own sizes).
+template <class T, class Make, class StateDemand, class ForwardState, class Step, class Load>
 void drive_decode(Fuzz& fuzz, const Features& f, index_t batch, index_t time, index_t heads,
-                  const char* what, Make&& make, ForwardState&& forward, Step&& step, Load&& load) {
+                  const char* what, Make&& make, StateDemand&& state_demand, ForwardState&& forward,
+                  Step&& step, Load&& load) {
   using State = std::decay_t<decltype(make(index_t{}))>;
   std::optional<State> state;
   const index_t state_batch = fuzz.coin(8) ? fuzz.size(1, 3) : batch;
-  if (!attempt([&] { state.emplace(make(state_batch)); })) return;
+  if (!attempt([&] { state.emplace(make(state_batch)); }, state_demand(state_batch))) return;
   const auto values = fuzz.values();
   // Outputs must be finite while every token the state absorbed was finite and moderate.
   bool clean = f.finite_bound > 0;
@@ -574,7 +643,9 @@ void latte_attention(Fuzz& fuzz, const Sizes& s) {
     params.angles = given.angles;
     params.base = given.base;
   }
-  if (!attempt([&] { attention.emplace(latte::LatteDims{s.heads, L, Dv}, params); })) return;
+  // VAPOR's angle table: [H, Dv / 2] doubles.
+  const Demand tables = Pos::rotates_values ? demand({s.heads, Dv / 2}, 8) : Demand::fits;
+  if (!attempt([&] { attention.emplace(latte::LatteDims{s.heads, L, Dv}, params); }, tables)) return;
   // RunningMax: o_t is a convex combination of values for any finite logits;
   // |v| <= 1e30 keeps the sums of at most 40 of them finite in float.
   const Features f{{L, L, Dv}, Dv, 1e30};
@@ -587,6 +658,7 @@ void latte_attention(Fuzz& fuzz, const Sizes& s) {
     drive_decode<T>(
         fuzz, f, s.batch, s.time, s.heads, "LatteAttention decode",
         [&](index_t batch) { return a.template make_state<T>(batch, first); },
+        [&](index_t batch) { return demand({batch, s.heads, L, Dv}, sizeof(T)); },  // memory
         [&](auto& c, auto& state) {
           a.forward(E{}, c.inputs[0].cview(), c.inputs[1].cview(), c.inputs[2].cview(),
                     c.out.view(), state);
@@ -607,8 +679,6 @@ void softmax_attention(Fuzz& fuzz, const Sizes& s) {
   if constexpr (std::is_same_v<Win, latte::SlidingWindow>) {
     window.left = fuzz.parameter(0, 45);
     window.right = causal<Dir> ? (fuzz.coin(8) ? fuzz.parameter(0, 3) : 0) : fuzz.parameter(0, 45);
-    // The KV cache holds left + 1 tokens: cap before make_state allocates it.
-    if (decode && window.left > kMaxStateTokens) window.left = kMaxStateTokens;
   }
   std::optional<latte::SoftmaxAttention<Dir, Win>> attention;
   const auto given_scale = scale(fuzz);
@@ -622,10 +692,17 @@ void softmax_attention(Fuzz& fuzz, const Sizes& s) {
   });
   if constexpr (causal<Dir>) {
     if (!decode) return;
-    const index_t capacity = std::min(fuzz.parameter(1, 48), kMaxStateTokens);
+    const index_t capacity = fuzz.parameter(1, 48);
+    // The cache holds left + 1 tokens with a window (capacity without), each Dk + Dv values.
+    index_t slots = capacity;
+    if constexpr (std::is_same_v<Win, latte::SlidingWindow>)
+      if (__builtin_add_overflow(window.left, 1, &slots)) slots = -1;
     drive_decode<T>(
         fuzz, f, s.batch, s.time, s.heads, "SoftmaxAttention decode",
         [&](index_t batch) { return a.template make_state<T>(batch, capacity); },
+        [&](index_t batch) {
+          return slots < 0 ? Demand::overflows : demand({batch, s.heads, slots, Dk}, sizeof(T));
+        },
         [&](auto& c, auto& state) {
           a.forward(E{}, c.inputs[0].cview(), c.inputs[1].cview(), c.inputs[2].cview(),
                     c.out.view(), state);
@@ -641,9 +718,8 @@ void softmax_attention(Fuzz& fuzz, const Sizes& s) {
 template <class T, class Dir, class LatentPos, class WindowPos>
 void macchiato(Fuzz& fuzz, const Sizes& s) {
   const index_t L = fuzz.size(1, 16), Dk = fuzz.size(1, 16), Dv = fuzz.size(1, 16);
-  index_t window = fuzz.parameter(1, 45);
+  const index_t window = fuzz.parameter(1, 45);
   const bool decode = causal<Dir> && fuzz.coin(2);
-  if (decode && window > kMaxStateTokens) window = kMaxStateTokens;  // the ring holds w + 1 tokens
   latte::MacchiatoOptions options{scale(fuzz), fuzz.coin(2) ? latte::VaporScope::latent_states
                                                              : latte::VaporScope::all_states};
   typename LatentPos::Params latent{};
@@ -659,9 +735,12 @@ void macchiato(Fuzz& fuzz, const Sizes& s) {
     local.base = given.base;
   }
   std::optional<latte::LatteMacchiato<Dir, latte::RunningMax, LatentPos, WindowPos>> attention;
+  // The angle tables: [H, Dv / 2] (VAPOR) and [H, Dk / 2] (RoPE) doubles.
+  const Demand tables = (LatentPos::rotates_values ? demand({s.heads, Dv / 2}, 8) : Demand::fits) |
+                        (WindowPos::rotates_queries_keys ? demand({s.heads, Dk / 2}, 8) : Demand::fits);
   if (!attempt([&] {
         attention.emplace(latte::MacchiatoDims{s.heads, L, Dk, Dv, window}, options, latent, local);
-      }))
+      }, tables))
     return;
   const Features f{{L + 1, L, Dk, Dk, Dv}, Dv, tame(options.scale) ? 1e3 : 0};
   const auto& a = *attention;
@@ -676,6 +755,11 @@ void macchiato(Fuzz& fuzz, const Sizes& s) {
     drive_decode<T>(
         fuzz, f, s.batch, s.time, s.heads, "LatteMacchiato decode",
         [&](index_t batch) { return a.template make_state<T>(batch, first); },
+        [&](index_t batch) {  // the latent memory and the ring of w + 1 keys
+          index_t slots = 0;
+          if (__builtin_add_overflow(window, 1, &slots)) return Demand::overflows;
+          return demand({batch, s.heads, L, Dv}, sizeof(T)) | demand({batch, s.heads, slots, Dk}, sizeof(T));
+        },
         [&](auto& c, auto& state) {
           a.forward(latte::exec::reference, c.inputs[0].cview(), c.inputs[1].cview(),
                     c.inputs[2].cview(), c.inputs[3].cview(), c.inputs[4].cview(), c.out.view(),
@@ -741,7 +825,9 @@ void linear_attention(Fuzz& fuzz, const Sizes& s) {
     options.rope_denominator = latte::RopeDenominator::rotated;  // must be refused
   }
   std::optional<Attention> attention;
-  if (!attempt([&] { attention.emplace(latte::LinearDims{s.heads, Dk, Dv}, options); })) return;
+  // RoPE's angle table: [H, F / 2] doubles, F >= Dk features.
+  const Demand tables = Pos::rotates_queries_keys ? demand({s.heads, Dk / 2}, 8) : Demand::fits;
+  if (!attempt([&] { attention.emplace(latte::LinearDims{s.heads, Dk, Dv}, options); }, tables)) return;
   const auto& a = *attention;
   // phi(q) . phi(k) and the state's sums stay finite for |x| <= 1e3; N(D) >= its
   // minimum keeps the quotient finite (Identity and RoPE may make D <= 0: clamped).
@@ -791,6 +877,7 @@ void linear_attention(Fuzz& fuzz, const Sizes& s) {
     drive_decode<T>(
         fuzz, f, s.batch, s.time, s.heads, "LinearAttention decode",
         [&](index_t batch) { return a.template make_state<T>(batch, first); },
+        [&](index_t batch) { return demand({batch, s.heads, Dk, Dv}, sizeof(T)); },  // memory, F >= Dk
         [&](auto& c, auto& state) {
           a.forward(latte::exec::reference, c.inputs[0].cview(), c.inputs[1].cview(),
                     c.inputs[2].cview(), c.out.view(), state);
@@ -806,17 +893,15 @@ void linear_attention(Fuzz& fuzz, const Sizes& s) {
 template <class T, class Dir>
 void lavo(Fuzz& fuzz, const Sizes& s) {
   const index_t d = fuzz.size(1, 16), r = fuzz.size(1, 16);
-  index_t window = fuzz.parameter(1, 45);
-  // P [H, 2w - 1] and the ring [w, d] are allocated from w: keep it small, or past
-  // max_window (refused before anything is allocated).
-  if (window > kMaxStateTokens && window <= latte::Lavo<Dir>::max_window) window = kMaxStateTokens;
+  const index_t window = fuzz.parameter(1, 45);
   latte::LavoParams params;
   params.basis_seed = fuzz.in().ConsumeIntegral<std::uint64_t>();
   params.scale = scale(fuzz);
   const bool tame_scale = tame(params.scale);
   params.empty_memory = fuzz.coin(2) ? latte::LavoEmptyMemory::zero : latte::LavoEmptyMemory::local_only;
+  // Sizes for which the harness builds the given tensors itself.
   const bool small = s.heads >= 0 && s.heads <= 8 && r >= 0 && r <= 16 && d >= 0 && d <= 16 &&
-                     window >= 1 && window <= kMaxStateTokens;
+                     window >= 1 && window <= 64;
   if (small && fuzz.coin(3)) {
     params.bases = latte::Tensor<double, 3>({s.heads, r, fuzz.coin(8) ? d + 1 : d});
     for (index_t i = 0; i < params.bases.size(); ++i)
@@ -828,7 +913,14 @@ void lavo(Fuzz& fuzz, const Sizes& s) {
       params.relative_bias.data()[i] = fuzz.coin(60) ? INFINITY : fuzz.in().ConsumeFloatingPointInRange<double>(-5, 5);
   }
   std::optional<latte::Lavo<Dir>> attention;
-  if (!attempt([&] { attention.emplace(latte::LavoDims{s.heads, d, r, window}, std::move(params)); }))
+  // The bases [H, r, d] and the relative bias P [H, 2w - 1], doubles.
+  index_t offsets = 0;
+  const Demand tables =
+      __builtin_mul_overflow(window, 2, &offsets)
+          ? Demand::overflows
+          : demand({s.heads, r, d}, 8) | demand({s.heads, offsets - 1}, 8);
+  if (!attempt([&] { attention.emplace(latte::LavoDims{s.heads, d, r, window}, std::move(params)); },
+               tables))
     return;
   const auto& a = *attention;
   const Features f{{d, d, d}, d, tame_scale ? 1e3 : 0};
@@ -854,6 +946,9 @@ void lavo(Fuzz& fuzz, const Sizes& s) {
     drive_decode<T>(
         fuzz, f, s.batch, s.time, s.heads, "Lavo decode",
         [&](index_t batch) { return a.template make_state<T>(batch); },
+        [&](index_t batch) {  // the key ring [w, d] and the memory [r, d]
+          return demand({batch, s.heads, window, d}, sizeof(T)) | demand({batch, s.heads, r, d}, sizeof(T));
+        },
         [&](auto& c, auto& state) {
           a.forward(latte::exec::reference, c.inputs[0].cview(), c.inputs[1].cview(),
                     c.inputs[2].cview(), c.out.view(), state);
@@ -913,11 +1008,17 @@ void conv_compressed(Fuzz& fuzz, const Sizes& s) {
               c.inputs[2].cview(), c.out.view());
   });
   if constexpr (causal<Dir>) {
-    if (*resolved.window_left > kMaxStateTokens) return;  // the window ring is allocated from it
-    const index_t capacity = std::min(fuzz.parameter(1, 60), kMaxStateTokens);
+    const index_t capacity = fuzz.parameter(1, 60);
+    // The window rings hold min(left + 1, capacity) keys; one group sum per level.
+    const index_t left = *resolved.window_left;
+    const index_t ring = left >= capacity ? capacity : left + 1;
     drive_decode<T>(
         fuzz, f, s.batch, s.time, s.heads, "ConvCompressedAttention decode",
         [&](index_t batch) { return a.template make_state<T>(batch, capacity); },
+        [&](index_t batch) {
+          return demand({batch, s.heads, ring, resolved.key_dim}, sizeof(T)) |
+                 demand({batch, s.heads, resolved.levels, resolved.value_dim}, sizeof(T));
+        },
         [&](auto& c, auto& state) {
           a.forward(latte::exec::reference, c.inputs[0].cview(), c.inputs[1].cview(),
                     c.inputs[2].cview(), c.out.view(), state);

@@ -7,6 +7,10 @@
 #   scripts/fuzz.sh --smoke           CI smoke: 20,000 executions, seed 20260101
 #   scripts/fuzz.sh -- ARGS...        extra libFuzzer flags (e.g. -- -jobs=2 -workers=2)
 #
+# The harness hands latte sizes up to 2^62 and past them; its operator new
+# refuses any one allocation over 64 MiB with std::bad_alloc (fuzz/memory_cap.hpp).
+# To collect every failing input of a long run instead of stopping at the first:
+#   scripts/fuzz.sh -- -fork=1 -ignore_crashes=1
 # Inputs found to fail are written to build-fuzz/artifacts/ (rerun one with
 # build-fuzz/fuzz/fuzz_attention FILE). The corpus grows in build-fuzz/corpus/,
 # seeded from fuzz/corpus/. Environment: LATTE_FUZZ_BUILD_DIR (default build-fuzz),

@@ -291,7 +291,8 @@ TEST_CASE("LatteMacchiato, Lavo, ConvCompressedAttention: windows larger than T"
 TEST_CASE_TEMPLATE("T = 1 and L = 1: Latte and softmax (reference and cpu) against the oracles", T,
                    float, double) {
   Rng rng(6);
-  for (const auto& [Tn, L] : {std::pair<index_t, index_t>{1, 7}, {1, 1}, {41, 1}}) {
+  for (const auto& sizes : {std::pair<index_t, index_t>{1, 7}, {1, 1}, {41, 1}}) {
+    const index_t Tn = sizes.first, L = sizes.second;  // not bindings: INFO captures them (clang 14)
     INFO("T = " << Tn << ", L = " << L);
     const index_t B = 2, H = 3, Dv = 5;
     const auto q = random_tensor<T, 4>(rng, {B, Tn, H, L}, 2.0);

@@ -354,10 +354,12 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
     if constexpr (Pos::rotates_values)
       scratch.rotation.fill(n, scratch.rotation_cos.data(), scratch.rotation_sin.data(), Dv);
   };
-  // Token t's value, the run's row j holding its position.
-  auto value_of = [&](index_t t, index_t j, T* rotated) {
+  // Token t's value, the run's row j holding its position; with VAPOR it is
+  // rotated into scratch row `slot` (an empty buffer otherwise: no pointer into it).
+  auto value_of = [&](index_t t, index_t j, index_t slot) {
     const T* value = v.row(b, t, h);
     if constexpr (Pos::rotates_values) {
+      T* rotated = scratch.rotated.data() + slot * Dv;
       rotate_pairs<false>(value, rotated, scratch.rotation_cos.data() + j * Dv,
                           scratch.rotation_sin.data() + j * Dv, Dv);  // R^{-s} v_s
       return static_cast<const T*>(rotated);
@@ -436,7 +438,7 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
           continue;
         }
         for (int i = 0; i < 4; ++i)
-          values[i] = value_of(t + j + i, j + i, scratch.rotated.data() + i * Dv);
+          values[i] = value_of(t + j + i, j + i, i);
         if (rescales) {
           pair(t + j, j, rescaled[j], rescaled[j + 1], values[0], values[1]);
           pair(t + j + 2, j + 2, rescaled[j + 2], rescaled[j + 3], values[2], values[3]);
@@ -448,8 +450,8 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
       for (; j + 1 < n; j += 2) {
         prefetch_next_run(j);
         prefetch_next_run(j + 1);
-        const T* v1 = value_of(t + j, j, scratch.rotated.data());
-        const T* v2 = value_of(t + j + 1, j + 1, scratch.rotated.data() + Dv);
+        const T* v1 = value_of(t + j, j, 0);
+        const T* v2 = value_of(t + j + 1, j + 1, 1);
         pair(t + j, j, rescaled[j], rescaled[j + 1], v1, v2);
         rotate_out(out.row(b, t + j, h), j);
         rotate_out(out.row(b, t + j + 1, h), j + 1);
@@ -458,7 +460,7 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
         prefetch_next_run(j);
         T* o = out.row(b, t + j, h);
         update_and_read(carry.memory, c + j * L, w + j * L, gamma + j * L,
-                        value_of(t + j, j, scratch.rotated.data()), o, L, Dv, rescaled[j]);
+                        value_of(t + j, j, 0), o, L, Dv, rescaled[j]);
         rotate_out(o, j);
       }
       t += n;
@@ -470,7 +472,7 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
     fill_rotations(n);
     for (index_t j = 0; j < n; ++j) {
       prefetch_token(t + j + ahead);
-      const T* value = value_of(t + j, j, scratch.rotated.data());
+      const T* value = value_of(t + j, j, 0);
       const bool rescale = absorb_keys<Stab>(k.row(b, t + j, h), carry, c, w, L);
       update_and_read(carry.memory, c, w, gamma, value, static_cast<T*>(nullptr), L, Dv,
                       rescale);
