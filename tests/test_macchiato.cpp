@@ -1037,6 +1037,24 @@ TEST_CASE("state: a corrupted window_fill (not an integer in [0, w + 1])") {
     expect_error([&] { (void)attention.load_state<float>(state.save()); }, "bytes", "window_fill");
   }
 }
+TEST_CASE("state: a window_fill above the position (the ring would be read before token 0)") {
+  // A state at position p holds at most p tokens; a larger fill made the step read
+  // ring slot (p + 1 - visible) % (w + 1) < 0, out of bounds (ASan, before the fix).
+  const PlainMacchiato attention(kDims);
+  for (const std::int64_t position : {std::int64_t{0}, std::int64_t{1}}) {
+    CAPTURE(position);
+    auto state = attention.make_state<float>(kB, position);
+    *state.field(5) = static_cast<float>(position + 1);
+    StepCall call = StepCall::make();
+    expect_error([&] { call.step(attention, state); }, "state", "min(w + 1, position)");
+    CHECK(state.position() == position);
+    expect_error([&] { (void)attention.load_state<float>(state.save()); }, "bytes", "window_fill");
+    auto target = attention.make_state<float>(kB);
+    const auto before = target.save();
+    expect_error([&] { target.restore(state.save()); }, "bytes", "window_fill");
+    CHECK(target.save() == before);
+  }
+}
 TEST_CASE("state: forward with T = 0 leaves the state unchanged") {
   const RopeVaporMacchiato attention(kDims);
   auto state = attention.make_state<float>(kB);

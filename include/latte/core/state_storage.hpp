@@ -127,6 +127,8 @@ class StateStorage {
     std::vector<StateField> fields;
   };
 
+  // Copy and move as before; declared because the destructor is (protected:
+  // states are never deleted through a StateStorage pointer).
   StateStorage() = default;
   StateStorage(const StateStorage&) = default;
   StateStorage(StateStorage&&) = default;
