@@ -33,16 +33,18 @@ inline void fma_tile(simd::batch<T> (&acc)[R][CV], const T* a, index_t a_row, in
                      const T* b, index_t b_step, index_t steps) noexcept {
   using B = simd::batch<T>;
   constexpr index_t W = simd::width<T>;
+  // Constant indices (simd::unrolled): GCC unrolls loops of R and CV at -O3
+  // but not at -O2, where the tile then lives on the stack.
   for (index_t s = 0; s < steps; ++s) {
     B vector[CV];
-    for (int c = 0; c < CV; ++c) {
+    simd::unrolled<CV>([&](auto c) {
       vector[c] = simd::load(b + s * b_step + c * W);
       simd::hold_in_register(vector[c]);
-    }
-    for (int i = 0; i < R; ++i) {
+    });
+    simd::unrolled<R>([&](auto i) {
       const B scalar(a[i * a_row + s * a_step]);
-      for (int c = 0; c < CV; ++c) acc[i][c] = simd::fma(scalar, vector[c], acc[i][c]);
-    }
+      simd::unrolled<CV>([&](auto c) { acc[i][c] = simd::fma(scalar, vector[c], acc[i][c]); });
+    });
   }
 }
 
