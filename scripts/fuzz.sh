@@ -55,7 +55,9 @@ echo "fuzz.sh: fuzz_attention -runs=$runs -seed=$seed"
 start=$(date +%s)
 log="$build/fuzz.log"
 status=0
-"$build/fuzz/fuzz_attention" -runs="$runs" -seed="$seed" -max_len=4096 -print_final_stats=1 \
+# -timeout: an input that runs for 30 s is a failure (e.g. a loop over a huge
+# batch that an empty call should skip), not a wait of libFuzzer's default 20 min.
+"$build/fuzz/fuzz_attention" -runs="$runs" -seed="$seed" -max_len=4096 -timeout=30 -print_final_stats=1 \
   -artifact_prefix="$build/artifacts/" "${extra[@]}" "$build/corpus" "${seeds[@]}" \
   >"$log" 2>&1 || status=$?
 elapsed=$(($(date +%s) - start))

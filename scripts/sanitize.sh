@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sanitizer runs (issue 7), sized for CI:
-#  1. the asan preset (AddressSanitizer + UndefinedBehaviorSanitizer): every test
+#  1. the asan preset (clang's AddressSanitizer + UndefinedBehaviorSanitizer: clang's
+#     UBSan sees what GCC's misses, e.g. null + offset on an empty buffer): every test
 #     except the packaging ones (label "package": they configure and build
 #     consumer projects, which is slow and not about memory), with the random-case
 #     loops scaled down by LATTE_TEST_CASE_SCALE (default 0.1: tests/support.hpp);
@@ -35,7 +36,7 @@ for part in "${parts[@]}"; do
   case "$part" in
     asan)
       build="$root/build-asan"
-      echo "== sanitize: ASan + UBSan, every test except label 'package', LATTE_TEST_CASE_SCALE=$scale"
+      echo "== sanitize: ASan + UBSan (clang), every test except label 'package', LATTE_TEST_CASE_SCALE=$scale"
       cmake --preset asan -B "$build" "${options[@]}" >/dev/null
       selection=(-LE package)
       if ((${#asan_tests[@]})); then
