@@ -67,8 +67,9 @@ template <class O, std::size_t N, class I, std::size_t M>
       if (output.stride(d) == 0) return true;  // not distinct: refused anyway
       by_stride[dims++] = {output.stride(d), output.extent(d)};
     }
-  std::sort(by_stride.begin(), by_stride.begin() + static_cast<std::ptrdiff_t>(dims),
-            [](const auto& a, const auto& b) { return a[0] > b[0]; });
+  for (std::size_t i = 1; i < dims; ++i)  // insertion sort, largest first: N is at most 4
+    for (std::size_t j = i; j > 0 && by_stride[j][0] > by_stride[j - 1][0]; --j)
+      std::swap(by_stride[j], by_stride[j - 1]);
   constexpr auto out_size = static_cast<std::intptr_t>(sizeof(O));
   const auto out_first = reinterpret_cast<std::intptr_t>(output.data());
   // Whether an output element has a byte in [first, last] (addresses).
