@@ -11,7 +11,8 @@
 // parameters (windows, M, r, leap_factor, levels, scales, angles) and
 // values (normal, wide spreads, inf / NaN / huge, raw bit patterns). Causal
 // mechanisms then go through make_state, forward(..., state), step, save and
-// load_state / restore of intact, truncated and corrupted bytes.
+// load_state / restore of intact, truncated and corrupted bytes (half of the
+// edited buffers re-signed with a valid CRC-32C, so the checks behind it run).
 //
 // Every input must end in one of two ways: a latte::Error, or a normal return.
 // Anything else stops the run: a crash or a sanitizer report, another exception
@@ -54,6 +55,7 @@
 
 #include "latte/attention.hpp"
 #include "memory_cap.hpp"
+#include "../tests/state_bytes.hpp"
 
 namespace latte_fuzz {
 
@@ -348,8 +350,11 @@ class Fuzz {
         for (auto& b : bytes) b = static_cast<std::byte>(rng_());
         break;
       }
-      default: break;  // intact
+      default: return bytes;  // intact
     }
+    // Half of the edited buffers get a valid CRC-32C trailer again, so the
+    // loaders' structural and content checks behind the checksum are reached.
+    if (bytes.size() >= 12 && coin(2)) latte::test::resign(bytes);
     return bytes;
   }
 

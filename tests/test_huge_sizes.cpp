@@ -172,6 +172,19 @@ TEST_CASE("constructors: tables and weights whose size would wrap are refused") 
   expect_error([&] { (void)layer.make_state(huge); }, "batch");
 }
 
+TEST_CASE("rotations of a dimension below 2: no pair to turn, so no loop over a huge head count") {
+  // The angle tables are [H, D/2]: empty for D = 1 whatever H is. Each constructor
+  // below looped over every head before building its empty table (2^40 passes, a hang).
+  const index_t heads = huge_batch;
+  (void)latte::LatteAttention<latte::Causal, latte::RunningMax, latte::VAPOR>(
+      {.heads = heads, .latents = 1, .value_dim = 1});
+  (void)latte::LinearAttention<latte::Causal, latte::Relu, latte::NoReweight, latte::RoPE>(
+      {.heads = heads, .key_dim = 1, .value_dim = 1});
+  (void)latte::LatteMacchiato<latte::Causal, latte::RunningMax, latte::VAPOR, latte::RoPE>(
+      {.heads = heads, .latents = 1, .key_dim = 1, .value_dim = 1, .window = 1});
+  CHECK(latte::VAPOR::resolve_angles({}, heads, 1).empty());
+}
+
 TEST_CASE("T = 0 with a huge batch: validated, then nothing allocated and nothing run") {
   std::vector<float> buffer(64, 0.0f);
   const index_t B = huge_batch, H = 2;

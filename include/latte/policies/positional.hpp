@@ -64,23 +64,24 @@ struct PairRotation {
     if (params.angles.extent(0) == 0 && params.angles.extent(1) == 0) {  // not given
       require(params.base > 1.0 && std::isfinite(params.base), "base",
               expected_given("base of the RoPE schedule", "finite and > 1", params.base));
-      for (index_t h = 0; h < heads; ++h)
-        for (index_t i = 0; i < pairs; ++i)
-          table[static_cast<std::size_t>(h * pairs + i)] = rope_theta(i, dim, params.base);
+      // One flat loop over the table: with no pairs (D < 2) it runs no
+      // iteration, however many heads there are.
+      for (std::size_t at = 0; at < table.size(); ++at)
+        table[at] = rope_theta(static_cast<index_t>(at) % pairs, dim, params.base);
       return table;
     }
     const std::array<index_t, 2> expected{heads, pairs};
     require(params.angles.extents() == expected, "angles",
             expected_given(std::string("shape ") + layout, format_extents(expected),
                            format_extents(params.angles.extents())));
-    for (index_t h = 0; h < heads; ++h)
-      for (index_t i = 0; i < pairs; ++i) {
-        const double theta = params.angles(h, i);
-        require(std::isfinite(theta), "angles",
-                "every angle must be finite (head " + std::to_string(h) + ", pair " +
-                    std::to_string(i) + ")");
-        table[static_cast<std::size_t>(h * pairs + i)] = theta;
-      }
+    for (std::size_t at = 0; at < table.size(); ++at) {
+      const index_t h = static_cast<index_t>(at) / pairs, i = static_cast<index_t>(at) % pairs;
+      const double theta = params.angles(h, i);
+      require(std::isfinite(theta), "angles",
+              "every angle must be finite (head " + std::to_string(h) + ", pair " +
+                  std::to_string(i) + ")");
+      table[at] = theta;
+    }
     return table;
   }
 
