@@ -1,0 +1,104 @@
+#pragma once
+// Reference gradients from an oracle's loss, for the backward tests.
+//
+// A gradient test builds a scalar loss L(x) = <d_out, f(x)> in long double from
+// one of the explicit T x T oracles (tests/oracles/) over long-double copies of
+// the inputs, and checks a backward kernel's gradients against
+//   - central_differences: dL/dx for every element of every input (small shapes);
+//   - directional_derivative: the derivative of L along a random direction
+//     (any shape the oracle can afford), compared with <gradient, direction>.
+// Both use central differences with one Richardson step,
+//   D(h) = (L(x + h) - L(x - h)) / 2h,   D = (4 D(h/2) - D(h)) / 3,
+// whose error is O(h^4) plus long double's rounding of L over h (~1e-19 |L| / h):
+// with the default h = 1e-4 (relative to max(1, |x|) per element) both stay far
+// below the fp64 tolerance of the gradient tests.
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <span>
+#include <vector>
+
+#include "oracles/tensor_ld.hpp"
+
+namespace latte::test {
+
+/// The inputs a loss reads, as long-double spans the checks perturb in place
+/// (and restore).
+using GradientInputs = std::vector<std::span<long double>>;
+
+/// One long double per element of every input.
+using GradientValues = std::vector<std::vector<long double>>;
+
+template <class T, std::size_t N>
+std::span<long double> as_input(Tensor<T, N>& tensor) {
+  static_assert(std::is_same_v<T, long double>, "the checks perturb long-double copies");
+  return {tensor.data(), static_cast<std::size_t>(tensor.size())};
+}
+
+/// Richardson-extrapolated central difference of `loss` along the perturbation
+/// `apply(+h)` / `apply(-h)`; `apply(0)` restores.
+template <class Loss, class Apply>
+long double richardson_difference(Loss& loss, Apply&& apply, long double h) {
+  auto central = [&](long double step) {
+    apply(step);
+    const long double plus = loss();
+    apply(-step);
+    const long double minus = loss();
+    apply(0);
+    return (plus - minus) / (2 * step);
+  };
+  const long double coarse = central(h), fine = central(h / 2);
+  return (4 * fine - coarse) / 3;
+}
+
+/// dL/dx for every element x of every input.
+template <class Loss>
+GradientValues central_differences(Loss&& loss, const GradientInputs& inputs,
+                                   long double relative_step = 1e-4L) {
+  GradientValues gradient;
+  for (const std::span<long double> input : inputs) {
+    std::vector<long double>& out = gradient.emplace_back(input.size());
+    for (std::size_t i = 0; i < input.size(); ++i) {
+      const long double x = input[i];
+      if (!std::isfinite(x)) continue;  // -inf logits: no neighbourhood, gradient 0
+      const long double h = relative_step * std::max(1.0L, std::fabs(x));
+      out[i] = richardson_difference(loss, [&](long double step) { input[i] = x + step; }, h);
+    }
+  }
+  return gradient;
+}
+
+/// The derivative of L along `direction` (one vector per input, same sizes).
+/// Elements that are not finite stay where they are.
+template <class Loss>
+long double directional_derivative(Loss&& loss, const GradientInputs& inputs,
+                                   const GradientValues& direction,
+                                   long double step = 1e-4L) {
+  GradientValues origin;
+  for (const std::span<long double> input : inputs) origin.emplace_back(input.begin(), input.end());
+  auto apply = [&](long double h) {
+    for (std::size_t j = 0; j < inputs.size(); ++j)
+      for (std::size_t i = 0; i < inputs[j].size(); ++i)
+        if (std::isfinite(origin[j][i])) inputs[j][i] = origin[j][i] + h * direction[j][i];
+  };
+  return richardson_difference(loss, apply, step);
+}
+
+/// <gradient, direction> and sum |gradient_i direction_i| (the scale a
+/// directional derivative's error is measured against: no cancellation hides
+/// an error in one term).
+struct DirectionalProduct {
+  long double value = 0;
+  long double magnitude = 0;
+};
+template <class T>
+void accumulate_product(DirectionalProduct& product, std::span<const T> gradient,
+                        const std::vector<long double>& direction) {
+  for (std::size_t i = 0; i < direction.size(); ++i) {
+    const long double term = (long double)gradient[i] * direction[i];
+    product.value += term;
+    product.magnitude += std::fabs(term);
+  }
+}
+
+}  // namespace latte::test
