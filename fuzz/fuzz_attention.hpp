@@ -1014,15 +1014,23 @@ void conv_compressed(Fuzz& fuzz, const Sizes& s) {
   });
   if constexpr (causal<Dir>) {
     const index_t capacity = fuzz.parameter(1, 60);
-    // The window rings hold min(left + 1, capacity) keys; one group sum per level.
+    // The window rings hold min(left + 1, capacity) keys; one group sum per level;
+    // the store holds capacity / M^levels compressed keys and values.
     const index_t left = *resolved.window_left;
     const index_t ring = left >= capacity ? capacity : left + 1;
+    index_t span = 1;  // M^levels, saturated
+    for (index_t level = 0; level < resolved.levels && span <= capacity; ++level)
+      if (__builtin_mul_overflow(span, resolved.group_size, &span)) span = capacity + 1;
+    const index_t stored = capacity / span;
     drive_decode<T>(
         fuzz, f, s.batch, s.time, s.heads, "ConvCompressedAttention decode",
         [&](index_t batch) { return a.template make_state<T>(batch, capacity); },
         [&](index_t batch) {
-          return demand({batch, s.heads, ring, resolved.key_dim}, sizeof(T)) |
-                 demand({batch, s.heads, resolved.levels, resolved.value_dim}, sizeof(T));
+          return demand({batch, s.heads, resolved.levels, ring, resolved.key_dim}, sizeof(T)) |
+                 demand({batch, s.heads, resolved.levels, ring, resolved.value_dim}, sizeof(T)) |
+                 demand({batch, s.heads, resolved.levels, resolved.value_dim}, sizeof(T)) |
+                 demand({batch, s.heads, stored, resolved.value_dim}, sizeof(T)) |
+                 demand({batch, s.heads, stored, resolved.key_dim}, sizeof(T));
         },
         [&](auto& c, auto& state) {
           a.forward(latte::exec::reference, c.inputs[0].cview(), c.inputs[1].cview(),
