@@ -698,7 +698,8 @@ void softmax_attention(Fuzz& fuzz, const Sizes& s) {
   if constexpr (causal<Dir>) {
     if (!decode) return;
     const index_t capacity = fuzz.parameter(1, 48);
-    // The cache holds left + 1 tokens with a window (capacity without), each Dk + Dv values.
+    // The cache holds left + 1 tokens with a window (capacity without): keys (Dk each)
+    // and values (Dv each) in two fields.
     index_t slots = capacity;
     if constexpr (std::is_same_v<Win, latte::SlidingWindow>)
       if (__builtin_add_overflow(window.left, 1, &slots)) slots = -1;
@@ -706,7 +707,8 @@ void softmax_attention(Fuzz& fuzz, const Sizes& s) {
         fuzz, f, s.batch, s.time, s.heads, "SoftmaxAttention decode",
         [&](index_t batch) { return a.template make_state<T>(batch, capacity); },
         [&](index_t batch) {
-          return slots < 0 ? Demand::overflows : demand({batch, s.heads, slots, Dk}, sizeof(T));
+          return slots < 0 ? Demand::overflows
+                           : demand({batch, s.heads, slots, std::max(Dk, Dv)}, sizeof(T));
         },
         [&](auto& c, auto& state) {
           a.forward(E{}, c.inputs[0].cview(), c.inputs[1].cview(), c.inputs[2].cview(),
