@@ -12,7 +12,15 @@
 //   latte::LatteAttention<latte::Causal, latte::RunningMax, latte::VAPOR> attn({.heads = 8,
 //       .latents = 64, .value_dim = 64});
 //   attn.forward(latte::exec::reference, q, k, v, out.view());
+//
+// backward(exec, q, k, v, d_out, gradients[, state_gradients]) gives the
+// gradients of the inputs (and of VAPOR's angles, of the initial state) for a
+// given d_out; it keeps nothing from the forward (docs/backward.md).
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <tuple>
+#include <utility>
 #include <span>
 #include <limits>
 #include <string>
@@ -25,6 +33,7 @@
 #include "latte/core/state_storage.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
+#include "latte/mechanisms/latte_gradients.hpp"
 #include "latte/mechanisms/latte_state.hpp"
 #include "latte/policies/direction.hpp"
 #include "latte/policies/execution.hpp"
@@ -220,6 +229,32 @@ class LatteAttention {
     state.advance(1);
   }
 
+  /// Gradients of a loss whose gradient with respect to `out` is `d_out`
+  /// [B, T, H, Dv]: writes d_query_logits, d_key_logits, d_values and, when
+  /// given, accumulates d_angles [H, Dv/2] (VAPOR). The forward is recomputed
+  /// from the inputs; extra memory is O(T * L) per (batch, head) in flight.
+  template <exec::Policy E, Real T>
+  void backward(E e, InputView<T> query_logits, InputView<T> key_logits, InputView<T> values,
+                InputView<T> d_out, const LatteGradients<T>& gradients) const {
+    if constexpr (Dir::is_causal)
+      backward(e, query_logits, key_logits, values, d_out, gradients, LatteStateGradients<T>{});
+    else
+      run_backward(e, query_logits, key_logits, values, d_out, gradients,
+                   static_cast<const LatteStateGradients<T>*>(nullptr));
+  }
+
+  /// Causal backward of a forward that continued from `states.initial`, with
+  /// the gradient of the state it left (`states.d_final`); writes the gradient
+  /// of the initial state into `states.d_initial`. Backward over chunks chained
+  /// through these equals the backward over the whole sequence.
+  template <exec::Policy E, Real T>
+    requires(Dir::is_causal)
+  void backward(E e, InputView<T> query_logits, InputView<T> key_logits, InputView<T> values,
+                InputView<T> d_out, const LatteGradients<T>& gradients,
+                const LatteStateGradients<T>& states) const {
+    run_backward(e, query_logits, key_logits, values, d_out, gradients, &states);
+  }
+
   // The same calls without an execution tag run on exec::default_t (exec::cpu).
   template <Real T>
   void forward(InputView<T> query_logits, InputView<T> key_logits, InputView<T> values,
@@ -231,6 +266,18 @@ class LatteAttention {
   void forward(InputView<T> query_logits, InputView<T> key_logits, InputView<T> values, TensorView<T, 4> out,
                State<T>& state) const {
     forward(exec::default_t{}, query_logits, key_logits, values, out, state);
+  }
+  template <Real T>
+  void backward(InputView<T> query_logits, InputView<T> key_logits, InputView<T> values,
+                InputView<T> d_out, const LatteGradients<T>& gradients) const {
+    backward(exec::default_t{}, query_logits, key_logits, values, d_out, gradients);
+  }
+  template <Real T>
+    requires(Dir::is_causal)
+  void backward(InputView<T> query_logits, InputView<T> key_logits, InputView<T> values,
+                InputView<T> d_out, const LatteGradients<T>& gradients,
+                const LatteStateGradients<T>& states) const {
+    backward(exec::default_t{}, query_logits, key_logits, values, d_out, gradients, states);
   }
   template <Real T>
     requires(Dir::is_causal)
@@ -252,6 +299,160 @@ class LatteAttention {
       cuda::latte_forward<Dir::is_causal, Pos>(cuda::stream_of(e.stream), q, k, v, out, angles_);
   }
 #endif
+
+  template <exec::Policy E, Real T>
+  void run_backward(E, const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
+                    const TensorView<const T, 4>& v, const TensorView<const T, 4>& d_out,
+                    const LatteGradients<T>& gradients,
+                    const LatteStateGradients<T>* states) const {
+    static_assert(!std::is_same_v<E, exec::cuda_t> && !exec::cuda_unavailable<E>,
+                  "LatteAttention::backward runs on exec::reference and exec::cpu (no CUDA "
+                  "backward yet)");
+    static_assert(exec::implemented<E>, "this execution backend is not implemented yet");
+    validate_backward(q, k, v, d_out, gradients);
+    const index_t B = q.extent(0), Tn = q.extent(1), H = dims_.heads, L = dims_.latents,
+                  Dv = dims_.value_dim, pairs = Dv / 2;
+    if (states) validate_state_gradients(*states, B, Tn);
+    std::vector<double> d_angles;  // summed in double: terms grow with the position
+    if (!gradients.d_angles.empty())
+      d_angles.assign(static_cast<std::size_t>(H * pairs), 0.0);
+    if (Tn > 0 && B > 0) {
+      if constexpr (Dir::is_causal) {
+        const LatteState<T>* initial = states ? states->initial : nullptr;
+        const LatteState<T>* d_final = states ? states->d_final : nullptr;
+        const std::int64_t first_position = initial ? initial->position() : 0;
+        auto initial_of = [&](index_t b, index_t h, reference::LatteCarry<T> carry) {
+          if (!initial) return reference::latte_reset<Stab>(carry, L, Dv);
+          const index_t head = b * H + h;
+          std::copy_n(initial->field(0) + head * L, L, carry.running_max);
+          std::copy_n(initial->field(1) + head * L, L, carry.normaliser);
+          std::copy_n(initial->field(2) + head * L * Dv, L * Dv, carry.memory);
+        };
+        // The final state's gradient, re-expressed against the recomputed
+        // running maximum m_T where it differs from d_final's (factor
+        // exp(m_T - m_F): the stored memory is the sum times exp(-m)).
+        std::vector<T> rescaled;  // per (batch, head): L + L * Dv, only where m_F != m_T
+        if (d_final) rescaled.resize(static_cast<std::size_t>(
+                         detail::checked_count<T>("states.d_final", {B, H, carry_size()})));
+        auto final_gradient_of = [&](index_t b, index_t h, const T* m_T) {
+          if (!d_final) return reference::LatteCarryGradient<const T>{nullptr, nullptr};
+          const index_t head = b * H + h;
+          const T* m_F = d_final->field(0) + head * L;
+          const T* normaliser = d_final->field(1) + head * L;
+          const T* memory = d_final->field(2) + head * L * Dv;
+          if (std::equal(m_F, m_F + L, m_T)) return reference::LatteCarryGradient<const T>{normaliser, memory};
+          T* scaled = rescaled.data() + head * carry_size();
+          for (index_t l = 0; l < L; ++l) {
+            detail::require(m_F[l] > -std::numeric_limits<T>::infinity() ||
+                                m_T[l] == -std::numeric_limits<T>::infinity(),
+                            "states.d_final",
+                            "running_max must be the final state's (copy the state the forward "
+                            "left, then fill normaliser and memory): latent " + std::to_string(l) +
+                                " of (batch " + std::to_string(b) + ", head " + std::to_string(h) +
+                                ") has -inf where the final state's is finite");
+            const T factor = m_F[l] == m_T[l] ? T(1) : std::exp(m_T[l] - m_F[l]);
+            scaled[l] = normaliser[l] * factor;
+            for (index_t d = 0; d < Dv; ++d) scaled[L + l * Dv + d] = memory[l * Dv + d] * factor;
+          }
+          return reference::LatteCarryGradient<const T>{scaled, scaled + L};
+        };
+        LatteState<T>* d_initial = states ? states->d_initial : nullptr;
+        if (d_initial) *d_initial = initial ? *initial : make_state<T>(B);
+        auto initial_gradient_of = [&](index_t b, index_t h) {
+          if (!d_initial) return reference::LatteCarryGradient<T>{nullptr, nullptr};
+          const index_t head = b * H + h;
+          return reference::LatteCarryGradient<T>{d_initial->field(1) + head * L,
+                                                  d_initial->field(2) + head * L * Dv};
+        };
+        if constexpr (std::is_same_v<E, exec::cpu_t>)
+          cpu::latte_causal_backward<Stab, Pos>(
+              q, k, v, d_out, gradients.d_query_logits, gradients.d_key_logits,
+              gradients.d_values, angles_, first_position, initial_of, final_gradient_of,
+              initial_gradient_of, d_angles.empty() ? nullptr : d_angles.data());
+        else
+          reference::latte_causal_backward<Stab, Pos>(
+              q, k, v, d_out, gradients.d_query_logits, gradients.d_key_logits,
+              gradients.d_values, angles_, first_position, initial_of, final_gradient_of,
+              initial_gradient_of, d_angles.empty() ? nullptr : d_angles.data());
+      } else if constexpr (std::is_same_v<E, exec::cpu_t>) {
+        cpu::latte_bidirectional_backward<Stab, Pos>(
+            q, k, v, d_out, gradients.d_query_logits, gradients.d_key_logits, gradients.d_values,
+            angles_, d_angles.empty() ? nullptr : d_angles.data());
+      } else {
+        reference::latte_bidirectional_backward<Stab, Pos>(
+            q, k, v, d_out, gradients.d_query_logits, gradients.d_key_logits, gradients.d_values,
+            angles_, d_angles.empty() ? nullptr : d_angles.data());
+      }
+    } else if constexpr (Dir::is_causal) {  // no token: the initial state's gradient is d_final's
+      if (!states || !states->d_initial) return;
+      *states->d_initial = states->initial ? *states->initial : make_state<T>(B);
+      const index_t per_latent = B * H * L;
+      for (const auto [field, count] : {std::pair{1, per_latent}, std::pair{2, per_latent * Dv}}) {
+        T* into = states->d_initial->field(field);
+        if (states->d_final) std::copy_n(states->d_final->field(field), count, into);
+        else std::fill_n(into, count, T(0));
+      }
+    }
+    for (index_t h = 0; h < H && !d_angles.empty(); ++h)
+      for (index_t i = 0; i < pairs; ++i)
+        gradients.d_angles(h, i) += static_cast<T>(d_angles[static_cast<std::size_t>(h * pairs + i)]);
+  }
+
+  template <class T>
+  void validate_backward(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
+                         const TensorView<const T, 4>& v, const TensorView<const T, 4>& d_out,
+                         const LatteGradients<T>& gradients) const {
+    check_view(q, "query_logits");
+    const index_t B = q.extent(0), Tn = q.extent(1), H = dims_.heads, L = dims_.latents,
+                  Dv = dims_.value_dim;
+    detail::check_shape(q, "query_logits", {B, Tn, H, L}, "[B, T, H, L]");
+    detail::check_shape(k, "key_logits", {B, Tn, H, L}, "[B, T, H, L]");
+    detail::check_shape(v, "values", {B, Tn, H, Dv}, "[B, T, H, Dv]");
+    detail::check_shape(d_out, "d_out", {B, Tn, H, Dv}, "[B, T, H, Dv]");
+    const auto& [dq, dk, dv, d_angles] = gradients;
+    detail::check_shape(dq, "gradients.d_query_logits", {B, Tn, H, L}, "[B, T, H, L]");
+    detail::check_shape(dk, "gradients.d_key_logits", {B, Tn, H, L}, "[B, T, H, L]");
+    detail::check_shape(dv, "gradients.d_values", {B, Tn, H, Dv}, "[B, T, H, Dv]");
+    const auto inputs = std::tuple(detail::named(q, "query_logits"), detail::named(k, "key_logits"),
+                                   detail::named(v, "values"), detail::named(d_out, "d_out"));
+    std::apply([&](const auto&... in) {
+      detail::check_output(dq, "gradients.d_query_logits", in...);
+      detail::check_output(dk, "gradients.d_key_logits", in..., detail::named(dq, "gradients.d_query_logits"));
+      detail::check_output(dv, "gradients.d_values", in..., detail::named(dq, "gradients.d_query_logits"),
+                           detail::named(dk, "gradients.d_key_logits"));
+    }, inputs);
+    if (d_angles.empty()) return;
+    detail::require(Pos::rotates_values, "gradients.d_angles",
+                    "only VAPOR has angles to differentiate (leave d_angles empty)");
+    detail::check_shape(d_angles, "gradients.d_angles", {H, Dv / 2}, "[H, Dv/2]");
+    std::apply([&](const auto&... in) {
+      detail::check_output(d_angles, "gradients.d_angles", in...,
+                           detail::named(dq, "gradients.d_query_logits"),
+                           detail::named(dk, "gradients.d_key_logits"),
+                           detail::named(dv, "gradients.d_values"));
+    }, inputs);
+  }
+
+  template <Real T>
+  void validate_state_gradients(const LatteStateGradients<T>& states, index_t batch,
+                                index_t tokens) const {
+    const auto sizes = State<T>::sizes_for(batch, dims_.heads, dims_.latents, dims_.value_dim);
+    auto check = [&](const State<T>* state, const char* name) {
+      if (!state) return;
+      detail::require(state->kind() == kind<T>() && state->sizes() == sizes, name,
+                      detail::expected_given("state of kind and sizes",
+                                             kind<T>() + " " + detail::describe_sizes(sizes),
+                                             (state->kind().empty() ? std::string("<empty state>")
+                                                                    : state->kind()) +
+                                                 " " + detail::describe_sizes(state->sizes())));
+    };
+    check(states.initial, "states.initial");
+    check(states.d_final, "states.d_final");
+    if (states.initial) states.initial->require_room(tokens);
+    detail::require(states.d_initial == nullptr ||
+                        (states.d_initial != states.initial && states.d_initial != states.d_final),
+                    "states.d_initial", "must be a state of its own (not initial nor d_final)");
+  }
 
   /// One (batch, head)'s carry: alpha, m [L] and vtilde [L x Dv].
   [[nodiscard]] index_t carry_size() const {

@@ -150,4 +150,276 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
     }
 }
 
+// ------------------------------------------------------------------ backward --
+//
+// Gradients of the scalar loss sum_t <g_t, o_t> (g = d_out), DESIGN §3.6.
+// The recurrences are differentiated as the forward runs them: on the stored
+// (scaled) normaliser alpha^_t = c_t alpha^_{t-1} + w_t and memory
+// M^_t = c_t M^_{t-1} + w_t vtilde_t, with the stabiliser's factors
+// c_t = exp(m_{t-1} - m_t) <= 1 and w_t = exp(k_t - m_t) <= 1 and the
+// references m held fixed (the output does not depend on them). Their adjoints
+//   Mbar_t = c_{t+1} Mbar_{t+1} + p(l|t) g~_t / alpha^_t,
+//   Abar_t = c_{t+1} Abar_{t+1} - p(l|t) dp_{t,l} / alpha^_t,
+//   dp_{t,l} = <g~_t, M^_t> / alpha^_t,
+// give dvtilde_t = sum_l w_t Mbar_t and dk_t = w_t (<vtilde_t, Mbar_t> + Abar_t),
+// and dq_{t,l} = p(l|t) (dp_{t,l} - sum_j p(j|t) dp_{t,j}). Every factor of the
+// reverse scan is one the forward already formed (c, w <= 1), and 1 / alpha^
+// is at most 1 with RunningMax (the maximum's own term is exp(0)), so no
+// exponential with a positive argument and no overflow, whatever the spread.
+// A -inf key has w = 0 and gets exactly 0; a latent whose keys so far are all
+// -inf (alpha^ = 0) is read as 0 by the forward and gets no gradient through
+// the read. VAPOR: vtilde_s = R^{-s} v_s and g~_t = R^{-t} g_t, dv_s = R^s dvtilde_s.
+
+/// One (batch, head)'s gradient with respect to a carry's stored normaliser [L]
+/// and memory [L x Dv] (the running maximum held fixed).
+template <class T>
+struct LatteCarryGradient {
+  T* normaliser;
+  T* memory;
+};
+
+/// dtheta_i += position * <a, J b>_i per pair (J turns a pair by +90 degrees):
+/// the angle gradient of R^position b read by a (DESIGN §3.6, VAPOR).
+template <Real T>
+void accumulate_angle_gradient(double* d_theta, index_t Dv, const T* a, const T* b,
+                               std::int64_t position) noexcept {
+  for (index_t i = 0; i < Dv / 2; ++i)
+    d_theta[i] += static_cast<double>(position) *
+                  (static_cast<double>(a[2 * i + 1]) * b[2 * i] -
+                   static_cast<double>(a[2 * i]) * b[2 * i + 1]);
+}
+
+/// p(l|t) = softmax_l(q_t) into `p` (all zero when every logit is -inf).
+template <Real T>
+void latent_softmax(const T* q, index_t L, T* p) noexcept {
+  T q_max = -std::numeric_limits<T>::infinity();
+  for (index_t l = 0; l < L; ++l) q_max = std::max(q_max, q[l]);
+  std::fill(p, p + L, T(0));
+  if (q_max == -std::numeric_limits<T>::infinity()) return;
+  T beta = 0;
+  for (index_t l = 0; l < L; ++l) beta += (p[l] = std::exp(q[l] - q_max));
+  for (index_t l = 0; l < L; ++l) p[l] /= beta;
+}
+
+/// The read's backward for one token (paper 000 eq. 11 differentiated):
+/// dp_l = <g, M^_l> / alpha^_l, dq_l = p_l (dp_l - sum_j p_j dp_j); returns
+/// p_l / alpha^_l and p_l dp_l / alpha^_l (0 where alpha^_l = 0) in `read_weight`
+/// and `read_dp`, and y = sum_l p_l M^_l / alpha^_l (the unrotated output) when
+/// `y` is not null.
+template <Real T>
+void latte_read_backward(const T* q, const T* g, const T* normaliser, const T* memory, index_t L,
+                         index_t Dv, T* dq, T* p, T* read_weight, T* read_dp, T* y) noexcept {
+  latent_softmax(q, L, p);
+  T mean_dp = 0;
+  for (index_t l = 0; l < L; ++l) {
+    read_weight[l] = read_dp[l] = dq[l] = 0;  // dq holds dp_l until the mean is known
+    if (normaliser[l] == T(0) || p[l] == T(0)) continue;
+    const T* vtilde = memory + l * Dv;
+    T dot = 0;
+    for (index_t d = 0; d < Dv; ++d) dot += g[d] * vtilde[d];
+    dq[l] = dot / normaliser[l];
+    read_weight[l] = p[l] / normaliser[l];
+    read_dp[l] = read_weight[l] * dq[l];
+    mean_dp += p[l] * dq[l];
+  }
+  for (index_t l = 0; l < L; ++l) dq[l] = p[l] * (dq[l] - mean_dp);
+  if (y) {
+    std::fill(y, y + Dv, T(0));
+    for (index_t l = 0; l < L; ++l)
+      for (index_t d = 0; d < Dv; ++d) y[d] += read_weight[l] * memory[l * Dv + d];
+  }
+}
+
+/// Causal Latte backward over a whole [B, T, H, *] sequence starting at
+/// absolute position `first_position`. `initial_of(b, h)` fills a carry with the
+/// state the forward started from; `final_gradient_of(b, h, m_T)` returns the
+/// gradient of the state the forward left (LatteCarryGradient<const T>, null
+/// members: none), given the recomputed running maximum m_T [L] to express it
+/// against; `initial_gradient_of(b, h)` returns where the initial state's
+/// gradient goes (null members: not asked). `d_angles` [H * (Dv/2)] doubles,
+/// accumulated, or null. Workspace O(T * L + L * Dv) per call.
+template <Stabilizer Stab, Positional Pos, Real T, class InitialOf, class FinalGradientOf,
+          class InitialGradientOf>
+void latte_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
+                           TensorView<const T, 4> v, TensorView<const T, 4> g,
+                           TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,
+                           const std::vector<double>& angles, std::int64_t first_position,
+                           InitialOf&& initial_of, FinalGradientOf&& final_gradient_of,
+                           InitialGradientOf&& initial_gradient_of, double* d_angles) {
+  const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), L = q.extent(3);
+  const index_t Dv = v.extent(3), pairs = Dv / 2;
+  const auto n = [](index_t count) { return static_cast<std::size_t>(count); };
+  // Per token of one (batch, head): c_t, w_t, p_t / alpha^_t, p_t dp_t / alpha^_t.
+  std::vector<T> carry_scale(n(Tn * L)), weight(n(Tn * L)), read_weight(n(Tn * L)),
+      read_dp(n(Tn * L));
+  std::vector<T> carry_buffer(n(2 * L + L * Dv)), memory_bar(n(L * Dv)), normaliser_bar(n(L));
+  std::vector<T> p(n(L)), rotated(n(Dv)), g_rotated(n(Dv)), y(n(Dv)), d_vtilde(n(Dv));
+  for (index_t b = 0; b < B; ++b)
+    for (index_t h = 0; h < H; ++h) {
+      const double* theta = angles.empty() ? nullptr : angles.data() + h * pairs;
+      double* d_theta = d_angles ? d_angles + h * pairs : nullptr;
+      const LatteCarry<T> carry{carry_buffer.data(), carry_buffer.data() + L,
+                                carry_buffer.data() + 2 * L};
+      initial_of(b, h, carry);
+      auto rotate_to = [&](const T* from, T* to, std::int64_t position) {
+        std::copy(from, from + Dv, to);
+        if constexpr (Pos::rotates_values) Pos::rotate(to, Dv, theta, position);
+        else (void)position;
+      };
+      // Pass 1, forward: the carry's factors and each token's read backward.
+      for (index_t t = 0; t < Tn; ++t) {
+        const std::int64_t position = first_position + t;
+        rotate_to(v.row(b, t, h), rotated.data(), -position);  // vtilde_t
+        const T* kt = k.row(b, t, h);
+        for (index_t l = 0; l < L; ++l) {
+          const Absorb<T> a = Stab::absorb(carry.running_max[l], kt[l]);  // eq. 21
+          carry_scale[n(t * L + l)] = a.carry_scale;
+          weight[n(t * L + l)] = a.weight;
+          carry.normaliser[l] = carry.normaliser[l] * a.carry_scale + a.weight;
+          T* vtilde = carry.memory + l * Dv;
+          for (index_t d = 0; d < Dv; ++d)
+            vtilde[d] = vtilde[d] * a.carry_scale + a.weight * rotated[n(d)];
+        }
+        rotate_to(g.row(b, t, h), g_rotated.data(), -position);  // g~_t
+        latte_read_backward(q.row(b, t, h), g_rotated.data(), carry.normaliser, carry.memory, L,
+                            Dv, dq.row(b, t, h), p.data(), read_weight.data() + t * L,
+                            read_dp.data() + t * L, d_theta ? y.data() : nullptr);
+        if (d_theta) accumulate_angle_gradient(d_theta, Dv, g_rotated.data(), y.data(), t);
+      }
+      // Pass 2, reverse: the adjoints of the stored normaliser and memory.
+      std::fill(memory_bar.begin(), memory_bar.end(), T(0));
+      std::fill(normaliser_bar.begin(), normaliser_bar.end(), T(0));
+      const LatteCarryGradient<const T> final_gradient = final_gradient_of(b, h, carry.running_max);
+      if (final_gradient.memory) std::copy(final_gradient.memory, final_gradient.memory + L * Dv, memory_bar.begin());
+      if (final_gradient.normaliser)
+        std::copy(final_gradient.normaliser, final_gradient.normaliser + L, normaliser_bar.begin());
+      if (d_theta && final_gradient.memory && first_position != 0)
+        // The origin move below turns the final memory M^_T by R^{-first_position}
+        // too: -first_position * <dM^_T, J M^_T>.
+        for (index_t l = 0; l < L; ++l)
+          accumulate_angle_gradient(d_theta, Dv, final_gradient.memory + l * Dv,
+                                    carry.memory + l * Dv, -first_position);
+      for (index_t t = Tn; t-- > 0;) {
+        const std::int64_t position = first_position + t;
+        const T* gt = g.row(b, t, h);
+        rotate_to(gt, g_rotated.data(), -position);
+        rotate_to(v.row(b, t, h), rotated.data(), -position);
+        std::fill(d_vtilde.begin(), d_vtilde.end(), T(0));
+        T* dkt = dk.row(b, t, h);
+        for (index_t l = 0; l < L; ++l) {
+          T* bar = memory_bar.data() + l * Dv;
+          const T rw = read_weight[n(t * L + l)], rdp = read_dp[n(t * L + l)];
+          normaliser_bar[n(l)] -= rdp;
+          for (index_t d = 0; d < Dv; ++d) bar[d] += rw * g_rotated[n(d)];
+          const T w = weight[n(t * L + l)];
+          T dot = 0;
+          for (index_t d = 0; d < Dv; ++d) {
+            d_vtilde[n(d)] += w * bar[d];
+            dot += rotated[n(d)] * bar[d];
+          }
+          dkt[l] = w == T(0) ? T(0) : w * (dot + normaliser_bar[n(l)]);
+          // Into the adjoints of the carry before token t.
+          const T c = carry_scale[n(t * L + l)];
+          normaliser_bar[n(l)] *= c;
+          for (index_t d = 0; d < Dv; ++d) bar[d] *= c;
+        }
+        if (d_theta) accumulate_angle_gradient(d_theta, Dv, d_vtilde.data(), rotated.data(), -t);
+        rotate_to(d_vtilde.data(), dv.row(b, t, h), position);  // dv_t = R^t dvtilde_t
+      }
+      if (d_theta && first_position != 0) {
+        // The angle terms above weigh positions from the first token (t, not
+        // first_position + t: fp32 at position 1e7 keeps its digits). Moving
+        // the origin to first_position turns the initial memory M^_0 by
+        // R^{first_position}, which adds first_position * <Mbar_0, J M^_0>.
+        initial_of(b, h, carry);
+        for (index_t l = 0; l < L; ++l)
+          accumulate_angle_gradient(d_theta, Dv, memory_bar.data() + l * Dv,
+                                    carry.memory + l * Dv, first_position);
+      }
+      const LatteCarryGradient<T> initial_gradient = initial_gradient_of(b, h);
+      if (initial_gradient.memory) std::copy(memory_bar.begin(), memory_bar.end(), initial_gradient.memory);
+      if (initial_gradient.normaliser)
+        std::copy(normaliser_bar.begin(), normaliser_bar.end(), initial_gradient.normaliser);
+    }
+}
+
+/// Bidirectional Latte backward (DESIGN §3.6): with alpha^_l = sum_s w_{s,l},
+/// M^_l = sum_s w_{s,l} vtilde_s (w = exp(k - shift), the shift held fixed),
+/// Mbar_l = sum_t p(l|t) g~_t / alpha^_l and Abar_l = -sum_t p(l|t) dp_{t,l} / alpha^_l:
+/// dvtilde_s = sum_l w_{s,l} Mbar_l, dk_{s,l} = w_{s,l} (<vtilde_s, Mbar_l> + Abar_l).
+template <Stabilizer Stab, Positional Pos, Real T>
+void latte_bidirectional_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
+                                  TensorView<const T, 4> v, TensorView<const T, 4> g,
+                                  TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,
+                                  const std::vector<double>& angles, double* d_angles) {
+  const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), L = q.extent(3);
+  const index_t Dv = v.extent(3), pairs = Dv / 2;
+  const auto n = [](index_t count) { return static_cast<std::size_t>(count); };
+  std::vector<T> shift(n(L)), normaliser(n(L)), memory(n(L * Dv)), normaliser_bar(n(L)),
+      memory_bar(n(L * Dv));
+  std::vector<T> p(n(L)), read_weight(n(L)), read_dp(n(L)), rotated(n(Dv)), y(n(Dv)),
+      d_vtilde(n(Dv));
+  for (index_t b = 0; b < B; ++b)
+    for (index_t h = 0; h < H; ++h) {
+      const double* theta = angles.empty() ? nullptr : angles.data() + h * pairs;
+      double* d_theta = d_angles ? d_angles + h * pairs : nullptr;
+      auto rotate_to = [&](const T* from, T* to, std::int64_t position) {
+        std::copy(from, from + Dv, to);
+        if constexpr (Pos::rotates_values) Pos::rotate(to, Dv, theta, position);
+        else (void)position;
+      };
+      // The forward's sums, as latte_bidirectional_forward forms them.
+      for (index_t l = 0; l < L; ++l) {
+        T column_max = -std::numeric_limits<T>::infinity();
+        for (index_t s = 0; s < Tn; ++s) column_max = std::max(column_max, k(b, s, h, l));
+        shift[n(l)] = Stab::reference_for(column_max);
+      }
+      std::fill(normaliser.begin(), normaliser.end(), T(0));
+      std::fill(memory.begin(), memory.end(), T(0));
+      for (index_t s = 0; s < Tn; ++s) {
+        rotate_to(v.row(b, s, h), rotated.data(), -static_cast<std::int64_t>(s));
+        for (index_t l = 0; l < L; ++l) {
+          const T w = std::exp(k(b, s, h, l) - shift[n(l)]);
+          normaliser[n(l)] += w;
+          for (index_t d = 0; d < Dv; ++d) memory[n(l * Dv + d)] += w * rotated[n(d)];
+        }
+      }
+      // The reads' backward: dq, and the adjoints of the sums.
+      std::fill(normaliser_bar.begin(), normaliser_bar.end(), T(0));
+      std::fill(memory_bar.begin(), memory_bar.end(), T(0));
+      for (index_t t = 0; t < Tn; ++t) {
+        const std::int64_t position = t;
+        T* g_rotated = rotated.data();
+        rotate_to(g.row(b, t, h), g_rotated, -position);
+        latte_read_backward(q.row(b, t, h), g_rotated, normaliser.data(), memory.data(), L, Dv,
+                            dq.row(b, t, h), p.data(), read_weight.data(), read_dp.data(),
+                            d_theta ? y.data() : nullptr);
+        if (d_theta) accumulate_angle_gradient(d_theta, Dv, g_rotated, y.data(), position);
+        for (index_t l = 0; l < L; ++l) {
+          normaliser_bar[n(l)] -= read_dp[n(l)];
+          for (index_t d = 0; d < Dv; ++d) memory_bar[n(l * Dv + d)] += read_weight[n(l)] * g_rotated[d];
+        }
+      }
+      // The sums' backward: dk and dv.
+      for (index_t s = 0; s < Tn; ++s) {
+        const std::int64_t position = s;
+        rotate_to(v.row(b, s, h), rotated.data(), -position);
+        std::fill(d_vtilde.begin(), d_vtilde.end(), T(0));
+        for (index_t l = 0; l < L; ++l) {
+          const T w = std::exp(k(b, s, h, l) - shift[n(l)]);
+          const T* bar = memory_bar.data() + l * Dv;
+          T dot = 0;
+          for (index_t d = 0; d < Dv; ++d) {
+            d_vtilde[n(d)] += w * bar[d];
+            dot += rotated[n(d)] * bar[d];
+          }
+          dk(b, s, h, l) = w == T(0) ? T(0) : w * (dot + normaliser_bar[n(l)]);
+        }
+        if (d_theta)
+          accumulate_angle_gradient(d_theta, Dv, d_vtilde.data(), rotated.data(), -position);
+        rotate_to(d_vtilde.data(), dv.row(b, s, h), position);
+      }
+    }
+}
+
 }  // namespace latte::reference
