@@ -156,11 +156,14 @@ void check_direction(P& problem, Rng& rng) {
 template <class T, class Dir, class Stab, class Pos>
 void every_element_cases(std::uint64_t seed) {
   Rng rng(seed);
-  for (const index_t time : {1, 2, 7, 23, 40}) {
-    const Shape s{time < 23 ? 2 : 1, time, 2, time == 7 ? 8 : 3, time == 2 ? 1 : 6};
-    for (const double logit_scale : {0.5, 4.0}) {
+  // Each loss evaluation rebuilds every T x T matrix: B * H * T^2 stays small.
+  constexpr Shape shapes[] = {{2, 1, 2, 3, 6}, {2, 2, 2, 3, 1}, {2, 7, 1, 8, 6},
+                              {1, 23, 2, 3, 5}, {1, 40, 1, 4, 4}};
+  for (const Shape& s : shapes) {
+    for (const double logit_scale : std::array{4.0, 0.5}) {
+      if (logit_scale == 0.5 && case_count(2) < 2) continue;  // sanitizer runs: one scale
       Problem<T, Dir, Stab, Pos> problem(rng, s, logit_scale);
-      CAPTURE(time);
+      CAPTURE(s.time);
       CAPTURE(logit_scale);
       problem.run(exec::reference);
       check_every_element<T>(problem);

@@ -409,7 +409,11 @@ class LatteAttention {
     detail::check_shape(k, "key_logits", {B, Tn, H, L}, "[B, T, H, L]");
     detail::check_shape(v, "values", {B, Tn, H, Dv}, "[B, T, H, Dv]");
     detail::check_shape(d_out, "d_out", {B, Tn, H, Dv}, "[B, T, H, Dv]");
-    const auto& [dq, dk, dv, d_angles] = gradients;
+    // Named references, not a structured binding: clang 14 cannot capture those.
+    const TensorView<T, 4>& dq = gradients.d_query_logits;
+    const TensorView<T, 4>& dk = gradients.d_key_logits;
+    const TensorView<T, 4>& dv = gradients.d_values;
+    const TensorView<T, 2>& d_angles = gradients.d_angles;
     detail::check_shape(dq, "gradients.d_query_logits", {B, Tn, H, L}, "[B, T, H, L]");
     detail::check_shape(dk, "gradients.d_key_logits", {B, Tn, H, L}, "[B, T, H, L]");
     detail::check_shape(dv, "gradients.d_values", {B, Tn, H, Dv}, "[B, T, H, Dv]");
