@@ -387,7 +387,7 @@ class LatteAttention {
       if (!states || !states->d_initial) return;
       *states->d_initial = states->initial ? *states->initial : make_state<T>(B);
       const index_t per_latent = B * H * L;
-      for (const auto [field, count] : {std::pair{1, per_latent}, std::pair{2, per_latent * Dv}}) {
+      for (const auto& [field, count] : {std::pair{1, per_latent}, std::pair{2, per_latent * Dv}}) {
         T* into = states->d_initial->field(field);
         if (states->d_final) std::copy_n(states->d_final->field(field), count, into);
         else std::fill_n(into, count, T(0));
