@@ -341,6 +341,26 @@ int main(int argc, char** argv) {
           [&] { latte_vapor.forward(latte::exec::cpu, q, k, v, out.view()); });
       run("latte", "bidirectional", latte_flops,
           [&] { latte_bidirectional.forward(latte::exec::cpu, q, k, v, out.view()); });
+      // Backward (docs/backward.md): counted as 2x the forward's FLOPs, no credit
+      // for its recompute; forward + backward as 3x.
+      {
+        auto d_out = random_tensor<4>(rng, {B, T, H, D});
+        latte::Tensor<float, 4> dq({B, T, H, L}), dk({B, T, H, L}), dv({B, T, H, D});
+        const latte::LatteGradients<float> gradients{dq.view(), dk.view(), dv.view()};
+        run("latte_backward", "causal", 2 * latte_flops, [&] {
+          latte_causal.backward(latte::exec::cpu, q, k, v, d_out, gradients);
+        });
+        run("latte_forward_backward", "causal", 3 * latte_flops, [&] {
+          latte_causal.forward(latte::exec::cpu, q, k, v, out.view());
+          latte_causal.backward(latte::exec::cpu, q, k, v, d_out, gradients);
+        });
+        run("latte_vapor_backward", "causal", 2 * latte_flops, [&] {
+          latte_vapor.backward(latte::exec::cpu, q, k, v, d_out, gradients);
+        });
+        run("latte_backward", "bidirectional", 2 * latte_flops, [&] {
+          latte_bidirectional.backward(latte::exec::cpu, q, k, v, d_out, gradients);
+        });
+      }
       double window_terms = 0;
       for (index_t t = 0; t < T; ++t) window_terms += static_cast<double>(std::min(t + 1, window + 1));
       run("softmax_window128", "causal", 2.0 * B * H * window_terms * (D + D),

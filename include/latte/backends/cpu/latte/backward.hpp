@@ -1,13 +1,30 @@
 #pragma once
-// CPU backend for Latte's backward: the reference recurrences of
-// backends/reference/latte.hpp (DESIGN §3.6), one task per (batch, head) over
-// OpenMP threads. Not yet vectorised or blocked: the xsimd scan is issue 22's
-// next step (docs/backward.md says where the speed stands).
+// CPU backend for Latte's backward (DESIGN §3.6; the recurrences and symbols
+// of reference::latte_causal_backward, backends/reference/latte.hpp), one
+// task per (batch, head) over OpenMP threads.
+//
+// Causal, in blocks of backward_tokens (4) tokens, as the forward's passes:
+// pass 1 runs the forward's key stage (absorb_keys: c_t, w_t, with the
+// forward's headroom references) and query softmax for the block, then one
+// memory pass per group of 4 latent rows, M^ = c M^ + w v~ and <g~, M^> for
+// each of the 4 tokens with each row loaded and stored once, then each
+// token's L-wide read backward. Pass 2 walks the blocks backwards with one
+// pass per group of 4 adjoint rows: per token (last first) Mbar += (p /
+// alpha^) g~, dv~ += w Mbar, <v~, Mbar>, Mbar *= c; rows and dv~ loaded and
+// stored once per block. The 16 dots of a pass stay in registers and are
+// reduced together (simd::reduce_add_each). VAPOR rotates rows with
+// PairRotation (a cos / sin per pair and token; the forward's steppers are
+// not used yet), and learned angles run pass 1 a token at a time.
+//
+// Bidirectional: the reference contractions per (batch, head), threaded; not
+// yet blocked.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
+#include "latte/backends/cpu/latte/forward.hpp"
 #include "latte/backends/cpu/parallel.hpp"
+#include "latte/backends/cpu/simd.hpp"
 #include "latte/backends/reference/latte.hpp"
 #include "latte/core/checked_size.hpp"
 #include "latte/core/tensor_view.hpp"
@@ -27,7 +44,7 @@ TensorView<T, 4> head_view(const TensorView<T, 4>& x, index_t b, index_t h) {
                           {x.stride(0), x.stride(1), x.stride(2), x.stride(3)});
 }
 
-/// Runs `backward(head views..., angles of the head, d_angles of the task)`
+/// Runs `backward(b, h, angles of the head, d_angles of the task, worker)`
 /// for every (batch, head) in parallel; per-task angle gradients are summed
 /// into `d_angles` [H * (Dv/2)] afterwards, in a fixed order.
 template <Real T, class Backward>
@@ -38,13 +55,13 @@ void for_each_head(const TensorView<const T, 4>& q, index_t Dv, const std::vecto
                                                    latte::detail::checked_count<double>(
                                                        "d_angles", {heads, pairs}))
                                              : 0);
-  parallel_for(heads, thread_count(), [&](index_t i, int) {
+  parallel_for(heads, thread_count(), [&](index_t i, int worker) {
     const index_t b = i / H, h = i % H;
     const std::vector<double> head_angles =
         angles.empty() ? std::vector<double>{}
                        : std::vector<double>(angles.begin() + h * pairs,
                                              angles.begin() + (h + 1) * pairs);
-    backward(b, h, head_angles, d_angles ? task_d_angles.data() + i * pairs : nullptr);
+    backward(b, h, head_angles, d_angles ? task_d_angles.data() + i * pairs : nullptr, worker);
   });
   if (d_angles)
     for (index_t i = 0; i < heads; ++i)
@@ -52,6 +69,323 @@ void for_each_head(const TensorView<const T, 4>& q, index_t Dv, const std::vecto
 }
 
 }  // namespace detail
+
+/// Tokens whose memory passes share one load and store of each row.
+inline constexpr int backward_tokens = 4;
+/// Latent rows per memory pass (R * G dot accumulators stay in registers).
+inline constexpr int backward_latents = 4;
+
+/// Sums of `count` batches' lanes into out[0 .. count): `width` at a time
+/// through simd::reduce_add_each, the rest one by one.
+template <Real T>
+inline void reduce_each(const simd::batch<T>* lanes, int count, T* out) noexcept {
+  constexpr int W = static_cast<int>(simd::width<T>);
+  int i = 0;
+  for (; i + W <= count; i += W) simd::store(out + i, simd::reduce_add_each(lanes + i));
+  for (; i < count; ++i) out[i] = simd::reduce_add(lanes[i]);
+}
+
+/// Pass 1's memory pass for R tokens and G latent rows: for r = 0 .. R-1,
+/// M^ = c_r M^ + w_r v~_r, then dot[r][j] = <g~_r, M^> (the memory after token r).
+/// Each row is loaded and stored once for the R tokens. c, w: [R][L] (row
+/// stride L) from the block's first token and latent l0; rows: memory + l0 Dv.
+template <int R, int G, Real T>
+LATTE_FLATTEN void forward_rows(T* rows, index_t Dv, const T* c, const T* w, index_t L,
+                                const T* const* v, const T* const* g, T* dot /*[R][G]*/) noexcept {
+  using B = simd::batch<T>;
+  constexpr index_t W = simd::width<T>;
+  B acc[R * G];
+  simd::unrolled<R * G>([&](auto i) { acc[i] = B(T(0)); });
+  T tails[R * G] = {};
+  index_t d = 0;
+  for (; d + W <= Dv; d += W) {
+    B value[R], read[R];
+    simd::unrolled<R>([&](auto r) {
+      value[r] = simd::load(v[r] + d);
+      read[r] = simd::load(g[r] + d);
+    });
+    simd::unrolled<G>([&](auto j) {
+      T* row = rows + j * Dv + d;
+      B m = simd::load(row);
+      simd::unrolled<R>([&](auto r) {
+        m = simd::fma(m, B(c[r * L + j]), B(w[r * L + j]) * value[r]);
+        acc[r * G + j] = simd::fma(m, read[r], acc[r * G + j]);
+      });
+      simd::store(row, m);
+    });
+  }
+  for (; d < Dv; ++d)
+    for (int j = 0; j < G; ++j) {
+      T m = rows[j * Dv + d];
+      for (int r = 0; r < R; ++r) {
+        m = m * c[r * L + j] + w[r * L + j] * v[r][d];
+        tails[r * G + j] += m * g[r][d];
+      }
+      rows[j * Dv + d] = m;
+    }
+  reduce_each(acc, R * G, dot);
+  for (int i = 0; i < R * G; ++i) dot[i] += tails[i];
+}
+
+/// Pass 2's adjoint pass for R tokens (r = R-1 down to 0) and G adjoint rows:
+/// Mbar += rw_r g~_r, dv~_r += w_r Mbar, dot[r][j] = <v~_r, Mbar>, Mbar *= c_r.
+/// Rows and dv~ are loaded and stored once per feature block.
+template <int R, int G, Real T>
+LATTE_FLATTEN void adjoint_rows(T* rows, index_t Dv, const T* rw, const T* w, const T* c, index_t L,
+                                const T* const* g, const T* const* v, T* const* dv,
+                                T* dot /*[R][G]*/) noexcept {
+  using B = simd::batch<T>;
+  constexpr index_t W = simd::width<T>;
+  B acc[R * G];
+  simd::unrolled<R * G>([&](auto i) { acc[i] = B(T(0)); });
+  T tails[R * G] = {};
+  index_t d = 0;
+  for (; d + W <= Dv; d += W) {
+    B read[R], value[R], dv_block[R];
+    simd::unrolled<R>([&](auto r) {
+      read[r] = simd::load(g[r] + d);
+      value[r] = simd::load(v[r] + d);
+      dv_block[r] = simd::load(dv[r] + d);
+    });
+    simd::unrolled<G>([&](auto j) {
+      T* row = rows + j * Dv + d;
+      B bar = simd::load(row);
+      simd::unrolled<R>([&](auto step) {
+        constexpr int r = R - 1 - decltype(step)::value;
+        bar = simd::fma(B(rw[r * L + j]), read[r], bar);
+        dv_block[r] = simd::fma(B(w[r * L + j]), bar, dv_block[r]);
+        acc[r * G + j] = simd::fma(bar, value[r], acc[r * G + j]);
+        bar = bar * B(c[r * L + j]);
+      });
+      simd::store(row, bar);
+    });
+    simd::unrolled<R>([&](auto r) { simd::store(dv[r] + d, dv_block[r]); });
+  }
+  for (; d < Dv; ++d)
+    for (int j = 0; j < G; ++j) {
+      T bar = rows[j * Dv + d];
+      for (int r = R - 1; r >= 0; --r) {
+        bar += rw[r * L + j] * g[r][d];
+        dv[r][d] += w[r * L + j] * bar;
+        tails[r * G + j] += bar * v[r][d];
+        bar *= c[r * L + j];
+      }
+      rows[j * Dv + d] = bar;
+    }
+  reduce_each(acc, R * G, dot);
+  for (int i = 0; i < R * G; ++i) dot[i] += tails[i];
+}
+
+/// Runs a row pass over all L latents in groups of backward_latents (the
+/// last L mod G one at a time): pass(rows_group<G>, l0, dots of the group).
+template <int R, class Pass>
+inline void over_latent_groups(index_t L, Pass&& pass) {
+  constexpr int G = backward_latents;
+  index_t l = 0;
+  for (; l + G <= L; l += G) pass(std::integral_constant<int, G>{}, l);
+  for (; l < L; ++l) pass(std::integral_constant<int, 1>{}, l);
+}
+
+/// Per-worker scratch of the causal backward: per token c, w, p / alpha^,
+/// p dp / alpha^ (4 T L), the carry and its adjoints, and a block's rows.
+template <Real T>
+struct LatteBackwardScratch {
+  LatteBackwardScratch(index_t Tn, index_t L, index_t Dv)
+      : per_token(static_cast<std::size_t>(
+            latte::detail::checked_count<T>("query_logits", {4, Tn, L}))),
+        carry(static_cast<std::size_t>(2 * L + L * Dv)),
+        memory_bar(static_cast<std::size_t>(L * Dv)),
+        latent(static_cast<std::size_t>((4 * backward_tokens + 1) * L)),
+        rows(static_cast<std::size_t>(4 * backward_tokens * Dv)) {}
+  AlignedVector<T> per_token, carry, memory_bar, latent, rows;
+};
+
+/// One (batch, head) of the causal backward: views of [1, T, 1, *].
+template <Stabilizer Stab, Positional Pos, Real T, class InitialOf, class FinalGradientOf,
+          class InitialGradientOf>
+void latte_causal_backward_head(TensorView<const T, 4> q, TensorView<const T, 4> k,
+                                TensorView<const T, 4> v, TensorView<const T, 4> g,
+                                TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,
+                                const double* theta, std::int64_t first_position,
+                                InitialOf&& initial_of, FinalGradientOf&& final_gradient,
+                                InitialGradientOf&& initial_gradient, double* d_theta,
+                                LatteBackwardScratch<T>& scratch) {
+  using B = simd::batch<T>;
+  constexpr index_t W = simd::width<T>;
+  constexpr int R = backward_tokens;
+  const index_t Tn = q.extent(1), L = q.extent(3), Dv = v.extent(3);
+  T* const carry_scale = scratch.per_token.data();
+  T* const weight = carry_scale + Tn * L;
+  T* const read_weight = weight + Tn * L;
+  T* const read_dp = read_weight + Tn * L;
+  T* const memory_bar = scratch.memory_bar.data();
+  T* const p = scratch.latent.data();        // [R][L] e, then p
+  T* const alpha = p + R * L;                // [R][L] alpha^ after each token
+  T* const dots = alpha + R * L;             // [R][L]
+  T* const beta = dots + R * L;              // [R]
+  T* const normaliser_bar = beta + R * L;    // [L]
+  T* const row_buffer = scratch.rows.data(); // [4][R][Dv]: v~, g~, dv~, y
+  const LatteCarry<T> carry{scratch.carry.data(), scratch.carry.data() + L,
+                            scratch.carry.data() + 2 * L};
+  initial_of(carry);
+  // v~_t = R^{-t} v_t and g~_t (VAPOR) or the rows themselves.
+  auto rows_of = [&](index_t t, int r, const T*& vt, const T*& gt) {
+    if constexpr (!Pos::rotates_values) {
+      vt = v.row(0, t, 0);
+      gt = g.row(0, t, 0);
+      (void)r;
+    } else {
+      const std::int64_t position = first_position + t;
+      T* vr = row_buffer + r * Dv;
+      T* gr = row_buffer + (R + r) * Dv;
+      std::copy(v.row(0, t, 0), v.row(0, t, 0) + Dv, vr);
+      std::copy(g.row(0, t, 0), g.row(0, t, 0) + Dv, gr);
+      Pos::rotate(vr, Dv, theta, -position);
+      Pos::rotate(gr, Dv, theta, -position);
+      vt = vr;
+      gt = gr;
+    }
+  };
+  // Pass 1, forward, R tokens at a time: the key and query stages, the memory
+  // pass (M^ updates and <g~, M^>), then each token's read backward.
+  // With learned VAPOR angles each token's read y_t = sum_l rw_l M^_{t,l}
+  // needs the memory after that token: blocks of one token then.
+  const index_t block_tokens = d_theta ? 1 : R;
+  T* const y = row_buffer + 3 * R * Dv;
+  for (index_t t0 = 0; t0 < Tn; t0 += block_tokens) {
+    const int n = static_cast<int>(std::min<index_t>(block_tokens, Tn - t0));
+    const T* vt[R];
+    const T* gt[R];
+    for (int r = 0; r < n; ++r) {
+      const index_t t = t0 + r;
+      absorb_keys<Stab>(k.row(0, t, 0), carry, carry_scale + t * L, weight + t * L, L);
+      std::copy(carry.normaliser, carry.normaliser + L, alpha + r * L);
+      latent_softmax_exps(q.row(0, t, 0), 0, 1, L, p + r * L, beta + r);
+      rows_of(t, r, vt[r], gt[r]);
+    }
+    const T* c = carry_scale + t0 * L;
+    const T* w = weight + t0 * L;
+    over_latent_groups<R>(L, [&](auto group, index_t l0) {
+      constexpr int G = decltype(group)::value;
+      T block[R * G];
+      if (n == R)
+        forward_rows<R, G>(carry.memory + l0 * Dv, Dv, c + l0, w + l0, L, vt, gt, block);
+      else
+        for (int r = 0; r < n; ++r)
+          forward_rows<1, G>(carry.memory + l0 * Dv, Dv, c + r * L + l0, w + r * L + l0, L,
+                             vt + r, gt + r, block + r * G);
+      for (int r = 0; r < n; ++r)
+        for (int j = 0; j < G; ++j) dots[r * L + l0 + j] = block[r * G + j];
+    });
+    for (int r = 0; r < n; ++r) {
+      const index_t t = t0 + r;
+      T* pr = p + r * L;
+      T* dp = dots + r * L;
+      const T* a = alpha + r * L;
+      T* rw = read_weight + t * L;
+      T* rdp = read_dp + t * L;
+      const T inverse_beta = beta[r] == T(0) ? T(0) : T(1) / beta[r];
+      B mean_lanes(T(0));
+      index_t l = 0;
+      for (; l + W <= L; l += W) {
+        const B al = simd::load(a + l), zero(T(0));
+        const B pl = simd::load(pr + l) * B(inverse_beta);
+        // An empty latent (alpha^ = 0) is divided by 1 and then zeroed.
+        const B safe = simd::replace_where_equal(al, T(0), B(T(1)), al);
+        const B dpl = simd::replace_where_equal(al, T(0), zero, simd::load(dp + l) / safe);
+        const B read = simd::replace_where_equal(al, T(0), zero, pl / safe);
+        simd::store(pr + l, pl);
+        simd::store(dp + l, dpl);
+        simd::store(rw + l, read);
+        simd::store(rdp + l, read * dpl);
+        mean_lanes = simd::fma(pl, dpl, mean_lanes);
+      }
+      T mean_dp = simd::reduce_add(mean_lanes);
+      for (; l < L; ++l) {
+        const T pl = pr[l] * inverse_beta;
+        pr[l] = pl;
+        dp[l] = a[l] == T(0) ? T(0) : dp[l] / a[l];
+        rw[l] = a[l] == T(0) ? T(0) : pl / a[l];
+        rdp[l] = rw[l] * dp[l];
+        mean_dp += pl * dp[l];
+      }
+      T* dqt = dq.row(0, t, 0);
+      for (l = 0; l < L; ++l) dqt[l] = pr[l] * (dp[l] - mean_dp);
+      if (d_theta) {  // n == 1: the memory is the one after token t
+        std::fill(y, y + Dv, T(0));
+        for (l = 0; l < L; ++l)
+          for (index_t d = 0; d < Dv; ++d) y[d] += rw[l] * carry.memory[l * Dv + d];
+        reference::accumulate_angle_gradient(d_theta, Dv, gt[r], y, t);
+      }
+    }
+  }
+  // Pass 2, reverse, R tokens at a time (last block first).
+  std::fill(memory_bar, memory_bar + L * Dv, T(0));
+  std::fill(normaliser_bar, normaliser_bar + L, T(0));
+  const reference::LatteCarryGradient<const T> final_bar = final_gradient(carry.running_max);
+  if (final_bar.memory) std::copy(final_bar.memory, final_bar.memory + L * Dv, memory_bar);
+  if (final_bar.normaliser) std::copy(final_bar.normaliser, final_bar.normaliser + L, normaliser_bar);
+  if (d_theta && final_bar.memory && first_position != 0)
+    for (index_t l = 0; l < L; ++l)
+      reference::accumulate_angle_gradient(d_theta, Dv, final_bar.memory + l * Dv,
+                                           carry.memory + l * Dv, -first_position);
+  const index_t last_block = (Tn - 1) / R * R;
+  for (index_t t0 = last_block; t0 >= 0; t0 -= R) {
+    const int n = static_cast<int>(std::min<index_t>(R, Tn - t0));
+    const T* vt[R];
+    const T* gt[R];
+    T* dvt[R];
+    for (int r = 0; r < n; ++r) {
+      rows_of(t0 + r, r, vt[r], gt[r]);
+      dvt[r] = row_buffer + (2 * R + r) * Dv;
+      std::fill(dvt[r], dvt[r] + Dv, T(0));
+    }
+    const T* c = carry_scale + t0 * L;
+    const T* w = weight + t0 * L;
+    const T* rw = read_weight + t0 * L;
+    over_latent_groups<R>(L, [&](auto group, index_t l0) {
+      constexpr int G = decltype(group)::value;
+      T block[R * G];
+      if (n == R)
+        adjoint_rows<R, G>(memory_bar + l0 * Dv, Dv, rw + l0, w + l0, c + l0, L, gt, vt, dvt, block);
+      else
+        for (int r = n - 1; r >= 0; --r)
+          adjoint_rows<1, G>(memory_bar + l0 * Dv, Dv, rw + r * L + l0, w + r * L + l0,
+                             c + r * L + l0, L, gt + r, vt + r, dvt + r, block + r * G);
+      for (int r = 0; r < n; ++r)
+        for (int j = 0; j < G; ++j) dots[r * L + l0 + j] = block[r * G + j];
+    });
+    for (int r = n - 1; r >= 0; --r) {
+      const index_t t = t0 + r;
+      const std::int64_t position = first_position + t;
+      const T* cr = c + r * L;
+      const T* wr = w + r * L;
+      const T* rdp = read_dp + t * L;
+      const T* dot = dots + r * L;
+      T* dkt = dk.row(0, t, 0);
+      for (index_t l = 0; l < L; ++l) {
+        const T abar = normaliser_bar[l] - rdp[l];
+        dkt[l] = wr[l] == T(0) ? T(0) : wr[l] * (dot[l] + abar);
+        normaliser_bar[l] = abar * cr[l];
+      }
+      if (d_theta) reference::accumulate_angle_gradient(d_theta, Dv, dvt[r], vt[r], -t);
+      T* out = dv.row(0, t, 0);
+      std::copy(dvt[r], dvt[r] + Dv, out);
+      if constexpr (Pos::rotates_values) Pos::rotate(out, Dv, theta, position);  // dv = R^t dv~
+      else (void)position;
+    }
+  }
+  if (d_theta && first_position != 0) {
+    initial_of(carry);
+    for (index_t l = 0; l < L; ++l)
+      reference::accumulate_angle_gradient(d_theta, Dv, memory_bar + l * Dv,
+                                           carry.memory + l * Dv, first_position);
+  }
+  const reference::LatteCarryGradient<T> initial_bar = initial_gradient();
+  if (initial_bar.memory) std::copy(memory_bar, memory_bar + L * Dv, initial_bar.memory);
+  if (initial_bar.normaliser)
+    std::copy(normaliser_bar, normaliser_bar + L, initial_bar.normaliser);
+}
 
 /// Causal Latte backward; the arguments are reference::latte_causal_backward's.
 template <Stabilizer Stab, Positional Pos, Real T, class InitialOf, class FinalGradientOf,
@@ -63,15 +397,20 @@ void latte_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
                            InitialOf&& initial_of, FinalGradientOf&& final_gradient_of,
                            InitialGradientOf&& initial_gradient_of, double* d_angles) {
   using detail::head_view;
+  std::vector<LatteBackwardScratch<T>> scratch;  // one per worker
+  for (int worker = 0; worker < thread_count(); ++worker)
+    scratch.emplace_back(q.extent(1), q.extent(3), v.extent(3));
   detail::for_each_head<T>(q, v.extent(3), angles, d_angles,
                            [&](index_t b, index_t h, const std::vector<double>& head_angles,
-                               double* head_d_angles) {
-    reference::latte_causal_backward<Stab, Pos>(
+                               double* head_d_angles, int worker) {
+    latte_causal_backward_head<Stab, Pos>(
         head_view(q, b, h), head_view(k, b, h), head_view(v, b, h), head_view(g, b, h),
-        head_view(dq, b, h), head_view(dk, b, h), head_view(dv, b, h), head_angles,
-        first_position, [&](index_t, index_t, auto carry) { initial_of(b, h, carry); },
-        [&](index_t, index_t, const T* m_T) { return final_gradient_of(b, h, m_T); },
-        [&](index_t, index_t) { return initial_gradient_of(b, h); }, head_d_angles);
+        head_view(dq, b, h), head_view(dk, b, h), head_view(dv, b, h),
+        head_angles.empty() ? nullptr : head_angles.data(), first_position,
+        [&](LatteCarry<T> carry) { initial_of(b, h, carry); },
+        [&](const T* m_T) { return final_gradient_of(b, h, m_T); },
+        [&] { return initial_gradient_of(b, h); }, head_d_angles,
+        scratch[static_cast<std::size_t>(worker)]);
   });
 }
 
@@ -84,7 +423,7 @@ void latte_bidirectional_backward(TensorView<const T, 4> q, TensorView<const T, 
   using detail::head_view;
   detail::for_each_head<T>(q, v.extent(3), angles, d_angles,
                            [&](index_t b, index_t h, const std::vector<double>& head_angles,
-                               double* head_d_angles) {
+                               double* head_d_angles, int) {
     reference::latte_bidirectional_backward<Stab, Pos>(
         head_view(q, b, h), head_view(k, b, h), head_view(v, b, h), head_view(g, b, h),
         head_view(dq, b, h), head_view(dk, b, h), head_view(dv, b, h), head_angles,
