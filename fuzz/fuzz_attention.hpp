@@ -546,6 +546,32 @@ void drive_forward(Fuzz& fuzz, const Features& f, index_t batch, index_t time, i
     check_accepted(call, f.finite_bound > 0 && inputs_moderate(call, f.finite_bound), what);
 }
 
+/// backward(inputs..., d_out, gradients): the first gradient comes with the
+/// forward's inputs and d_out in one fuzzed call (layouts, aliasing an input,
+/// interleaving); the others are fuzzed outputs of their own, or now and then
+/// the first gradient's own view (two gradients sharing elements: refused).
+/// `backward(call, second, third)` runs it. Accepted calls are checked like
+/// forwards; gradients must be finite when every input is finite and at most
+/// `finite_bound` (0: not checked).
+template <class T, class Backward>
+void drive_backward(Fuzz& fuzz, const std::vector<std::array<index_t, 4>>& input_extents,
+                    const std::array<std::array<index_t, 4>, 3>& gradient_extents,
+                    double finite_bound, const char* what, Backward&& backward) {
+  const auto values = fuzz.values();
+  auto call = fuzz.call<T, 4>(input_extents, gradient_extents[0], values);
+  auto second = fuzz.call<T, 4>({}, gradient_extents[1], values);
+  auto third = fuzz.call<T, 4>({}, gradient_extents[2], values);
+  const bool shared = fuzz.coin(16) && gradient_extents[1] == gradient_extents[0];
+  if (shared) second.out = call.out;
+  if (!attempt([&] { backward(call, second, third); })) return;
+  if (shared && call.out.layout.valid && call.out.layout.span > 0)
+    fail(std::string(what) + ": two gradients sharing their elements were accepted");
+  const bool finite = finite_bound > 0 && inputs_moderate(call, finite_bound);
+  check_accepted(call, finite, what);
+  check_accepted(second, finite && call.aliased < 0, what);
+  check_accepted(third, finite && call.aliased < 0, what);
+}
+
 /// make_state, forward(..., state), step, save, load_state / restore: every
 /// outcome a latte::Error or a return; saved bytes reload to the same bytes.
 /// `state_demand(batch)`: what make_state(batch) asks of the allocator (the
@@ -658,6 +684,30 @@ void latte_attention(Fuzz& fuzz, const Sizes& s) {
   drive_forward<T>(fuzz, f, s.batch, s.time, s.heads, "LatteAttention forward", [&](auto& c) {
     a.forward(E{}, c.inputs[0].cview(), c.inputs[1].cview(), c.inputs[2].cview(), c.out.view());
   });
+  if (fuzz.coin(3)) {
+    const auto sequence = input_extents<4>(f, s.batch, s.time, s.heads);
+    const std::array<index_t, 4> values_extents{s.batch, s.time, s.heads, Dv};
+    std::vector<std::array<index_t, 4>> inputs = sequence;
+    inputs.push_back(fuzz.coin(8) ? std::array<index_t, 4>{s.batch, s.time, s.heads, Dv + 1}
+                                  : values_extents);  // d_out (sometimes one feature too many)
+    latte::Tensor<T, 2> d_angles({Pos::rotates_values && fuzz.coin(2) ? s.heads : 0, Dv / 2});
+    // Gradients of logits spread over 1e3 stay finite: |g|, |v| <= 1e3, T <= 40.
+    drive_backward<T>(fuzz, inputs, {sequence[0], sequence[1], values_extents},
+                      1e3, "LatteAttention backward",
+                      [&](auto& c, auto& second, auto& third) {
+                        a.backward(E{}, c.inputs[0].cview(), c.inputs[1].cview(),
+                                   c.inputs[2].cview(), c.inputs[3].cview(),
+                                   latte::LatteGradients<T>{c.out.view(), second.out.view(),
+                                                            third.out.view(), d_angles.view()});
+                        const auto& in = c.inputs;
+                        if (in[3].layout.extents != in[2].layout.extents ||
+                            c.out.layout.extents != in[0].layout.extents ||
+                            second.out.layout.extents != in[1].layout.extents ||
+                            third.out.layout.extents != in[2].layout.extents)
+                          fail("LatteAttention backward: a gradient or d_out whose shape is not "
+                               "its input's was accepted");
+                      });
+  }
   if constexpr (causal<Dir>) {
     const auto first = first_position(fuzz);
     drive_decode<T>(
