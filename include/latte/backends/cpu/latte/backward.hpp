@@ -16,13 +16,16 @@
 // PairRotation (a cos / sin per pair and token; the forward's steppers are
 // not used yet), and learned angles run pass 1 a token at a time.
 //
-// Bidirectional: the reference contractions per (batch, head), threaded; not
-// yet blocked.
+// Bidirectional (DESIGN §3.6): five GEMM-shaped products per (batch, head),
+// Eigen GEMMs over T x L and T x Dv matrices (W = exp(K - shift), P, dp and,
+// under VAPOR, the rotated values and d_out): M^ = W^T V~, dp = G~ M^^T / alpha^,
+// Mbar = (P / alpha^)^T G~, dv~ = W Mbar, dk = W o (V~ Mbar^T + Abar).
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
 #include "latte/backends/cpu/latte/forward.hpp"
+#include "latte/core/eigen.hpp"
 #include "latte/backends/cpu/parallel.hpp"
 #include "latte/backends/cpu/simd.hpp"
 #include "latte/backends/reference/latte.hpp"
@@ -414,6 +417,100 @@ void latte_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
   });
 }
 
+/// One (batch, head) of the bidirectional backward: views of [1, T, 1, *].
+template <Stabilizer Stab, Positional Pos, Real T>
+void latte_bidirectional_backward_head(TensorView<const T, 4> q, TensorView<const T, 4> k,
+                                       TensorView<const T, 4> v, TensorView<const T, 4> g,
+                                       TensorView<T, 4> dq, TensorView<T, 4> dk,
+                                       TensorView<T, 4> dv, const double* theta,
+                                       double* d_theta) {
+  using Matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using RowVector = Eigen::Matrix<T, 1, Eigen::Dynamic>;
+  constexpr index_t W = simd::width<T>;
+  const index_t Tn = q.extent(1), L = q.extent(3), Dv = v.extent(3);
+  const auto Q = head_matrix(q, 0, 0), K = head_matrix(k, 0, 0);
+  auto dQ = head_matrix(dq, 0, 0), dK = head_matrix(dk, 0, 0), dV = head_matrix(dv, 0, 0);
+  // V~ = R^{-s} v_s and G~ = R^{-t} g_t under VAPOR (copies), else the inputs.
+  Matrix rotated_v, rotated_g;
+  auto rotated = [&](const TensorView<const T, 4>& x, Matrix& into) {
+    into = head_matrix(x, 0, 0);
+    if constexpr (Pos::rotates_values)
+      for (index_t t = 0; t < Tn; ++t) Pos::rotate(into.row(t).data(), Dv, theta, -t);
+  };
+  if constexpr (Pos::rotates_values) {
+    rotated(v, rotated_v);
+    rotated(g, rotated_g);
+  }
+  const auto Vt = [&] {
+    if constexpr (Pos::rotates_values) return ConstHeadMatrix<T>(rotated_v.data(), Tn, Dv, Eigen::OuterStride<>(Dv));
+    else return head_matrix(v, 0, 0);
+  }();
+  const auto Gt = [&] {
+    if constexpr (Pos::rotates_values) return ConstHeadMatrix<T>(rotated_g.data(), Tn, Dv, Eigen::OuterStride<>(Dv));
+    else return head_matrix(g, 0, 0);
+  }();
+  // W = exp(K - shift), the shift each latent's column maximum (the forward's).
+  if (Tn == 0) return;
+  RowVector shift(L);
+  for (index_t l = 0; l < L; ++l) {
+    T column_max = -std::numeric_limits<T>::infinity();
+    for (index_t s = 0; s < Tn; ++s) column_max = std::max(column_max, K(s, l));
+    shift(l) = Stab::reference_for(column_max);
+  }
+  Matrix weight(Tn, L);
+  for (index_t s = 0; s < Tn; ++s) {
+    const T* key = K.row(s).data();
+    T* out = weight.row(s).data();
+    index_t l = 0;
+    for (; l + W <= L; l += W)
+      simd::store(out + l, simd::exp(simd::load(key + l) - simd::load(shift.data() + l)));
+    for (; l < L; ++l) out[l] = std::exp(key[l] - shift(l));
+  }
+  const RowVector alpha = weight.colwise().sum();
+  const Matrix memory = weight.transpose() * Vt;  // M^ [L x Dv]
+  // P = softmax rows of Q; dp = <g~_t, M^_l> / alpha^_l; rw = P / alpha^ (0 where alpha^ = 0).
+  Matrix p(Tn, L), dp = Gt * memory.transpose();
+  for (index_t t = 0; t < Tn; ++t) {
+    T beta;
+    latent_softmax_exps(Q.row(t).data(), 0, 1, L, p.row(t).data(), &beta);
+    const T inverse_beta = beta == T(0) ? T(0) : T(1) / beta;
+    T mean = 0;
+    for (index_t l = 0; l < L; ++l) {
+      const T pl = p(t, l) * inverse_beta;
+      const bool read = alpha(l) != T(0);
+      const T dpl = read ? dp(t, l) / alpha(l) : T(0);
+      mean += pl * dpl;
+      dp(t, l) = dpl;
+      p(t, l) = pl;
+    }
+    for (index_t l = 0; l < L; ++l) {
+      dQ(t, l) = p(t, l) * (dp(t, l) - mean);
+      p(t, l) = alpha(l) != T(0) ? p(t, l) / alpha(l) : T(0);  // now rw
+    }
+  }
+  const Matrix memory_bar = p.transpose() * Gt;                          // Mbar [L x Dv]
+  const RowVector normaliser_bar = -(p.array() * dp.array()).colwise().sum();  // Abar
+  Matrix d_vtilde = weight * memory_bar;                                   // [T x Dv]
+  dK.noalias() = Vt * memory_bar.transpose();
+  for (index_t s = 0; s < Tn; ++s)
+    for (index_t l = 0; l < L; ++l)
+      dK(s, l) = weight(s, l) == T(0) ? T(0) : weight(s, l) * (dK(s, l) + normaliser_bar(l));
+  if constexpr (Pos::rotates_values) {
+    if (d_theta) {
+      const Matrix y = p * memory;  // the unrotated outputs
+      for (index_t t = 0; t < Tn; ++t) {
+        reference::accumulate_angle_gradient(d_theta, Dv, Gt.row(t).data(), y.row(t).data(), t);
+        reference::accumulate_angle_gradient(d_theta, Dv, d_vtilde.row(t).data(), Vt.row(t).data(), -t);
+      }
+    }
+    for (index_t s = 0; s < Tn; ++s) Pos::rotate(d_vtilde.row(s).data(), Dv, theta, s);
+  } else {
+    (void)theta;
+    (void)d_theta;
+  }
+  dV = d_vtilde;
+}
+
 /// Bidirectional Latte backward; the arguments are reference::latte_bidirectional_backward's.
 template <Stabilizer Stab, Positional Pos, Real T>
 void latte_bidirectional_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
@@ -424,10 +521,10 @@ void latte_bidirectional_backward(TensorView<const T, 4> q, TensorView<const T, 
   detail::for_each_head<T>(q, v.extent(3), angles, d_angles,
                            [&](index_t b, index_t h, const std::vector<double>& head_angles,
                                double* head_d_angles, int) {
-    reference::latte_bidirectional_backward<Stab, Pos>(
+    latte_bidirectional_backward_head<Stab, Pos>(
         head_view(q, b, h), head_view(k, b, h), head_view(v, b, h), head_view(g, b, h),
-        head_view(dq, b, h), head_view(dk, b, h), head_view(dv, b, h), head_angles,
-        head_d_angles);
+        head_view(dq, b, h), head_view(dk, b, h), head_view(dv, b, h),
+        head_angles.empty() ? nullptr : head_angles.data(), head_d_angles);
   });
 }
 
