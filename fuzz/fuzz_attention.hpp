@@ -314,7 +314,8 @@ class Fuzz {
       Argument<T, N>& input = call.inputs[j];
       const auto gap = coin(2) ? interleave(input.layout, call.out.layout) : std::nullopt;
       call.out.offset = gap ? *gap : in_.ConsumeIntegralInRange<index_t>(0, input.layout.span - 1);
-      input.buffer_elements = std::max(input.buffer_elements, call.out.offset + call.out.layout.span);
+      // interleave() re-strides the input too: its buffer follows its new span.
+      input.buffer_elements = std::max(input.layout.span, call.out.offset + call.out.layout.span);
       call.aliased = static_cast<int>(j);
     }
     for (auto& input : call.inputs) {
