@@ -47,7 +47,7 @@ struct ConvCompressedStateShape {
 };
 
 template <Real T>
-class ConvCompressedState : public StateStorage<T> {
+class ConvCompressedState final : public StateStorage<T> {
  public:
   ConvCompressedState() = default;
 

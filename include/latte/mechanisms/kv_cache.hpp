@@ -18,7 +18,7 @@
 namespace latte {
 
 template <Real T>
-class KVCache : public StateStorage<T> {
+class KVCache final : public StateStorage<T> {
  public:
   KVCache() = default;
 

@@ -19,7 +19,7 @@
 namespace latte {
 
 template <Real T>
-class LatteState : public StateStorage<T> {
+class LatteState final : public StateStorage<T> {
  public:
   LatteState() = default;
 

@@ -23,7 +23,7 @@
 namespace latte {
 
 template <Real T>
-class LavoState : public StateStorage<T> {
+class LavoState final : public StateStorage<T> {
  public:
   LavoState() = default;
 

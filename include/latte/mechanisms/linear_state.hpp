@@ -22,7 +22,7 @@
 namespace latte {
 
 template <Real T>
-class LinearState : public StateStorage<T> {
+class LinearState final : public StateStorage<T> {
  public:
   LinearState() = default;
 

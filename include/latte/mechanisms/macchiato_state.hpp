@@ -29,7 +29,7 @@
 namespace latte {
 
 template <Real T>
-class MacchiatoState : public StateStorage<T> {
+class MacchiatoState final : public StateStorage<T> {
  public:
   MacchiatoState() = default;
 
