@@ -428,3 +428,40 @@ TEST_CASE("softmax backward: gradients interleaved in one buffer are accepted") 
   CHECK(same);
   CHECK(bit_equal(dv, expected[2]));
 }
+
+TEST_CASE("softmax backward: a NaN key reaches no d_queries row that cannot see it") {
+  // Key s0 is NaN. A query row that cannot see s0 reads neither its score nor
+  // k_s0, so its d_queries row must be the same bits as with k_s0 finite. On
+  // cpu, tiles on the band's edge contract only the keys each row sees (a GEMM
+  // would multiply dS = 0 by NaN). A window of 5 keys each side over 150
+  // positions crosses the 64-key blocks.
+  Rng rng(2208);
+  const index_t Tn = 150, s0 = 70;
+  for (const MaskSpec& mask : {MaskSpec{.causal = true, .left = 5, .right = 0},
+                               MaskSpec{.causal = false, .left = 5, .right = 5}}) {
+    GradientCase c = make_case(rng, mask, true, {1, Tn, 2, 4, 3}, 1.0);
+    const auto clean = std::make_pair(backward_of<float>(c, exec::reference),
+                                      backward_of<float>(c, exec::cpu));
+    for (index_t h = 0; h < 2; ++h) c.k(0, s0, h, 1) = std::numeric_limits<float>::quiet_NaN();
+    const auto poisoned = std::make_pair(backward_of<float>(c, exec::reference),
+                                         backward_of<float>(c, exec::cpu));
+    for (int backend = 0; backend < 2; ++backend) {
+      const auto& before = backend == 0 ? clean.first : clean.second;
+      const auto& after = backend == 0 ? poisoned.first : poisoned.second;
+      int rows_checked = 0, rows_changed = 0;
+      for (index_t t = 0; t < Tn; ++t) {
+        if (mask.allowed(t, s0)) continue;
+        ++rows_checked;
+        bool same = true;
+        for (index_t h = 0; h < 2; ++h)
+          for (index_t d = 0; d < 4; ++d) same = same && before[0](0, t, h, d) == after[0](0, t, h, d);
+        rows_changed += !same;
+      }
+      const std::string where = std::string(backend == 0 ? "reference" : "cpu") +
+                                (mask.causal ? " causal" : " bidirectional");
+      CHECK_MESSAGE(rows_changed == 0, where << ": "
+                                           << rows_changed << " of " << rows_checked
+                                           << " rows that cannot see the NaN key changed");
+    }
+  }
+}
