@@ -133,6 +133,27 @@ void with_attention(const GradientCase& c, F&& f) {
 template <class T>
 using Gradients = std::array<Tensor<T, 4>, 3>;
 
+/// The backends a case runs on. exec::cpu picks its schedule by heads per
+/// worker (cpu::by_head): on 1 thread a case of B H >= 2 runs one head per
+/// task, on 16 threads every case here runs the three block passes.
+enum class Run { reference, cpu_1_thread, cpu_16_threads };
+constexpr std::array<Run, 3> kRuns{Run::reference, Run::cpu_1_thread, Run::cpu_16_threads};
+constexpr std::array<const char*, 3> kRunNames{"reference", "cpu 1 thread", "cpu 16 threads"};
+
+/// Runs f() with OpenMP's thread count set to `threads`, then restores it.
+template <class F>
+void with_threads(int threads, F&& f) {
+#if LATTE_WITH_OPENMP
+  const int before = omp_get_max_threads();
+  omp_set_num_threads(threads);
+  f();
+  omp_set_num_threads(before);
+#else
+  (void)threads;
+  f();
+#endif
+}
+
 /// The backward of the case on `e` in dtype T (gradient buffers prefilled with NaN,
 /// so an element the backward does not write shows).
 template <class T, class E>
@@ -146,6 +167,14 @@ Gradients<T> backward_of(const GradientCase& c, E e) {
     attention.backward(e, q, k, v, d_out,
                        SoftmaxGradients<T>{g[0].view(), g[1].view(), g[2].view()});
   });
+  return g;
+}
+
+template <class T>
+Gradients<T> backward_on(const GradientCase& c, Run run) {
+  Gradients<T> g;
+  if (run == Run::reference) return backward_of<T>(c, exec::reference);
+  with_threads(run == Run::cpu_1_thread ? 1 : 16, [&] { g = backward_of<T>(c, exec::cpu); });
   return g;
 }
 
@@ -163,37 +192,45 @@ double gradient_error(const Gradients<T>& g, const std::array<TensorLD<4>, 3>& r
   return static_cast<double>(scale == 0 ? worst : worst / scale);
 }
 
-/// Worst errors per backend and dtype, for the summary lines.
+/// Worst errors per run and dtype (fp32 runs, then fp64 runs), for the summary lines.
 struct Worst {
-  std::array<double, 4> error{};  // reference f32, cpu f32, reference f64, cpu f64
+  std::array<double, 6> error{};
   int checks = 0, failures = 0;
+  /// Counts one check of run `slot` (fp64: slot + 3) and keeps the worst error.
+  bool record(std::size_t slot, double error_value, double tolerance) {
+    ++checks;
+    const bool ok = error_value <= tolerance;
+    failures += !ok;
+    error[slot] = std::max(error[slot], error_value);
+    return ok;
+  }
 };
 
-/// Checks all four backward calls of the case against `reference`.
+/// Calls f(gradients, slot, name) for every run in fp32, then in fp64.
+template <class F>
+void for_each_run(const GradientCase& c, F&& f) {
+  for (std::size_t i = 0; i < kRuns.size(); ++i)
+    f(backward_on<float>(c, kRuns[i]), i, std::string(kRunNames[i]) + " fp32");
+  for (std::size_t i = 0; i < kRuns.size(); ++i)
+    f(backward_on<double>(c, kRuns[i]), i + 3, std::string(kRunNames[i]) + " fp64");
+}
+
+/// Checks every run of the case against `reference`.
 void check_against(const GradientCase& c, const std::array<TensorLD<4>, 3>& reference,
                    Worst& worst, const std::string& label) {
-  const std::array<double, 4> errors{gradient_error(backward_of<float>(c, exec::reference), reference),
-                                     gradient_error(backward_of<float>(c, exec::cpu), reference),
-                                     gradient_error(backward_of<double>(c, exec::reference), reference),
-                                     gradient_error(backward_of<double>(c, exec::cpu), reference)};
-  static constexpr std::array<const char*, 4> names{"reference fp32", "cpu fp32", "reference fp64",
-                                                    "cpu fp64"};
-  for (std::size_t i = 0; i < 4; ++i) {
-    const double tolerance = i < 2 ? Tolerance<float>::gradient : Tolerance<double>::gradient;
-    ++worst.checks;
-    worst.failures += !(errors[i] <= tolerance);
-    CHECK_MESSAGE(errors[i] <= tolerance, label << " " << describe(c) << " " << std::string(names[i])
-                                                << " error=" << errors[i] << " (tol " << tolerance
-                                                << ")");
-    worst.error[i] = std::max(worst.error[i], errors[i]);
-  }
+  for_each_run(c, [&]<class T>(const Gradients<T>& g, std::size_t slot, const std::string& name) {
+    const double error = gradient_error(g, reference), tolerance = Tolerance<T>::gradient;
+    CHECK_MESSAGE(worst.record(slot, error, tolerance),
+                  label << " " << describe(c) << " " << name << " error=" << error << " (tol "
+                        << tolerance << ")");
+  });
 }
 
 void print_worst(const char* kind, const std::string& label, int cases, const Worst& worst) {
-  std::printf("[%s] %-40s cases=%d checks=%d failed=%d max error: reference fp32=%.2e cpu fp32=%.2e "
-              "reference fp64=%.2e cpu fp64=%.2e\n",
+  std::printf("[%s] %s: cases=%d checks=%d failed=%d\n  max error fp32: reference %.2e, cpu 1 "
+              "thread %.2e, cpu 16 threads %.2e; fp64: %.2e, %.2e, %.2e\n",
               kind, label.c_str(), cases, worst.checks, worst.failures, worst.error[0],
-              worst.error[1], worst.error[2], worst.error[3]);
+              worst.error[1], worst.error[2], worst.error[3], worst.error[4], worst.error[5]);
 }
 
 /// A mask family: direction, and window sides (-1: unbounded, -2: random per case).
@@ -256,7 +293,6 @@ TEST_CASE("softmax backward: directional derivatives on random shapes up to T = 
   for (const MaskFamily& family : families) {
     Worst worst;
     const int cases = case_count(12);
-    double worst_directional[4] = {0, 0, 0, 0};
     for (int i = 0; i < cases; ++i) {
       // The first case of every family is T = 1000 (the oracle affords one head there).
       Shape s = random_shape(rng, 3e6);
@@ -278,7 +314,8 @@ TEST_CASE("softmax backward: directional derivatives on random shapes up to T = 
       }
       const OracleLoss loss{c.mask, static_cast<long double>(c.scale), q, k, v, d_out};
       const long double derivative = directional_derivative(loss, inputs, direction);
-      auto check = [&]<class T>(const Gradients<T>& g, std::size_t slot, const char* name) {
+      for_each_run(c, [&]<class T>(const Gradients<T>& g, std::size_t slot,
+                                   const std::string& name) {
         DirectionalProduct product;
         for (std::size_t input = 0; input < 3; ++input)
           accumulate_product(product,
@@ -289,19 +326,11 @@ TEST_CASE("softmax backward: directional derivatives on random shapes up to T = 
                                  ? static_cast<double>(std::fabs(derivative))
                                  : static_cast<double>(std::fabs(product.value - derivative) /
                                                        product.magnitude);
-        const double tolerance = Tolerance<T>::gradient;
-        ++worst.checks;
-        worst.failures += !(error <= tolerance);
-        CHECK_MESSAGE(error <= tolerance, family.label << " " << describe(c) << " " << name
-                                                       << " directional error=" << error);
-        worst_directional[slot] = std::max(worst_directional[slot], error);
-      };
-      check(backward_of<float>(c, exec::reference), 0, "reference fp32");
-      check(backward_of<float>(c, exec::cpu), 1, "cpu fp32");
-      check(backward_of<double>(c, exec::reference), 2, "reference fp64");
-      check(backward_of<double>(c, exec::cpu), 3, "cpu fp64");
+        CHECK_MESSAGE(worst.record(slot, error, Tolerance<T>::gradient),
+                      family.label << " " << describe(c) << " " << name
+                                   << " directional error=" << error);
+      });
     }
-    for (std::size_t i = 0; i < 4; ++i) worst.error[i] = worst_directional[i];
     print_worst("directional", family.label, cases, worst);
   }
 }
@@ -339,14 +368,9 @@ TEST_CASE("softmax backward: zero values give zero d_queries and d_keys, d_value
         if (tensor.data()[i] != 0) return false;
       return true;
     };
-    const auto ref32 = backward_of<float>(c, exec::reference);
-    const auto cpu32 = backward_of<float>(c, exec::cpu);
-    const auto ref64 = backward_of<double>(c, exec::reference);
-    const auto cpu64 = backward_of<double>(c, exec::cpu);
-    CHECK((exactly_zero(ref32[0]) && exactly_zero(ref32[1])));
-    CHECK((exactly_zero(cpu32[0]) && exactly_zero(cpu32[1])));
-    CHECK((exactly_zero(ref64[0]) && exactly_zero(ref64[1])));
-    CHECK((exactly_zero(cpu64[0]) && exactly_zero(cpu64[1])));
+    for_each_run(c, [&](const auto& g, std::size_t, const std::string& name) {
+      CHECK_MESSAGE((exactly_zero(g[0]) && exactly_zero(g[1])), name);
+    });
   }
 }
 
@@ -387,7 +411,8 @@ TEST_CASE("softmax backward: T = 0 validates and allocates nothing; gradients ar
   Rng rng(2206);
   const GradientCase c = make_case(rng, {.causal = true}, false, {1, 70, 1, 4, 4}, 1.0);
   for (auto run : {0, 1}) {
-    auto clean = run == 0 ? backward_of<double>(c, exec::reference) : backward_of<double>(c, exec::cpu);
+    const auto clean = run == 0 ? backward_of<double>(c, exec::reference)
+                                : backward_of<double>(c, exec::cpu);
     Gradients<double> dirty{Tensor<double, 4>(c.q.extents(), 7.0),
                             Tensor<double, 4>(c.k.extents(), -3.0),
                             Tensor<double, 4>(c.v.extents(), 1e30)};
@@ -416,7 +441,8 @@ TEST_CASE("softmax backward: gradients interleaved in one buffer are accepted") 
   const TensorView<float, 4> dq(both.data(), {B, Tn, H, Dk}, strides);
   const TensorView<float, 4> dk(both.data() + Dk, {B, Tn, H, Dk}, strides);
   with_attention(c, [&](const auto& attention) {
-    attention.backward(exec::cpu, c.q, c.k, c.v, c.d_out, SoftmaxGradients<float>{dq, dk, dv.view()});
+    attention.backward(exec::cpu, c.q, c.k, c.v, c.d_out,
+                       SoftmaxGradients<float>{dq, dk, dv.view()});
   });
   bool same = true;
   for (index_t b = 0; b < B; ++b)
@@ -440,26 +466,23 @@ TEST_CASE("softmax backward: a NaN key reaches no d_queries row that cannot see 
   for (const MaskSpec& mask : {MaskSpec{.causal = true, .left = 5, .right = 0},
                                MaskSpec{.causal = false, .left = 5, .right = 5}}) {
     GradientCase c = make_case(rng, mask, true, {1, Tn, 2, 4, 3}, 1.0);
-    const auto clean = std::make_pair(backward_of<float>(c, exec::reference),
-                                      backward_of<float>(c, exec::cpu));
+    std::vector<Gradients<float>> clean;
+    for (Run run : kRuns) clean.push_back(backward_on<float>(c, run));
     for (index_t h = 0; h < 2; ++h) c.k(0, s0, h, 1) = std::numeric_limits<float>::quiet_NaN();
-    const auto poisoned = std::make_pair(backward_of<float>(c, exec::reference),
-                                         backward_of<float>(c, exec::cpu));
-    for (int backend = 0; backend < 2; ++backend) {
-      const auto& before = backend == 0 ? clean.first : clean.second;
-      const auto& after = backend == 0 ? poisoned.first : poisoned.second;
+    for (std::size_t i = 0; i < kRuns.size(); ++i) {
+      const Gradients<float> after = backward_on<float>(c, kRuns[i]);
       int rows_checked = 0, rows_changed = 0;
       for (index_t t = 0; t < Tn; ++t) {
         if (mask.allowed(t, s0)) continue;
         ++rows_checked;
         bool same = true;
         for (index_t h = 0; h < 2; ++h)
-          for (index_t d = 0; d < 4; ++d) same = same && before[0](0, t, h, d) == after[0](0, t, h, d);
+          for (index_t d = 0; d < 4; ++d)
+            same = same && clean[i][0](0, t, h, d) == after[0](0, t, h, d);
         rows_changed += !same;
       }
-      const std::string where = std::string(backend == 0 ? "reference" : "cpu") +
-                                (mask.causal ? " causal" : " bidirectional");
-      CHECK_MESSAGE(rows_changed == 0, where << ": "
+      CHECK_MESSAGE(rows_changed == 0, std::string(kRunNames[i])
+                                           << (mask.causal ? " causal" : " bidirectional") << ": "
                                            << rows_changed << " of " << rows_checked
                                            << " rows that cannot see the NaN key changed");
     }
