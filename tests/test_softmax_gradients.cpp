@@ -134,7 +134,7 @@ template <class T>
 using Gradients = std::array<Tensor<T, 4>, 3>;
 
 /// The backends a case runs on. exec::cpu picks its schedule by heads per
-/// worker (cpu::by_head): on 1 thread a case of B H >= 2 runs one head per
+/// worker (cpu::softmax_backward_by_head): on 1 thread a case of B H >= 2 runs one head per
 /// task, on 16 threads every case here runs the three block passes.
 enum class Run { reference, cpu_1_thread, cpu_16_threads };
 constexpr std::array<Run, 3> kRuns{Run::reference, Run::cpu_1_thread, Run::cpu_16_threads};
