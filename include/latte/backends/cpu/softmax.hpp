@@ -162,7 +162,8 @@ void softmax_forward(TensorView<const T, 4> q, TensorView<const T, 4> k, TensorV
 
 // ------------------------------------------------------------- backward --
 // FlashAttention-2's backward (DESIGN §3.6), in three passes that need no
-// atomics, each parallel over (batch, head, block):
+// atomics, each parallel over (batch, head, block) (with heads enough, passes
+// 2 and 3 are one, parallel over heads: see softmax_backward_by_head):
 //   1. query blocks: the forward's flash step again (attend_query_block), kept
 //      as each row's max m_t, 1 / l_t and D_t = <g_t, o_t> (g = d_out), O(B H T);
 //   2. key blocks: dV_j = sum_i P_ij^T G_i and dK_j = scale sum_i dS_ij^T Q_i;
@@ -268,6 +269,13 @@ index_t first_where(index_t Tn, Pred&& pred) {
   return lo;
 }
 
+/// The backward's schedule: one head per task when there are heads enough to
+/// keep every worker busy (d_queries then accumulates in place, and each tile's
+/// dS is computed once), else three passes over blocks (B H = 1 uses all cores).
+[[nodiscard]] inline bool softmax_backward_by_head(index_t heads, int workers) noexcept {
+  return heads >= 2 * index_t{workers};
+}
+
 template <bool Causal, Window Win, Real T>
 void softmax_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
                       TensorView<const T, 4> v, TensorView<const T, 4> d_out,
@@ -292,10 +300,9 @@ void softmax_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
     return row_block(view.row(b, first, h), count, view.extent(3), view.stride(1));
   };
 
-  // 1. Row statistics, from the forward's flash step (the same blocks, so the same o).
-  parallel_for(B * H * query_blocks, workers, [&](index_t task, int worker) {
-    SoftmaxBackwardScratch<T>& s = scratch[static_cast<std::size_t>(worker)];
-    const index_t qb = task % query_blocks, bh = task / query_blocks;
+  // 1. Row statistics of query block qb, from the forward's flash step (the
+  //    same blocks, so the same o).
+  auto row_statistics = [&](index_t bh, index_t qb, SoftmaxBackwardScratch<T>& s) {
     const index_t b = bh / H, h = bh % H;
     const index_t i0 = qb * block_q, nq = std::min(block_q, Tn - i0);
     const index_t key_lo = lowest(i0);
@@ -310,12 +317,11 @@ void softmax_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
       statistics.inverse_sum[at] = T(1) / s.flash.row_sum[r];
       statistics.row_dot[at] = G.row(r).dot(s.out_rows.row(r));
     }
-  });
+  };
 
-  // 2. dK and dV, one key block per task, over the query rows that see it.
-  parallel_for(B * H * key_blocks, workers, [&](index_t task, int worker) {
-    SoftmaxBackwardScratch<T>& s = scratch[static_cast<std::size_t>(worker)];
-    const index_t kb = task % key_blocks, bh = task / key_blocks;
+  // 2. dK and dV of key block kb, over the query rows that see it; with
+  //    `add_d_queries`, also d_queries += scale dS K over those rows.
+  auto key_block = [&](index_t bh, index_t kb, SoftmaxBackwardScratch<T>& s, bool add_d_queries) {
     const index_t b = bh / H, h = bh % H;
     const index_t j0 = kb * block_k, nk = std::min(block_k, Tn - j0);
     const auto K = rows(k, b, j0, h, nk);
@@ -335,9 +341,11 @@ void softmax_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
       backward_tile(Q, K, V, G, i0, j0, statistics, at, scale, lowest, highest, s);
       const auto P = s.probabilities.topLeftCorner(nq, nk);
       const auto dS = s.d_scores.topLeftCorner(nq, nk);
+      auto dQ = rows(d_q, b, i0, h, nq);
       if (lowest(i0 + nq - 1) <= j0 && highest(i0) >= j0 + nk - 1) {  // every row sees every key
         dV.noalias() += P.transpose() * G;
         dK.noalias() += dS.transpose() * Q;
+        if (add_d_queries) dQ.noalias() += scale * (dS * K);
       } else {  // only the keys each row sees, so a row's NaN reaches no other key
         for (index_t r = 0; r < nq; ++r) {
           const VisibleColumns seen = visible_columns(i0 + r, j0, nk, lowest, highest);
@@ -347,17 +355,18 @@ void softmax_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
               P.row(r).segment(seen.first, n).transpose() * G.row(r);
           dK.middleRows(seen.first, n).noalias() +=
               dS.row(r).segment(seen.first, n).transpose() * Q.row(r);
+          if (add_d_queries)
+            dQ.row(r).noalias() +=
+                scale * (dS.row(r).segment(seen.first, n) * K.middleRows(seen.first, n));
         }
       }
     }
     rows(d_k, b, j0, h, nk) = dK * scale;
     rows(d_v, b, j0, h, nk) = dV;
-  });
+  };
 
-  // 3. dQ, one query block per task, over the key blocks it sees (the forward's blocks).
-  parallel_for(B * H * query_blocks, workers, [&](index_t task, int worker) {
-    SoftmaxBackwardScratch<T>& s = scratch[static_cast<std::size_t>(worker)];
-    const index_t qb = task % query_blocks, bh = task / query_blocks;
+  // 3. dQ of query block qb, over the key blocks it sees (the forward's blocks).
+  auto query_block = [&](index_t bh, index_t qb, SoftmaxBackwardScratch<T>& s) {
     const index_t b = bh / H, h = bh % H;
     const index_t i0 = qb * block_q, nq = std::min(block_q, Tn - i0);
     const auto Q = rows(q, b, i0, h, nq);
@@ -386,7 +395,31 @@ void softmax_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
       }
     }
     rows(d_q, b, i0, h, nq) = dQ * scale;
-  });
+  };
+
+  auto scratch_of = [&](int worker) -> SoftmaxBackwardScratch<T>& {
+    return scratch[static_cast<std::size_t>(worker)];
+  };
+  if (softmax_backward_by_head(B * H, workers)) {
+    // One head per task: its key blocks add to its d_queries rows in place,
+    // so dS is computed once (no pass 3).
+    parallel_for(B * H, workers, [&](index_t bh, int worker) {
+      const index_t b = bh / H, h = bh % H;
+      for (index_t qb = 0; qb < query_blocks; ++qb) row_statistics(bh, qb, scratch_of(worker));
+      rows(d_q, b, 0, h, Tn).setZero();
+      for (index_t kb = 0; kb < key_blocks; ++kb) key_block(bh, kb, scratch_of(worker), true);
+    });
+  } else {
+    parallel_for(B * H * query_blocks, workers, [&](index_t task, int worker) {
+      row_statistics(task / query_blocks, task % query_blocks, scratch_of(worker));
+    });
+    parallel_for(B * H * key_blocks, workers, [&](index_t task, int worker) {
+      key_block(task / key_blocks, task % key_blocks, scratch_of(worker), false);
+    });
+    parallel_for(B * H * query_blocks, workers, [&](index_t task, int worker) {
+      query_block(task / query_blocks, task % query_blocks, scratch_of(worker));
+    });
+  }
 }
 
 /// One KV-cache decode step for one (b, h): stores (k, v) at `position`, then
