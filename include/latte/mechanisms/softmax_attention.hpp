@@ -108,9 +108,9 @@ class SoftmaxAttention {
 
   /// Gradients of a loss L with respect to queries, keys and values, given
   /// d_out = dL/dout [B, T, H, Dv] (FlashAttention-2's backward, DESIGN §3.6).
-  /// Nothing is kept from the forward: the row log-sum-exp and <d_out, out>
-  /// are recomputed. Overwrites the three gradient buffers, which must not
-  /// share an element with an input or with each other. T = 0 is a no-op.
+  /// Nothing is kept from the forward: each row's softmax and <d_out, out> are
+  /// recomputed. Overwrites the three gradient buffers, which must not share
+  /// an element with an input or with each other. T = 0 is a no-op.
   template <exec::Policy E, Real T>
   void backward(E e, InputView<T> queries, InputView<T> keys, InputView<T> values,
                 InputView<T> d_out, SoftmaxGradients<T> gradients) const {

@@ -224,7 +224,7 @@ struct SoftmaxRowStatistics {
 /// value a row cannot see never reaches that row).
 template <Real T, class QRows, class KRows, class VRows, class GRows, class Lowest, class Highest>
 void backward_tile(const QRows& Q, const KRows& K, const VRows& V, const GRows& G, index_t i0,
-                   index_t j0, const SoftmaxRowStatistics<T>& rows, std::size_t first_row,
+                   index_t j0, const SoftmaxRowStatistics<T>& statistics, std::size_t first_row,
                    T scale, Lowest&& lowest, Highest&& highest, SoftmaxBackwardScratch<T>& s) {
   const index_t nq = Q.rows(), nk = K.rows();
   auto P = s.probabilities.topLeftCorner(nq, nk);
@@ -246,8 +246,8 @@ void backward_tile(const QRows& Q, const KRows& K, const VRows& V, const GRows& 
     std::fill(ds, ds + seen.first, T(0));
     std::fill(ds + seen.last + 1, ds + nk, T(0));
     const std::size_t at = first_row + static_cast<std::size_t>(r);
-    (void)simd::exp_shifted_sum(p + seen.first, n, rows.row_max[at], p + seen.first);
-    const T inverse_sum = rows.inverse_sum[at], row_dot = rows.row_dot[at];
+    (void)simd::exp_shifted_sum(p + seen.first, n, statistics.row_max[at], p + seen.first);
+    const T inverse_sum = statistics.inverse_sum[at], row_dot = statistics.row_dot[at];
     for (index_t c = seen.first; c <= seen.last; ++c) {
       p[c] *= inverse_sum;
       ds[c] = p[c] * (ds[c] - row_dot);
