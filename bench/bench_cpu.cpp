@@ -4,12 +4,14 @@
 //   cpu_latte_forward/{causal,bidirectional}/T:{1K..64K}/L:{16,64,128,256}
 //   cpu_latte_forward/causal_vapor/T:{1K..64K}/L:64   VAPOR (rotations not counted as FLOPs)
 //   cpu_softmax_forward/{causal,window128}/T:{1K,4K,16K}
+//   cpu_softmax_{backward,forward_backward}/{causal,window128}/T:{1K,4K,16K}  (from d_out)
 //   cpu_latte_step/context:{1K,16K,256K}          one decode token after `context`
 //   cpu_softmax_step/context:{1K,16K}              one KV-cache decode token
 //
 // items_per_second is tokens/s; "flops" is a rate (FLOP/s), multiply-add = 2:
 //   Latte forward 4*T*H*L*D; Latte step 4*H*L*D; softmax causal T*(T+1)*H*(Dk+Dv);
-//   softmax window (w=128) 2*H*(Dk+Dv)*sum_t min(t+1, w+1); softmax step 2*C*H*(Dk+Dv).
+//   softmax window (w=128) 2*H*(Dk+Dv)*sum_t min(t+1, w+1); softmax step 2*C*H*(Dk+Dv);
+//   a softmax backward twice its forward (no credit for recomputation).
 #include <benchmark/benchmark.h>
 
 #include <latte/attention.hpp>
@@ -46,12 +48,17 @@ void cpu_latte_forward(benchmark::State& bench) {
                                                benchmark::Counter::kIsRate);
 }
 
-template <class Window>
-void cpu_softmax_forward(benchmark::State& bench) {
+/// Which softmax pass a row times: the forward, the backward (from d_out), or both.
+enum class SoftmaxPass { forward, backward, forward_backward };
+
+template <class Window, SoftmaxPass Pass = SoftmaxPass::forward>
+void cpu_softmax(benchmark::State& bench) {
   const index_t T = bench.range(0);
   const auto q = noise<4>({1, T, kHeads, kDim}, 1), k = noise<4>({1, T, kHeads, kDim}, 2);
-  const auto v = noise<4>({1, T, kHeads, kDim}, 3);
+  const auto v = noise<4>({1, T, kHeads, kDim}, 3), d_out = noise<4>({1, T, kHeads, kDim}, 4);
   latte::Tensor<float, 4> out({1, T, kHeads, kDim});
+  latte::Tensor<float, 4> d_q(q.extents()), d_k(k.extents()), d_v(v.extents());
+  const latte::SoftmaxGradients<float> gradients{d_q.view(), d_k.view(), d_v.view()};
   Window window{};
   double terms = double(T) * double(T + 1) / 2;
   if constexpr (std::is_same_v<Window, latte::SlidingWindow>) {
@@ -60,10 +67,18 @@ void cpu_softmax_forward(benchmark::State& bench) {
     for (index_t t = 0; t < T; ++t) terms += double(std::min<index_t>(t + 1, 129));
   }
   const latte::SoftmaxAttention<latte::Causal, Window> attention({kHeads, kDim, kDim}, window);
-  for (auto _ : bench) attention.forward(latte::exec::cpu, q, k, v, out.view());
+  for (auto _ : bench) {
+    if constexpr (Pass != SoftmaxPass::backward)
+      attention.forward(latte::exec::cpu, q, k, v, out.view());
+    if constexpr (Pass != SoftmaxPass::forward)
+      attention.backward(latte::exec::cpu, q, k, v, d_out, gradients);
+  }
   bench.SetItemsProcessed(bench.iterations() * T);
-  bench.counters["flops"] = benchmark::Counter(
-      2.0 * terms * kHeads * 2 * kDim * double(bench.iterations()), benchmark::Counter::kIsRate);
+  // The backward counts as twice the forward's FLOPs (no credit for recomputation).
+  const double passes = Pass == SoftmaxPass::forward ? 1 : Pass == SoftmaxPass::backward ? 2 : 3;
+  bench.counters["flops"] =
+      benchmark::Counter(passes * 2.0 * terms * kHeads * 2 * kDim * double(bench.iterations()),
+                         benchmark::Counter::kIsRate);
 }
 
 void cpu_latte_step(benchmark::State& bench) {
@@ -126,13 +141,33 @@ BENCHMARK(cpu_latte_forward<latte::Bidirectional>)
     ->ArgsProduct({{1024, 4096, 16384, 65536}, {16, 64, 128, 256}})
     ->ArgNames({"T", "L"})
     ->Unit(benchmark::kMillisecond);
-BENCHMARK(cpu_softmax_forward<latte::NoWindow>)
+BENCHMARK(cpu_softmax<latte::NoWindow, SoftmaxPass::forward>)
     ->Name("cpu_softmax_forward/causal")
     ->ArgName("T")
     ->Arg(1024)->Arg(4096)->Arg(16384)
     ->Unit(benchmark::kMillisecond);
-BENCHMARK(cpu_softmax_forward<latte::SlidingWindow>)
+BENCHMARK(cpu_softmax<latte::SlidingWindow, SoftmaxPass::forward>)
     ->Name("cpu_softmax_forward/window128")
+    ->ArgName("T")
+    ->Arg(1024)->Arg(4096)->Arg(16384)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(cpu_softmax<latte::NoWindow, SoftmaxPass::backward>)
+    ->Name("cpu_softmax_backward/causal")
+    ->ArgName("T")
+    ->Arg(1024)->Arg(4096)->Arg(16384)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(cpu_softmax<latte::SlidingWindow, SoftmaxPass::backward>)
+    ->Name("cpu_softmax_backward/window128")
+    ->ArgName("T")
+    ->Arg(1024)->Arg(4096)->Arg(16384)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(cpu_softmax<latte::NoWindow, SoftmaxPass::forward_backward>)
+    ->Name("cpu_softmax_forward_backward/causal")
+    ->ArgName("T")
+    ->Arg(1024)->Arg(4096)->Arg(16384)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(cpu_softmax<latte::SlidingWindow, SoftmaxPass::forward_backward>)
+    ->Name("cpu_softmax_forward_backward/window128")
     ->ArgName("T")
     ->Arg(1024)->Arg(4096)->Arg(16384)
     ->Unit(benchmark::kMillisecond);

@@ -2,6 +2,7 @@
 // mechanism x every malformed case, in one place, checked the same way.
 //
 // Entry points: forward, forward with a state, make_state, step, State::restore,
+// backward (SoftmaxAttention, reference + cpu; malformed_backward.hpp),
 // load_state and the constructors of LatteAttention (reference + cpu),
 // SoftmaxAttention (reference + cpu), LatteMacchiato, LinearAttention, CosFormer
 // and LeaPformer (reference + cpu), Lavo, ConvCompressedAttention, cross_forward where a
@@ -37,6 +38,7 @@
 #include <utility>
 #include <vector>
 
+#include "malformed_backward.hpp"
 #include "malformed_cases.hpp"
 #include "state_bytes.hpp"
 #include "support.hpp"
@@ -375,6 +377,7 @@ struct Registry {
   Table rows;
   std::vector<TensorEntry<4>> sequence_entries;
   std::vector<TensorEntry<3>> step_entries;
+  std::vector<MultiOutputEntry<4>> backward_entries;
   std::vector<VerdictPair> verdicts;
 
   void add(const TensorEntry<4>& entry) {
@@ -384,6 +387,10 @@ struct Registry {
   void add(const TensorEntry<3>& entry) {
     step_entries.push_back(entry);
     add_tensor_rows(rows, entry);
+  }
+  void add(const MultiOutputEntry<4>& entry) {
+    backward_entries.push_back(entry);
+    add_multi_output_rows(rows, entry);
   }
 };
 
@@ -575,6 +582,32 @@ void add_state_bytes_rows(Registry& registry, std::vector<BadBytes> extra = {},
   }
 }
 
+/// backward(queries, keys, values, d_out, {d_queries, d_keys, d_values}) of a
+/// softmax attention: B and T come from queries, so queries' B or T is
+/// reported on keys.
+template <class M, class E>
+MultiOutputEntry<4> softmax_backward_entry(E exec_tag) {
+  auto attention = std::make_shared<const typename M::A>(M::make());
+  MultiOutputEntry<4> entry;
+  entry.entry = entry_name<M>("backward", E::name);
+  entry.inputs = sequence_args<M>();
+  entry.inputs.push_back({"d_out", {kB, kT, kH, kDv}});
+  entry.outputs = {{"d_queries", {kB, kT, kH, kDk}},
+                   {"d_keys", {kB, kT, kH, kDk}},
+                   {"d_values", {kB, kT, kH, kDv}}};
+  entry.dim_names = kSequenceDims;
+  entry.invoke = [attention, exec_tag](const In4& in, const std::vector<Out4>& out) {
+    attention->backward(exec_tag, in[0], in[1], in[2], in[3],
+                        SoftmaxGradients<float>{out[0], out[1], out[2]});
+  };
+  entry.blame = [names = std::vector<std::string>{"queries", "keys", "values", "d_out",
+                                                  "d_queries", "d_keys", "d_values"}](
+                    std::size_t arg, std::size_t dim) {
+    return arg == 0 && dim < 2 ? names[1] : names[arg];
+  };
+  return entry;
+}
+
 // ------------------------------------------------------ cross-attention --
 
 /// Cross-attention blame: queries' B is reported on the next source tensor,
@@ -664,6 +697,10 @@ Registry build_registry() {
   add_sequence_and_decode<SoftmaxCausal>(registry, exec::cpu);
   add_sequence_and_decode<SoftmaxWindowed>(registry, exec::reference);
   add_sequence_and_decode<SoftmaxWindowed>(registry, exec::cpu);
+  registry.add(softmax_backward_entry<SoftmaxCausal>(exec::reference));
+  registry.add(softmax_backward_entry<SoftmaxCausal>(exec::cpu));
+  registry.add(softmax_backward_entry<SoftmaxWindowed>(exec::reference));
+  registry.add(softmax_backward_entry<SoftmaxWindowed>(exec::cpu));
   add_make_state_batch_rows<SoftmaxCausal>(registry);
   for (index_t capacity : {index_t{-1}}) {
     add_call_row(rows, entry_name<SoftmaxCausal>("make_state", "-"),
@@ -1401,6 +1438,23 @@ TEST_CASE("the table's checks can fail: entries that validate nothing are caught
   const Outcome named = run_entry(careless, {.fault = Fault::extent, .arg = 2, .dim = 3});
   CHECK(named.thrown == Outcome::Thrown::latte_error);
   CHECK(named.argument == "keys");  // the table expects "values" here: that row would fail
+
+  // The same for an entry with several outputs (a backward) that checks nothing
+  // and writes the first element of each output.
+  MultiOutputEntry<4> careless_backward = softmax_backward_entry<SoftmaxCausal>(exec::reference);
+  careless_backward.invoke = [](const In4&, const std::vector<Out4>& outputs) {
+    for (const Out4& out : outputs)
+      if (out.data() != nullptr) out.data()[0] = 0.0f;
+  };
+  Table backward_table;
+  add_multi_output_rows(backward_table, careless_backward);
+  REQUIRE(backward_table.size() > 40);
+  for (const Row& row : backward_table) {
+    INFO(row.case_name);
+    const Outcome outcome = row.run();
+    CHECK(outcome.thrown == Outcome::Thrown::nothing);
+    CHECK_FALSE(outcome.untouched);  // each call writes at least one output
+  }
 }
 
 TEST_CASE("every tensor entry's valid call succeeds and writes all of out") {
@@ -1413,7 +1467,14 @@ TEST_CASE("every tensor entry's valid call succeeds and writes all of out") {
   };
   for (const auto& entry : r.sequence_entries) check(entry);
   for (const auto& entry : r.step_entries) check(entry);
-  MESSAGE("tensor entry points: " << r.sequence_entries.size() + r.step_entries.size());
+  for (const auto& entry : r.backward_entries) {
+    const auto result = run_valid_multi(entry);
+    INFO(entry.entry << ": " << result.what);
+    CHECK_FALSE(result.threw);
+    CHECK(result.out_written);
+  }
+  MESSAGE("tensor entry points: " << r.sequence_entries.size() + r.step_entries.size() +
+                                         r.backward_entries.size());
 }
 
 TEST_CASE("load_state and State::restore give every edited buffer the same verdict") {

@@ -5,6 +5,7 @@
 // allowed = all s (Bidirectional), s <= t (Causal), and with
 // SlidingWindow{left, right}: t - left <= s <= t + right (FlashAttention's convention).
 // Default scale 1/sqrt(Dk). Causal decode keeps a KV cache (KVCache<T>).
+// backward gives the gradients of a loss from d_out (DESIGN §3.6).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -12,6 +13,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
 
 #include "latte/backends/cpu/softmax.hpp"
@@ -22,6 +24,7 @@
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
 #include "latte/mechanisms/kv_cache.hpp"
+#include "latte/mechanisms/softmax_gradients.hpp"
 #include "latte/policies/direction.hpp"
 #include "latte/policies/execution.hpp"
 #include "latte/policies/window.hpp"
@@ -101,6 +104,29 @@ class SoftmaxAttention {
     else
       reference::softmax_forward<Dir::is_causal>(queries, keys, values, out,
                                                  static_cast<T>(scale_), window_);
+  }
+
+  /// Gradients of a loss L with respect to queries, keys and values, given
+  /// d_out = dL/dout [B, T, H, Dv] (FlashAttention-2's backward, DESIGN §3.6).
+  /// Nothing is kept from the forward: each row's softmax and <d_out, out> are
+  /// recomputed. Overwrites the three gradient buffers, which must not share
+  /// an element with an input or with each other. T = 0 is a no-op.
+  template <exec::Policy E, Real T>
+  void backward(E e, InputView<T> queries, InputView<T> keys, InputView<T> values,
+                InputView<T> d_out, SoftmaxGradients<T> gradients) const {
+    static_assert(!std::is_same_v<E, exec::cuda_t>,
+                  "SoftmaxAttention::backward runs on exec::reference and exec::cpu only for now");
+    static_assert(exec::implemented<E>, "this execution backend is not implemented yet");
+    validate_backward(queries, keys, values, d_out, gradients);
+    (void)e;
+    if (d_out.empty()) return;  // no gradient to write: allocate and loop over nothing
+    const auto [d_queries, d_keys, d_values] = gradients;
+    if constexpr (std::is_same_v<E, exec::cpu_t>)
+      cpu::softmax_backward<Dir::is_causal>(queries, keys, values, d_out, d_queries, d_keys,
+                                            d_values, static_cast<T>(scale_), window_);
+    else
+      reference::softmax_backward<Dir::is_causal>(queries, keys, values, d_out, d_queries, d_keys,
+                                                  d_values, static_cast<T>(scale_), window_);
   }
 
 #if LATTE_CUDA_KERNELS
@@ -231,6 +257,11 @@ class SoftmaxAttention {
     forward(exec::default_t{}, queries, keys, values, out);
   }
   template <Real T>
+  void backward(InputView<T> queries, InputView<T> keys, InputView<T> values, InputView<T> d_out,
+                SoftmaxGradients<T> gradients) const {
+    backward(exec::default_t{}, queries, keys, values, d_out, gradients);
+  }
+  template <Real T>
     requires(Dir::is_causal)
   void forward(InputView<T> queries, InputView<T> keys, InputView<T> values, TensorView<T, 4> out,
                State<T>& state) const {
@@ -284,6 +315,41 @@ class SoftmaxAttention {
     detail::check_shape(v, "values", {B, Tn, H, dims_.value_dim}, "[B, T, H, Dv]");
     detail::check_shape(out, "out", {B, Tn, H, dims_.value_dim}, "[B, T, H, Dv]");
     check_outputs_distinct(q, k, v, out);
+  }
+
+  template <class T>
+  void validate_backward(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
+                         const TensorView<const T, 4>& v, const TensorView<const T, 4>& d_out,
+                         const SoftmaxGradients<T>& gradients) const {
+    check_view(q, "queries");
+    const index_t B = q.extent(0), Tn = q.extent(1), H = dims_.heads;
+    const index_t Dk = dims_.key_dim, Dv = dims_.value_dim;
+    detail::check_shape(q, "queries", {B, Tn, H, Dk}, "[B, T, H, Dk]");
+    detail::check_shape(k, "keys", {B, Tn, H, Dk}, "[B, T, H, Dk]");
+    detail::check_shape(v, "values", {B, Tn, H, Dv}, "[B, T, H, Dv]");
+    detail::check_shape(d_out, "d_out", {B, Tn, H, Dv}, "[B, T, H, Dv]");
+    const auto& [d_queries, d_keys, d_values] = gradients;
+    detail::check_shape(d_queries, "d_queries", {B, Tn, H, Dk}, "[B, T, H, Dk]");
+    detail::check_shape(d_keys, "d_keys", {B, Tn, H, Dk}, "[B, T, H, Dk]");
+    detail::check_shape(d_values, "d_values", {B, Tn, H, Dv}, "[B, T, H, Dv]");
+    auto check_gradient = [&](const TensorView<T, 4>& gradient, std::string_view name) {
+      detail::check_output(gradient, name, detail::named(q, "queries"), detail::named(k, "keys"),
+                           detail::named(v, "values"), detail::named(d_out, "d_out"));
+    };
+    check_gradient(d_queries, "d_queries");
+    check_gradient(d_keys, "d_keys");
+    check_gradient(d_values, "d_values");
+    // A pair of gradient buffers sharing an element is reported on the later one.
+    auto check_apart = [](const TensorView<T, 4>& later, std::string_view later_name,
+                          const TensorView<T, 4>& earlier, std::string_view earlier_name) {
+      if (detail::shares_element(later, earlier))
+        throw Error(later_name, std::string("shares elements with '") +
+                                    std::string(earlier_name) +
+                                    "'; gradient buffers must not share memory");
+    };
+    check_apart(d_keys, "d_keys", d_queries, "d_queries");
+    check_apart(d_values, "d_values", d_queries, "d_queries");
+    check_apart(d_values, "d_values", d_keys, "d_keys");
   }
 
   template <class Q, class K, class V, class O>

@@ -9,10 +9,12 @@
 // Only blocks that intersect the causal / sliding-window band are visited,
 // so a window costs O(T * w). Workspace is per worker and independent of T.
 // The decode step is softmax_row_blocked over the ring (softmax_row.hpp).
+// The backward (FlashAttention-2's) is below the forward.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include <Eigen/Core>
@@ -156,6 +158,268 @@ void softmax_forward(TensorView<const T, 4> q, TensorView<const T, 4> k, TensorV
                        scratch[static_cast<std::size_t>(worker)], out.row(b, i0, h),
                        out.stride(1));
   });
+}
+
+// ------------------------------------------------------------- backward --
+// FlashAttention-2's backward (DESIGN §3.6), in three passes that need no
+// atomics, each parallel over (batch, head, block) (with heads enough, passes
+// 2 and 3 are one, parallel over heads: see softmax_backward_by_head):
+//   1. query blocks: the forward's flash step again (attend_query_block), kept
+//      as each row's max m_t, 1 / l_t and D_t = <g_t, o_t> (g = d_out), O(B H T);
+//   2. key blocks: dV_j = sum_i P_ij^T G_i and dK_j = scale sum_i dS_ij^T Q_i;
+//   3. query blocks: dQ_i = scale sum_j dS_ij K_j;
+// with P = exp(scale Q K^T - m) / l and dS = P o (G V^T - D) recomputed per tile.
+// m and l stay apart: FlashAttention's single lse = m + log l, rounded to fp32
+// near a score of 1e3, would lose log l's digits (ulp(1e3) = 6e-5).
+// Workspace: the row statistics and per worker a few block-sized tiles.
+
+/// One worker's tiles for the backward: P and dS of a block_q x block_k tile,
+/// the rows of dK and dV (or dQ) a block accumulates, and the flash step's
+/// workspace and output rows (pass 1).
+template <Real T>
+struct SoftmaxBackwardScratch {
+  using Matrix = typename OnlineSoftmaxScratch<T>::Matrix;
+  Matrix probabilities, d_scores, d_keys, d_values, out_rows;
+  OnlineSoftmaxScratch<T> flash;
+
+  SoftmaxBackwardScratch(index_t block_q, index_t block_k, index_t Dk, index_t Dv)
+      : probabilities(block_q, block_k), d_scores(block_q, block_k),
+        d_keys(std::max(block_q, block_k), Dk), d_values(block_k, Dv), out_rows(block_q, Dv),
+        flash(block_q, block_k, Dv) {}
+};
+
+/// `count` rows of D elements from `first`, `stride` apart, as a row-major matrix.
+template <class T>
+auto row_block(T* first, index_t count, index_t D, index_t stride) {
+  using Matrix = typename OnlineSoftmaxScratch<std::remove_const_t<T>>::Matrix;
+  using Mapped = std::conditional_t<std::is_const_v<T>, const Matrix, Matrix>;
+  return Eigen::Map<Mapped, Eigen::Unaligned, Eigen::OuterStride<>>(first, count, D,
+                                                                    Eigen::OuterStride<>(stride));
+}
+
+/// The keys of tile column 0 .. nk - 1 (key j0 + c) that query row t sees:
+/// columns [first, last], empty when first > last.
+struct VisibleColumns {
+  index_t first, last;
+  [[nodiscard]] index_t count() const noexcept { return std::max<index_t>(last - first + 1, 0); }
+};
+template <class Lowest, class Highest>
+VisibleColumns visible_columns(index_t t, index_t j0, index_t nk, Lowest&& lowest,
+                               Highest&& highest) {
+  return {std::max<index_t>(lowest(t) - j0, 0), std::min<index_t>(highest(t) - j0, nk - 1)};
+}
+
+/// The statistics pass 1 keeps of every row t: (b H + h) T + t.
+template <Real T>
+struct SoftmaxRowStatistics {
+  AlignedVector<T> row_max, inverse_sum, row_dot;  // m_t, 1 / l_t, D_t = <g_t, o_t>
+  explicit SoftmaxRowStatistics(index_t rows)
+      : row_max(static_cast<std::size_t>(rows)), inverse_sum(static_cast<std::size_t>(rows)),
+        row_dot(static_cast<std::size_t>(rows)) {}
+};
+
+/// P and dS of the tile of query rows i0 .. i0 + nq - 1 and keys j0 .. j0 + nk - 1:
+///   P_rc = exp(scale q_r . k_c - m_r) / l_r,  dS_rc = P_rc (<g_r, v_c> - D_r)
+/// where row i0 + r sees key j0 + c, and exactly 0 elsewhere (a NaN in a key or
+/// value a row cannot see never reaches that row).
+template <Real T, class QRows, class KRows, class VRows, class GRows, class Lowest, class Highest>
+void backward_tile(const QRows& Q, const KRows& K, const VRows& V, const GRows& G, index_t i0,
+                   index_t j0, const SoftmaxRowStatistics<T>& statistics, std::size_t first_row,
+                   T scale, Lowest&& lowest, Highest&& highest, SoftmaxBackwardScratch<T>& s) {
+  const index_t nq = Q.rows(), nk = K.rows();
+  auto P = s.probabilities.topLeftCorner(nq, nk);
+  auto dS = s.d_scores.topLeftCorner(nq, nk);
+  P.noalias() = (Q * K.transpose()) * scale;
+  dS.noalias() = G * V.transpose();  // dP = G V^T
+  for (index_t r = 0; r < nq; ++r) {
+    const VisibleColumns seen = visible_columns(i0 + r, j0, nk, lowest, highest);
+    T* p = P.row(r).data();
+    T* ds = dS.row(r).data();
+    const index_t n = seen.count();
+    if (n == 0) {
+      std::fill(p, p + nk, T(0));
+      std::fill(ds, ds + nk, T(0));
+      continue;
+    }
+    std::fill(p, p + seen.first, T(0));
+    std::fill(p + seen.last + 1, p + nk, T(0));
+    std::fill(ds, ds + seen.first, T(0));
+    std::fill(ds + seen.last + 1, ds + nk, T(0));
+    const std::size_t at = first_row + static_cast<std::size_t>(r);
+    (void)simd::exp_shifted_sum(p + seen.first, n, statistics.row_max[at], p + seen.first);
+    const T inverse_sum = statistics.inverse_sum[at], row_dot = statistics.row_dot[at];
+    for (index_t c = seen.first; c <= seen.last; ++c) {
+      p[c] *= inverse_sum;
+      ds[c] = p[c] * (ds[c] - row_dot);
+    }
+  }
+}
+
+/// The smallest t in [0, Tn) with pred(t) (pred monotone: false, then true); Tn if none.
+template <class Pred>
+index_t first_where(index_t Tn, Pred&& pred) {
+  index_t lo = 0, hi = Tn;
+  while (lo < hi) {
+    const index_t mid = lo + (hi - lo) / 2;
+    if (pred(mid))
+      hi = mid;
+    else
+      lo = mid + 1;
+  }
+  return lo;
+}
+
+/// The backward's schedule: one head per task when there are heads enough to
+/// keep every worker busy (d_queries then accumulates in place, and each tile's
+/// dS is computed once), else three passes over blocks (B H = 1 uses all cores).
+[[nodiscard]] inline bool softmax_backward_by_head(index_t heads, int workers) noexcept {
+  return heads >= 2 * index_t{workers};
+}
+
+template <bool Causal, Window Win, Real T>
+void softmax_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
+                      TensorView<const T, 4> v, TensorView<const T, 4> d_out,
+                      TensorView<T, 4> d_q, TensorView<T, 4> d_k, TensorView<T, 4> d_v, T scale,
+                      const Win& window) {
+  constexpr index_t block_q = 64, block_k = 64;
+  const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), Dk = q.extent(3);
+  const index_t Dv = v.extent(3);
+  if (Tn == 0 || B * H == 0) return;
+  const index_t query_blocks = (Tn + block_q - 1) / block_q;
+  const index_t key_blocks = (Tn + block_k - 1) / block_k;
+  const int workers = thread_count();
+  std::vector<SoftmaxBackwardScratch<T>> scratch(
+      static_cast<std::size_t>(workers), SoftmaxBackwardScratch<T>(block_q, block_k, Dk, Dv));
+  SoftmaxRowStatistics<T> statistics(B * H * Tn);
+  auto lowest = [&](index_t t) { return window.lowest_key(t); };
+  auto highest = [&](index_t t) {
+    const index_t hi = window.highest_key(t, Tn);
+    return Causal ? std::min(hi, t) : hi;
+  };
+  auto rows = [](auto view, index_t b, index_t first, index_t h, index_t count) {
+    return row_block(view.row(b, first, h), count, view.extent(3), view.stride(1));
+  };
+
+  // 1. Row statistics of query block qb, from the forward's flash step (the
+  //    same blocks, so the same o).
+  auto row_statistics = [&](index_t bh, index_t qb, SoftmaxBackwardScratch<T>& s) {
+    const index_t b = bh / H, h = bh % H;
+    const index_t i0 = qb * block_q, nq = std::min(block_q, Tn - i0);
+    const index_t key_lo = lowest(i0);
+    attend_query_block(q.row(b, i0, h), q.stride(1), i0, nq, Dk, Dv,
+                       KeyValueRows<T>{k.row(b, 0, h), k.stride(1), v.row(b, 0, h), v.stride(1)},
+                       key_lo - key_lo % block_k, block_k, scale, lowest, highest, s.flash,
+                       s.out_rows.data(), Dv);
+    const auto G = rows(d_out, b, i0, h, nq);
+    for (index_t r = 0; r < nq; ++r) {
+      const std::size_t at = static_cast<std::size_t>(bh * Tn + i0 + r);
+      statistics.row_max[at] = s.flash.row_max[r];
+      statistics.inverse_sum[at] = T(1) / s.flash.row_sum[r];
+      statistics.row_dot[at] = G.row(r).dot(s.out_rows.row(r));
+    }
+  };
+
+  // 2. dK and dV of key block kb, over the query rows that see it; with
+  //    `add_d_queries`, also d_queries += scale dS K over those rows.
+  auto key_block = [&](index_t bh, index_t kb, SoftmaxBackwardScratch<T>& s, bool add_d_queries) {
+    const index_t b = bh / H, h = bh % H;
+    const index_t j0 = kb * block_k, nk = std::min(block_k, Tn - j0);
+    const auto K = rows(k, b, j0, h, nk);
+    const auto V = rows(v, b, j0, h, nk);
+    auto dK = s.d_keys.topRows(nk);
+    auto dV = s.d_values.topRows(nk);
+    dK.setZero();
+    dV.setZero();
+    // Rows that see a key of the block: highest(t) >= j0 and lowest(t) <= j0 + nk - 1.
+    const index_t t_first = first_where(Tn, [&](index_t t) { return highest(t) >= j0; });
+    const index_t t_end = first_where(Tn, [&](index_t t) { return lowest(t) > j0 + nk - 1; });
+    for (index_t i0 = t_first; i0 < t_end; i0 += block_q) {
+      const index_t nq = std::min(block_q, t_end - i0);
+      const auto Q = rows(q, b, i0, h, nq);
+      const auto G = rows(d_out, b, i0, h, nq);
+      const std::size_t at = static_cast<std::size_t>(bh * Tn + i0);
+      backward_tile(Q, K, V, G, i0, j0, statistics, at, scale, lowest, highest, s);
+      const auto P = s.probabilities.topLeftCorner(nq, nk);
+      const auto dS = s.d_scores.topLeftCorner(nq, nk);
+      auto dQ = rows(d_q, b, i0, h, nq);
+      if (lowest(i0 + nq - 1) <= j0 && highest(i0) >= j0 + nk - 1) {  // every row sees every key
+        dV.noalias() += P.transpose() * G;
+        dK.noalias() += dS.transpose() * Q;
+        if (add_d_queries) dQ.noalias() += scale * (dS * K);
+      } else {  // only the keys each row sees, so a row's NaN reaches no other key
+        for (index_t r = 0; r < nq; ++r) {
+          const VisibleColumns seen = visible_columns(i0 + r, j0, nk, lowest, highest);
+          const index_t n = seen.count();
+          if (n == 0) continue;
+          dV.middleRows(seen.first, n).noalias() +=
+              P.row(r).segment(seen.first, n).transpose() * G.row(r);
+          dK.middleRows(seen.first, n).noalias() +=
+              dS.row(r).segment(seen.first, n).transpose() * Q.row(r);
+          if (add_d_queries)
+            dQ.row(r).noalias() +=
+                scale * (dS.row(r).segment(seen.first, n) * K.middleRows(seen.first, n));
+        }
+      }
+    }
+    rows(d_k, b, j0, h, nk) = dK * scale;
+    rows(d_v, b, j0, h, nk) = dV;
+  };
+
+  // 3. dQ of query block qb, over the key blocks it sees (the forward's blocks).
+  auto query_block = [&](index_t bh, index_t qb, SoftmaxBackwardScratch<T>& s) {
+    const index_t b = bh / H, h = bh % H;
+    const index_t i0 = qb * block_q, nq = std::min(block_q, Tn - i0);
+    const auto Q = rows(q, b, i0, h, nq);
+    const auto G = rows(d_out, b, i0, h, nq);
+    auto dQ = s.d_keys.topRows(nq);
+    dQ.setZero();
+    const std::size_t at = static_cast<std::size_t>(bh * Tn + i0);
+    const index_t key_lo = lowest(i0), key_hi = highest(i0 + nq - 1);
+    for (index_t j0 = key_lo - key_lo % block_k; j0 <= key_hi; j0 += block_k) {
+      const index_t j_first = std::max(j0, key_lo);
+      const index_t nk = std::min(j0 + block_k, key_hi + 1) - j_first;
+      if (nk <= 0) continue;
+      const auto K = rows(k, b, j_first, h, nk);
+      const auto V = rows(v, b, j_first, h, nk);
+      backward_tile(Q, K, V, G, i0, j_first, statistics, at, scale, lowest, highest, s);
+      const auto dS = s.d_scores.topLeftCorner(nq, nk);
+      if (lowest(i0 + nq - 1) <= j_first && highest(i0) >= j_first + nk - 1) {
+        dQ.noalias() += dS * K;
+      } else {
+        for (index_t r = 0; r < nq; ++r) {
+          const VisibleColumns seen = visible_columns(i0 + r, j_first, nk, lowest, highest);
+          const index_t n = seen.count();
+          if (n == 0) continue;
+          dQ.row(r).noalias() += dS.row(r).segment(seen.first, n) * K.middleRows(seen.first, n);
+        }
+      }
+    }
+    rows(d_q, b, i0, h, nq) = dQ * scale;
+  };
+
+  auto scratch_of = [&](int worker) -> SoftmaxBackwardScratch<T>& {
+    return scratch[static_cast<std::size_t>(worker)];
+  };
+  if (softmax_backward_by_head(B * H, workers)) {
+    // One head per task: its key blocks add to its d_queries rows in place,
+    // so dS is computed once (no pass 3).
+    parallel_for(B * H, workers, [&](index_t bh, int worker) {
+      const index_t b = bh / H, h = bh % H;
+      for (index_t qb = 0; qb < query_blocks; ++qb) row_statistics(bh, qb, scratch_of(worker));
+      rows(d_q, b, 0, h, Tn).setZero();
+      for (index_t kb = 0; kb < key_blocks; ++kb) key_block(bh, kb, scratch_of(worker), true);
+    });
+  } else {
+    parallel_for(B * H * query_blocks, workers, [&](index_t task, int worker) {
+      row_statistics(task / query_blocks, task % query_blocks, scratch_of(worker));
+    });
+    parallel_for(B * H * key_blocks, workers, [&](index_t task, int worker) {
+      key_block(task / key_blocks, task % key_blocks, scratch_of(worker), false);
+    });
+    parallel_for(B * H * query_blocks, workers, [&](index_t task, int worker) {
+      query_block(task / query_blocks, task % query_blocks, scratch_of(worker));
+    });
+  }
 }
 
 /// One KV-cache decode step for one (b, h): stores (k, v) at `position`, then

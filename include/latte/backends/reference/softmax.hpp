@@ -1,5 +1,6 @@
 #pragma once
-// Reference backend for exact softmax attention (DESIGN §3.1) and its KV-cache decode.
+// Reference backend for exact softmax attention (DESIGN §3.1), its backward
+// (§3.6) and its KV-cache decode.
 //
 // One query row is computed with the online-softmax recurrence
 // (running maximum m, normaliser l, accumulator o): the same exact result as
@@ -8,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
@@ -59,6 +61,78 @@ void softmax_forward(TensorView<const T, 4> q, TensorView<const T, 4> k, TensorV
             [&](index_t j) { return k.row(b, lo + j, h); },
             [&](index_t j) { return v.row(b, lo + j, h); }, out.row(b, t, h));
       }
+}
+
+/// The gradients of softmax attention (FlashAttention-2's backward, DESIGN §3.6)
+/// for g = d_out: per query row t, with P_ts = softmax_s(scale q_t . k_s) over
+/// the allowed s and D_t = <g_t, o_t>,
+///   dv_s += P_ts g_t,  dS_ts = P_ts (<g_t, v_s> - D_t),
+///   dq_t += scale dS_ts k_s,  dk_s += scale dS_ts q_t.
+/// The row's softmax and o_t are recomputed: nothing is kept from the forward.
+template <bool Causal, Window Win, Real T>
+void softmax_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
+                      TensorView<const T, 4> v, TensorView<const T, 4> d_out,
+                      TensorView<T, 4> d_q, TensorView<T, 4> d_k, TensorView<T, 4> d_v, T scale,
+                      const Win& window) {
+  const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), Dk = q.extent(3);
+  const index_t Dv = v.extent(3);
+  std::vector<T> o(static_cast<std::size_t>(Dv));
+  for (index_t b = 0; b < B; ++b)
+    for (index_t h = 0; h < H; ++h) {
+      for (index_t t = 0; t < Tn; ++t) {
+        std::fill(d_q.row(b, t, h), d_q.row(b, t, h) + Dk, T(0));
+        std::fill(d_k.row(b, t, h), d_k.row(b, t, h) + Dk, T(0));
+        std::fill(d_v.row(b, t, h), d_v.row(b, t, h) + Dv, T(0));
+      }
+      for (index_t t = 0; t < Tn; ++t) {
+        const index_t lo = window.lowest_key(t);
+        index_t hi = window.highest_key(t, Tn);
+        if constexpr (Causal) hi = std::min(hi, t);
+        const T* q_t = q.row(b, t, h);
+        const T* g_t = d_out.row(b, t, h);
+        auto score = [&](index_t s) {
+          T dot = 0;
+          for (index_t d = 0; d < Dk; ++d) dot += q_t[d] * k.row(b, s, h)[d];
+          return scale * dot;
+        };
+        // The row's softmax: max m and normaliser l = sum exp(score - m), kept
+        // apart (m + log l rounded to T would lose log l's digits when |m| is large).
+        T m = -std::numeric_limits<T>::infinity();
+        for (index_t s = lo; s <= hi; ++s) {
+          const T x = score(s);
+          m = std::isnan(x) ? x : std::max(m, x);
+        }
+        T l = 0;
+        for (index_t s = lo; s <= hi; ++s) l += std::exp(score(s) - m);
+        auto probability = [&](index_t s) { return std::exp(score(s) - m) / l; };
+        // o_t = sum_s P_ts v_s, D_t = <g_t, o_t>.
+        std::fill(o.begin(), o.end(), T(0));
+        for (index_t s = lo; s <= hi; ++s) {
+          const T p = probability(s);
+          for (index_t d = 0; d < Dv; ++d) o[d] += p * v.row(b, s, h)[d];
+        }
+        T D = 0;
+        for (index_t d = 0; d < Dv; ++d) D += g_t[d] * o[d];
+        for (index_t s = lo; s <= hi; ++s) {
+          const T p = probability(s);
+          const T* v_s = v.row(b, s, h);
+          T* dv_s = d_v.row(b, s, h);
+          T dp = 0;  // <g_t, v_s>
+          for (index_t d = 0; d < Dv; ++d) {
+            dv_s[d] += p * g_t[d];
+            dp += g_t[d] * v_s[d];
+          }
+          const T ds = p * (dp - D);
+          const T* k_s = k.row(b, s, h);
+          T* dk_s = d_k.row(b, s, h);
+          T* dq_t = d_q.row(b, t, h);
+          for (index_t d = 0; d < Dk; ++d) {
+            dq_t[d] += scale * ds * k_s[d];
+            dk_s[d] += scale * ds * q_t[d];
+          }
+        }
+      }
+    }
 }
 
 /// The KV cache of one (batch, head): `capacity` slots used as a ring.
