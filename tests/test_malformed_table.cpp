@@ -608,6 +608,33 @@ MultiOutputEntry<4> softmax_backward_entry(E exec_tag) {
   return entry;
 }
 
+/// backward(query_logits, key_logits, values, d_out, {d_query_logits,
+/// d_key_logits, d_values}) of a Latte attention: B and T come from
+/// query_logits, so its B or T is reported on key_logits.
+template <class M, class E>
+MultiOutputEntry<4> latte_backward_entry(E exec_tag) {
+  auto attention = std::make_shared<const typename M::A>(M::make());
+  MultiOutputEntry<4> entry;
+  entry.entry = entry_name<M>("backward", E::name);
+  entry.inputs = sequence_args<M>();
+  entry.inputs.push_back({"d_out", {kB, kT, kH, kDv}});
+  entry.outputs = {{"gradients.d_query_logits", {kB, kT, kH, kL}},
+                   {"gradients.d_key_logits", {kB, kT, kH, kL}},
+                   {"gradients.d_values", {kB, kT, kH, kDv}}};
+  entry.dim_names = kSequenceDims;
+  entry.invoke = [attention, exec_tag](const In4& in, const std::vector<Out4>& out) {
+    attention->backward(exec_tag, in[0], in[1], in[2], in[3],
+                        LatteGradients<float>{out[0], out[1], out[2]});
+  };
+  entry.blame = [names = std::vector<std::string>{
+                     "query_logits", "key_logits", "values", "d_out", "gradients.d_query_logits",
+                     "gradients.d_key_logits", "gradients.d_values"}](std::size_t arg,
+                                                                      std::size_t dim) {
+    return arg == 0 && dim < 2 ? names[1] : names[arg];
+  };
+  return entry;
+}
+
 // ------------------------------------------------------ cross-attention --
 
 /// Cross-attention blame: queries' B is reported on the next source tensor,
@@ -697,6 +724,10 @@ Registry build_registry() {
   add_sequence_and_decode<SoftmaxCausal>(registry, exec::cpu);
   add_sequence_and_decode<SoftmaxWindowed>(registry, exec::reference);
   add_sequence_and_decode<SoftmaxWindowed>(registry, exec::cpu);
+  registry.add(latte_backward_entry<LatteVapor>(exec::reference));
+  registry.add(latte_backward_entry<LatteVapor>(exec::cpu));
+  registry.add(latte_backward_entry<LatteBidirectional>(exec::reference));
+  registry.add(latte_backward_entry<LatteBidirectional>(exec::cpu));
   registry.add(softmax_backward_entry<SoftmaxCausal>(exec::reference));
   registry.add(softmax_backward_entry<SoftmaxCausal>(exec::cpu));
   registry.add(softmax_backward_entry<SoftmaxWindowed>(exec::reference));

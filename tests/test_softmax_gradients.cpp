@@ -92,7 +92,7 @@ struct OracleLoss {
 /// dL/dq, dL/dk, dL/dv of every element by central differences (head by head:
 /// a head's loss reads only that head).
 std::array<TensorLD<4>, 3> central_gradients(const GradientCase& c,
-                                             long double relative_step = 1e-4L) {
+                                             long double step = 1e-4L) {
   std::array<TensorLD<4>, 3> gradient{TensorLD<4>(c.q.extents()), TensorLD<4>(c.k.extents()),
                                       TensorLD<4>(c.v.extents())};
   for (index_t b = 0; b < c.q.extent(0); ++b)
@@ -101,7 +101,7 @@ std::array<TensorLD<4>, 3> central_gradients(const GradientCase& c,
       const TensorLD<4> d_out = head_of(c.d_out, b, h);
       const OracleLoss loss{c.mask, static_cast<long double>(c.scale), q, k, v, d_out};
       const GradientValues head =
-          central_differences(loss, {as_input(q), as_input(k), as_input(v)}, relative_step);
+          central_differences(loss, {as_input(q), as_input(k), as_input(v)}, step);
       for (std::size_t input = 0; input < 3; ++input) {
         const index_t D = gradient[input].extent(3);
         for (index_t t = 0; t < c.q.extent(1); ++t)
