@@ -424,52 +424,59 @@ void latte_bidirectional_backward_head(TensorView<const T, 4> q, TensorView<cons
                                        TensorView<T, 4> dq, TensorView<T, 4> dk,
                                        TensorView<T, 4> dv, const double* theta,
                                        double* d_theta) {
-  using Matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  using RowVector = Eigen::Matrix<T, 1, Eigen::Dynamic>;
   constexpr index_t W = simd::width<T>;
   const index_t Tn = q.extent(1), L = q.extent(3), Dv = v.extent(3);
+  if (Tn == 0) return;
   const auto Q = head_matrix(q, 0, 0), K = head_matrix(k, 0, 0);
   auto dQ = head_matrix(dq, 0, 0), dK = head_matrix(dk, 0, 0), dV = head_matrix(dv, 0, 0);
-  // V~ = R^{-s} v_s and G~ = R^{-t} g_t under VAPOR (copies), else the inputs.
-  Matrix rotated_v, rotated_g;
-  auto rotated = [&](const TensorView<const T, 4>& x, Matrix& into) {
-    into = head_matrix(x, 0, 0);
-    if constexpr (Pos::rotates_values)
-      for (index_t t = 0; t < Tn; ++t) Pos::rotate(into.row(t).data(), Dv, theta, -t);
+  // One workspace, carved into the matrices below (so that latte-compare's
+  // allocation counter sees it: Eigen's own temporaries bypass operator new).
+  const index_t rotated_rows = Pos::rotates_values ? Tn : 0, y_rows = d_theta ? Tn : 0;
+  AlignedVector<T> workspace(static_cast<std::size_t>(latte::detail::checked_sum(
+      "query_logits", {3 * Tn * L, (2 * rotated_rows + Tn + y_rows) * Dv, 2 * L * Dv, 3 * L})));
+  T* next = workspace.data();
+  auto matrix = [&](index_t rows, index_t cols) {
+    HeadMatrix<T> m(next, rows, cols, Eigen::OuterStride<>(cols));
+    next += rows * cols;
+    return m;
   };
+  auto rotated_v = matrix(rotated_rows, Dv), rotated_g = matrix(rotated_rows, Dv);
+  auto weight = matrix(Tn, L), p = matrix(Tn, L), dp = matrix(Tn, L);
+  auto d_vtilde = matrix(Tn, Dv), y = matrix(y_rows, Dv);
+  auto memory = matrix(L, Dv), memory_bar = matrix(L, Dv);
+  auto shift = matrix(1, L), alpha = matrix(1, L), normaliser_bar = matrix(1, L);
+  // V~ = R^{-s} v_s and G~ = R^{-t} g_t under VAPOR (copies), else the inputs.
   if constexpr (Pos::rotates_values) {
-    rotated(v, rotated_v);
-    rotated(g, rotated_g);
+    rotated_v = head_matrix(v, 0, 0);
+    rotated_g = head_matrix(g, 0, 0);
+    for (index_t t = 0; t < Tn; ++t) {
+      Pos::rotate(rotated_v.row(t).data(), Dv, theta, -t);
+      Pos::rotate(rotated_g.row(t).data(), Dv, theta, -t);
+    }
   }
-  const auto Vt = [&] {
-    if constexpr (Pos::rotates_values) return ConstHeadMatrix<T>(rotated_v.data(), Tn, Dv, Eigen::OuterStride<>(Dv));
-    else return head_matrix(v, 0, 0);
-  }();
-  const auto Gt = [&] {
-    if constexpr (Pos::rotates_values) return ConstHeadMatrix<T>(rotated_g.data(), Tn, Dv, Eigen::OuterStride<>(Dv));
-    else return head_matrix(g, 0, 0);
-  }();
+  auto constant = [](const HeadMatrix<T>& m) {
+    return ConstHeadMatrix<T>(m.data(), m.rows(), m.cols(), Eigen::OuterStride<>(m.outerStride()));
+  };
+  const ConstHeadMatrix<T> Vt = Pos::rotates_values ? constant(rotated_v) : head_matrix(v, 0, 0);
+  const ConstHeadMatrix<T> Gt = Pos::rotates_values ? constant(rotated_g) : head_matrix(g, 0, 0);
   // W = exp(K - shift), the shift each latent's column maximum (the forward's).
-  if (Tn == 0) return;
-  RowVector shift(L);
   for (index_t l = 0; l < L; ++l) {
     T column_max = -std::numeric_limits<T>::infinity();
     for (index_t s = 0; s < Tn; ++s) column_max = std::max(column_max, K(s, l));
-    shift(l) = Stab::reference_for(column_max);
+    shift(0, l) = Stab::reference_for(column_max);
   }
-  Matrix weight(Tn, L);
   for (index_t s = 0; s < Tn; ++s) {
     const T* key = K.row(s).data();
     T* out = weight.row(s).data();
     index_t l = 0;
     for (; l + W <= L; l += W)
       simd::store(out + l, simd::exp(simd::load(key + l) - simd::load(shift.data() + l)));
-    for (; l < L; ++l) out[l] = std::exp(key[l] - shift(l));
+    for (; l < L; ++l) out[l] = std::exp(key[l] - shift(0, l));
   }
-  const RowVector alpha = weight.colwise().sum();
-  const Matrix memory = weight.transpose() * Vt;  // M^ [L x Dv]
+  alpha = weight.colwise().sum();
+  memory.noalias() = weight.transpose() * Vt;  // M^ [L x Dv]
   // P = softmax rows of Q; dp = <g~_t, M^_l> / alpha^_l; rw = P / alpha^ (0 where alpha^ = 0).
-  Matrix p(Tn, L), dp = Gt * memory.transpose();
+  dp.noalias() = Gt * memory.transpose();
   for (index_t t = 0; t < Tn; ++t) {
     T beta;
     latent_softmax_exps(Q.row(t).data(), 0, 1, L, p.row(t).data(), &beta);
@@ -477,27 +484,26 @@ void latte_bidirectional_backward_head(TensorView<const T, 4> q, TensorView<cons
     T mean = 0;
     for (index_t l = 0; l < L; ++l) {
       const T pl = p(t, l) * inverse_beta;
-      const bool read = alpha(l) != T(0);
-      const T dpl = read ? dp(t, l) / alpha(l) : T(0);
+      const T dpl = alpha(0, l) != T(0) ? dp(t, l) / alpha(0, l) : T(0);
       mean += pl * dpl;
       dp(t, l) = dpl;
       p(t, l) = pl;
     }
     for (index_t l = 0; l < L; ++l) {
       dQ(t, l) = p(t, l) * (dp(t, l) - mean);
-      p(t, l) = alpha(l) != T(0) ? p(t, l) / alpha(l) : T(0);  // now rw
+      p(t, l) = alpha(0, l) != T(0) ? p(t, l) / alpha(0, l) : T(0);  // now rw
     }
   }
-  const Matrix memory_bar = p.transpose() * Gt;                          // Mbar [L x Dv]
-  const RowVector normaliser_bar = -(p.array() * dp.array()).colwise().sum();  // Abar
-  Matrix d_vtilde = weight * memory_bar;                                   // [T x Dv]
+  memory_bar.noalias() = p.transpose() * Gt;                                // Mbar [L x Dv]
+  normaliser_bar = -(p.array() * dp.array()).colwise().sum();               // Abar
+  d_vtilde.noalias() = weight * memory_bar;                                 // [T x Dv]
   dK.noalias() = Vt * memory_bar.transpose();
   for (index_t s = 0; s < Tn; ++s)
     for (index_t l = 0; l < L; ++l)
-      dK(s, l) = weight(s, l) == T(0) ? T(0) : weight(s, l) * (dK(s, l) + normaliser_bar(l));
+      dK(s, l) = weight(s, l) == T(0) ? T(0) : weight(s, l) * (dK(s, l) + normaliser_bar(0, l));
   if constexpr (Pos::rotates_values) {
     if (d_theta) {
-      const Matrix y = p * memory;  // the unrotated outputs
+      y.noalias() = p * memory;  // the unrotated outputs
       for (index_t t = 0; t < Tn; ++t) {
         reference::accumulate_angle_gradient(d_theta, Dv, Gt.row(t).data(), y.row(t).data(), t);
         reference::accumulate_angle_gradient(d_theta, Dv, d_vtilde.row(t).data(), Vt.row(t).data(), -t);
@@ -507,6 +513,7 @@ void latte_bidirectional_backward_head(TensorView<const T, 4> q, TensorView<cons
   } else {
     (void)theta;
     (void)d_theta;
+    (void)y;
   }
   dV = d_vtilde;
 }
