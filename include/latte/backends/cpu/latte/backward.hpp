@@ -21,15 +21,17 @@
 // under VAPOR, the rotated values and d_out): M^ = W^T V~, dp = G~ M^^T / alpha^,
 // Mbar = (P / alpha^)^T G~, dv~ = W Mbar, dk = W o (V~ Mbar^T + Abar).
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "latte/backends/cpu/latte/forward.hpp"
-#include "latte/core/eigen.hpp"
 #include "latte/backends/cpu/parallel.hpp"
 #include "latte/backends/cpu/simd.hpp"
 #include "latte/backends/reference/latte.hpp"
 #include "latte/core/checked_size.hpp"
+#include "latte/core/eigen.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
 #include "latte/policies/positional.hpp"
