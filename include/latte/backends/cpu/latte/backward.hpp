@@ -49,7 +49,7 @@ TensorView<T, 4> head_view(const TensorView<T, 4>& x, index_t b, index_t h) {
                           {x.stride(0), x.stride(1), x.stride(2), x.stride(3)});
 }
 
-/// Runs `backward(b, h, angles of the head, d_angles of the task, worker)`
+/// Runs `backward(b, h, the head's angles (or null), d_angles of the task, worker)`
 /// for every (batch, head) in parallel; per-task angle gradients are summed
 /// into `d_angles` [H * (Dv/2)] afterwards, in a fixed order.
 template <Real T, class Backward>
@@ -62,11 +62,8 @@ void for_each_head(const TensorView<const T, 4>& q, index_t Dv, const std::vecto
                                              : 0);
   parallel_for(heads, thread_count(), [&](index_t i, int worker) {
     const index_t b = i / H, h = i % H;
-    const std::vector<double> head_angles =
-        angles.empty() ? std::vector<double>{}
-                       : std::vector<double>(angles.begin() + h * pairs,
-                                             angles.begin() + (h + 1) * pairs);
-    backward(b, h, head_angles, d_angles ? task_d_angles.data() + i * pairs : nullptr, worker);
+    const double* theta = angles.empty() ? nullptr : angles.data() + h * pairs;
+    backward(b, h, theta, d_angles ? task_d_angles.data() + i * pairs : nullptr, worker);
   });
   if (d_angles)
     for (index_t i = 0; i < heads; ++i)
@@ -406,12 +403,12 @@ void latte_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
   for (int worker = 0; worker < thread_count(); ++worker)
     scratch.emplace_back(q.extent(1), q.extent(3), v.extent(3));
   detail::for_each_head<T>(q, v.extent(3), angles, d_angles,
-                           [&](index_t b, index_t h, const std::vector<double>& head_angles,
+                           [&](index_t b, index_t h, const double* theta,
                                double* head_d_angles, int worker) {
     latte_causal_backward_head<Stab, Pos>(
         head_view(q, b, h), head_view(k, b, h), head_view(v, b, h), head_view(g, b, h),
         head_view(dq, b, h), head_view(dk, b, h), head_view(dv, b, h),
-        head_angles.empty() ? nullptr : head_angles.data(), first_position,
+        theta, first_position,
         [&](LatteCarry<T> carry) { initial_of(b, h, carry); },
         [&](const T* m_T) { return final_gradient_of(b, h, m_T); },
         [&] { return initial_gradient_of(b, h); }, head_d_angles,
@@ -528,12 +525,12 @@ void latte_bidirectional_backward(TensorView<const T, 4> q, TensorView<const T, 
                                   const std::vector<double>& angles, double* d_angles) {
   using detail::head_view;
   detail::for_each_head<T>(q, v.extent(3), angles, d_angles,
-                           [&](index_t b, index_t h, const std::vector<double>& head_angles,
+                           [&](index_t b, index_t h, const double* theta,
                                double* head_d_angles, int) {
     latte_bidirectional_backward_head<Stab, Pos>(
         head_view(q, b, h), head_view(k, b, h), head_view(v, b, h), head_view(g, b, h),
         head_view(dq, b, h), head_view(dk, b, h), head_view(dv, b, h),
-        head_angles.empty() ? nullptr : head_angles.data(), head_d_angles);
+        theta, head_d_angles);
   });
 }
 
