@@ -17,10 +17,15 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <limits>
+#include <random>
 #include <span>
 #include <vector>
 
+#include <doctest/doctest.h>
+
 #include "oracles/tensor_ld.hpp"
+#include "tolerances.hpp"
 
 namespace latte::test {
 
@@ -100,6 +105,73 @@ void accumulate_product(DirectionalProduct& product, std::span<const T> gradient
     product.value += term;
     product.magnitude += std::fabs(term);
   }
+}
+
+template <class T, std::size_t N>
+TensorLD<N> to_long_double(const Tensor<T, N>& x) {
+  TensorLD<N> y(x.extents());
+  for (index_t i = 0; i < x.size(); ++i) y.data()[i] = x.data()[i];
+  return y;
+}
+
+/// max |got - expected| / scale over one gradient, scale = max |expected| but
+/// at least 1 % of `floor` (the largest entry of all the problem's gradients):
+/// a gradient that is exactly zero (dq and dk at T = 1) is measured against the
+/// others, not against the differences' own noise.
+template <class T>
+double gradient_error(std::span<const T> got, const std::vector<long double>& expected,
+                      long double floor) {
+  long double worst = 0, scale = floor / 100;
+  for (std::size_t i = 0; i < expected.size(); ++i) {
+    if (!std::isfinite(static_cast<double>(got[i]))) return std::numeric_limits<double>::infinity();
+    worst = std::max(worst, std::fabs((long double)got[i] - expected[i]));
+    scale = std::max(scale, std::fabs(expected[i]));
+  }
+  return static_cast<double>(scale == 0 ? worst : worst / scale);
+}
+
+template <class T, std::size_t N>
+std::span<const T> span_of(const Tensor<T, N>& x) {
+  return {x.data(), static_cast<std::size_t>(x.size())};
+}
+
+/// Every element's gradient against central differences of the oracle's loss.
+/// A problem has loss() (an object with operator() and inputs()) and
+/// gradients() (the kernel's, one span per input, in the same order, named
+/// by `names`).
+template <class T, class P>
+void check_every_element(P& problem, const char* const* names) {
+  auto loss = problem.loss();
+  const GradientValues expected = central_differences(loss, loss.inputs());
+  const auto got = problem.gradients();
+  long double largest = 0;
+  for (const auto& gradient : expected)
+    for (const long double x : gradient) largest = std::max(largest, std::fabs(x));
+  for (std::size_t j = 0; j < got.size(); ++j) {
+    INFO(std::string(names[j]));
+    CHECK(gradient_error(got[j], expected[j], largest) <= Tolerance<T>::gradient);
+  }
+}
+
+/// <gradient, direction> against the oracle loss's derivative along a random direction.
+template <class T, class P, class Random>
+void check_direction(P& problem, Random& rng) {
+  auto loss = problem.loss();
+  const GradientInputs inputs = loss.inputs();
+  GradientValues direction;
+  std::normal_distribution<double> normal(0.0, 1.0);
+  for (const auto& input : inputs) {
+    auto& d = direction.emplace_back(input.size());
+    for (auto& x : d) x = normal(rng);
+  }
+  const long double expected = directional_derivative(loss, inputs, direction);
+  DirectionalProduct product;
+  const auto got = problem.gradients();
+  for (std::size_t j = 0; j < got.size(); ++j) accumulate_product(product, got[j], direction[j]);
+  const double error = product.magnitude == 0
+                           ? static_cast<double>(std::fabs(expected))
+                           : static_cast<double>(std::fabs(product.value - expected) / product.magnitude);
+  CHECK(error <= Tolerance<T>::gradient);
 }
 
 }  // namespace latte::test

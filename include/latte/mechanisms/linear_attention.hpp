@@ -20,6 +20,11 @@
 //       .key_dim = 64, .value_dim = 64});
 //   attention.forward(latte::exec::cpu, q, k, v, out.view());  // or exec::reference
 //
+// backward(exec, q, k, v, d_out, gradients[, state_gradients]) and
+// cross_backward give the gradients of a loss with respect to the inputs
+// (and LeaP's proportions or module weights) from its gradient d_out; they
+// keep nothing from the forward (docs/backward.md).
+//
 // Every call also exists without the execution tag, running on exec::default_t
 // (exec::cpu).
 #include <algorithm>
@@ -41,6 +46,7 @@
 #include "latte/core/state_storage.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
+#include "latte/mechanisms/linear_gradients.hpp"
 #include "latte/mechanisms/linear_state.hpp"
 #include "latte/policies/direction.hpp"
 #include "latte/policies/execution.hpp"
@@ -273,6 +279,69 @@ class LinearAttention {
     run_step<E, T>(state, queries, keys, values, out, &proportions);
   }
 
+  // ----------------------------------------------------------- backward --
+
+  /// Gradients of a loss whose gradient with respect to `out` is `d_out`
+  /// [B, T, H, Dv]: writes gradients.d_queries, d_keys, d_values and, with LeaP
+  /// modules, accumulates into gradients.d_query_module / d_key_module when
+  /// given. The forward is recomputed from the inputs.
+  template <exec::Policy E, Real T>
+  void backward(E, InputView<T> queries, InputView<T> keys, InputView<T> values,
+                InputView<T> d_out, const LinearGradients<T>& gradients) const {
+    run_backward<E, T>(queries, keys, values, nullptr, d_out, gradients, nullptr, false);
+  }
+
+  /// As above, with the forward's precomputed proportions [B, T, H] (LeaP):
+  /// their gradients accumulate into gradients.d_query_proportions and
+  /// d_key_proportions when those are not empty.
+  template <exec::Policy E, Real T>
+    requires(learned_proportions)
+  void backward(E, InputView<T> queries, InputView<T> keys, InputView<T> values,
+                Proportions<T> proportions, InputView<T> d_out,
+                const LinearGradients<T>& gradients) const {
+    run_backward<E, T>(queries, keys, values, &proportions, d_out, gradients, nullptr, false);
+  }
+
+  /// Causal backward of a forward that continued from `states.initial`, with
+  /// the gradient of the state it left (`states.d_final`); writes the gradient
+  /// of the initial state into `states.d_initial`. Backward over chunks chained
+  /// through these equals the backward over the whole sequence.
+  template <exec::Policy E, Real T>
+    requires(Dir::is_causal)
+  void backward(E, InputView<T> queries, InputView<T> keys, InputView<T> values,
+                InputView<T> d_out, const LinearGradients<T>& gradients,
+                const LinearStateGradients<T>& states) const {
+    run_backward<E, T>(queries, keys, values, nullptr, d_out, gradients, &states, false);
+  }
+
+  /// As above, with precomputed proportions (LeaP).
+  template <exec::Policy E, Real T>
+    requires(Dir::is_causal && learned_proportions)
+  void backward(E, InputView<T> queries, InputView<T> keys, InputView<T> values,
+                Proportions<T> proportions, InputView<T> d_out,
+                const LinearGradients<T>& gradients,
+                const LinearStateGradients<T>& states) const {
+    run_backward<E, T>(queries, keys, values, &proportions, d_out, gradients, &states, false);
+  }
+
+  /// Gradients of cross_forward: d_queries [B, T, H, Dk], d_keys [B, S, H, Dk],
+  /// d_values [B, S, H, Dv].
+  template <exec::Policy E, Real T>
+    requires(!Dir::is_causal)
+  void cross_backward(E, InputView<T> queries, InputView<T> keys, InputView<T> values,
+                      InputView<T> d_out, const LinearGradients<T>& gradients) const {
+    run_backward<E, T>(queries, keys, values, nullptr, d_out, gradients, nullptr, true);
+  }
+
+  /// As above, with precomputed proportions P_q [B, T, H] and P_k [B, S, H] (LeaP).
+  template <exec::Policy E, Real T>
+    requires(!Dir::is_causal && learned_proportions)
+  void cross_backward(E, InputView<T> queries, InputView<T> keys, InputView<T> values,
+                      Proportions<T> proportions, InputView<T> d_out,
+                      const LinearGradients<T>& gradients) const {
+    run_backward<E, T>(queries, keys, values, &proportions, d_out, gradients, nullptr, true);
+  }
+
   // The same calls without an execution tag run on exec::default_t (exec::cpu).
   template <Real T>
   void forward(InputView<T> queries, InputView<T> keys, InputView<T> values,
@@ -321,6 +390,45 @@ class LinearAttention {
             StepInputView<T> values, StepProportionViews<T> proportions,
             TensorView<T, 3> out) const {
     step(exec::default_t{}, state, queries, keys, values, proportions, out);
+  }
+
+  template <Real T>
+  void backward(InputView<T> queries, InputView<T> keys, InputView<T> values, InputView<T> d_out,
+                const LinearGradients<T>& gradients) const {
+    backward(exec::default_t{}, queries, keys, values, d_out, gradients);
+  }
+  template <Real T>
+    requires(learned_proportions)
+  void backward(InputView<T> queries, InputView<T> keys, InputView<T> values,
+                Proportions<T> proportions, InputView<T> d_out,
+                const LinearGradients<T>& gradients) const {
+    backward(exec::default_t{}, queries, keys, values, proportions, d_out, gradients);
+  }
+  template <Real T>
+    requires(Dir::is_causal)
+  void backward(InputView<T> queries, InputView<T> keys, InputView<T> values, InputView<T> d_out,
+                const LinearGradients<T>& gradients, const LinearStateGradients<T>& states) const {
+    backward(exec::default_t{}, queries, keys, values, d_out, gradients, states);
+  }
+  template <Real T>
+    requires(Dir::is_causal && learned_proportions)
+  void backward(InputView<T> queries, InputView<T> keys, InputView<T> values,
+                Proportions<T> proportions, InputView<T> d_out,
+                const LinearGradients<T>& gradients, const LinearStateGradients<T>& states) const {
+    backward(exec::default_t{}, queries, keys, values, proportions, d_out, gradients, states);
+  }
+  template <Real T>
+    requires(!Dir::is_causal)
+  void cross_backward(InputView<T> queries, InputView<T> keys, InputView<T> values,
+                      InputView<T> d_out, const LinearGradients<T>& gradients) const {
+    cross_backward(exec::default_t{}, queries, keys, values, d_out, gradients);
+  }
+  template <Real T>
+    requires(!Dir::is_causal && learned_proportions)
+  void cross_backward(InputView<T> queries, InputView<T> keys, InputView<T> values,
+                      Proportions<T> proportions, InputView<T> d_out,
+                      const LinearGradients<T>& gradients) const {
+    cross_backward(exec::default_t{}, queries, keys, values, proportions, d_out, gradients);
   }
 
  private:
@@ -644,6 +752,268 @@ class LinearAttention {
                                                      state.scratch());
       }
     state.advance(1);
+  }
+
+  // ----------------------------------------------------------- backward --
+
+  /// The gradient of a token's proportion: into the given proportions'
+  /// gradient (when wanted) or back through the LeaP module (its input's
+  /// gradient always; its weights' into `module_gradients[2 * worker + side]`
+  /// when that is not empty). Nothing for cosFormer's fixed proportions.
+  template <Real T>
+  [[nodiscard]] auto proportion_gradient(const SequenceProportions<T>* given,
+                                         const LinearGradients<T>& gradients,
+                                         std::vector<LeaPModule>& module_gradients) const {
+    using reference::Side;
+    if constexpr (learned_proportions) {
+      return [this, given, &gradients, &module_gradients](
+                 int worker, Side side, index_t b, index_t t, index_t h,
+                 const Proportion& proportion, double d_proportion, const T* phi, T* d_phi) {
+        const bool query = side == Side::query;
+        if (given) {
+          const TensorView<T, 3>& into =
+              query ? gradients.d_query_proportions : gradients.d_key_proportions;
+          if (!into.empty()) into(b, t, h) += static_cast<T>(d_proportion);
+          return;
+        }
+        const LeaPModule& module =
+            query ? *options_.reweight.query_module : *options_.reweight.key_module;
+        LeaPModule* weights = module_gradients.empty()
+                                  ? nullptr
+                                  : &module_gradients[static_cast<std::size_t>(
+                                        2 * worker + (query ? 0 : 1))];
+        module.backward(phi, proportion, d_proportion, d_phi, weights);
+      };
+    } else {
+      (void)given, (void)gradients, (void)module_gradients;
+      return [](int, Side, index_t, index_t, index_t, const Proportion&, double, const T*,
+                T*) {};
+    }
+  }
+
+  template <class E, Real T>
+  void run_backward(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
+                    const TensorView<const T, 4>& v, const SequenceProportions<T>* given,
+                    const TensorView<const T, 4>& d_out, const LinearGradients<T>& gradients,
+                    const LinearStateGradients<T>* states, bool cross) const {
+    static_assert(!std::is_same_v<E, exec::cuda_t> && !exec::cuda_unavailable<E>,
+                  "LinearAttention::backward runs on exec::reference and exec::cpu (no CUDA "
+                  "backward yet)");
+    static_assert(exec::implemented<E>, "this execution backend is not implemented yet");
+    static_assert(DifferentiableFeatureMap<Map>,
+                  "backward needs the feature map's derivative: give the map a static "
+                  "backward(x, d_phi, d_x) (policies/feature_map.hpp)");
+    validate_backward(q, k, v, given, d_out, gradients, cross);
+    if (!given) require_modules();
+    const index_t B = q.extent(0), Tn = q.extent(1), H = dims_.heads;
+    const index_t Ex = expanded_dim(), Dv = dims_.value_dim;
+    if (states) validate_state_gradients(*states, B, Tn);
+    // LeaP module weight gradients: one pair per worker, summed at the end.
+    std::vector<LeaPModule> module_gradients;
+    if constexpr (learned_proportions) {
+      if (!given && (gradients.d_query_module || gradients.d_key_module)) {
+        const int workers = std::is_same_v<E, exec::cpu_t> ? cpu::thread_count() : 1;
+        for (int w = 0; w < workers; ++w) {
+          module_gradients.push_back(options_.reweight.query_module->zeros_like());
+          module_gradients.push_back(options_.reweight.key_module->zeros_like());
+        }
+      }
+    }
+    const auto proportion_backward = proportion_gradient<T>(given, gradients, module_gradients);
+    const reference::LinearSpec call = spec();
+    if constexpr (Dir::is_causal) {
+      (void)cross;
+      const LinearState<T>* initial = states ? states->initial : nullptr;
+      const LinearState<T>* d_final = states ? states->d_final : nullptr;
+      LinearState<T>* d_initial = states ? states->d_initial : nullptr;
+      if (d_initial) *d_initial = initial ? *initial : make_state<T>(B);
+      const std::int64_t first_position = initial ? initial->position() : 0;
+      index_t length = 0;
+      if constexpr (position_proportions)
+        length = initial ? initial->length() : cosformer_length(Tn, Tn);
+      auto carry_at = [&](const LinearState<T>& state, index_t b, index_t h) {
+        const index_t head = b * H + h;
+        return reference::LinearCarry<const T>{state.field(0) + head * Ex * Dv,
+                                               state.field(1) + head * Ex};
+      };
+      if (Tn == 0 || B == 0) {  // no token: the initial state's gradient is d_final's
+        if (d_initial)
+          for (int field : {0, 1}) {
+            T* into = d_initial->field(field);
+            const index_t count = field == 0 ? B * H * Ex * Dv : B * H * Ex;
+            if (d_final) std::copy_n(d_final->field(field), count, into);
+            else std::fill_n(into, count, T(0));
+          }
+        return;
+      }
+      auto initial_of = [&](index_t b, index_t h, reference::LinearCarry<T> carry) {
+        if (!initial) return reference::linear_reset(carry, Ex, Dv);
+        const reference::LinearCarry<const T> from = carry_at(*initial, b, h);
+        std::copy_n(from.memory, Ex * Dv, carry.memory);
+        std::copy_n(from.normaliser, Ex, carry.normaliser);
+      };
+      auto final_gradient_of = [&](index_t b, index_t h) {
+        return d_final ? carry_at(*d_final, b, h)
+                       : reference::LinearCarry<const T>{nullptr, nullptr};
+      };
+      auto initial_gradient_of = [&](index_t b, index_t h) {
+        return d_initial ? d_initial->carry(b, h) : reference::LinearCarry<T>{nullptr, nullptr};
+      };
+      if constexpr (std::is_same_v<E, exec::cpu_t>)
+        cpu::linear_causal_backward<Map, Rw, Pos>(
+            q, k, v, d_out, gradients.d_queries, gradients.d_keys, gradients.d_values, call,
+            first_position, sequence_proportions<T>(given, length), proportion_backward,
+            initial_of, final_gradient_of, initial_gradient_of);
+      else
+        reference::linear_causal_backward<Map, Rw, Pos>(
+            q, k, v, d_out, gradients.d_queries, gradients.d_keys, gradients.d_values, call,
+            first_position, sequence_proportions<T>(given, length), proportion_backward,
+            initial_of, final_gradient_of, initial_gradient_of);
+    } else {
+      (void)states, (void)cross;
+      if (B > 0 && (Tn > 0 || k.extent(1) > 0)) {
+        index_t length = 0;
+        if constexpr (position_proportions) {
+          const index_t longest = std::max(q.extent(1), k.extent(1));
+          length = cosformer_length(longest, longest);
+        }
+        if constexpr (std::is_same_v<E, exec::cpu_t>)
+          cpu::linear_bidirectional_backward<Map, Rw, Pos>(
+              q, k, v, d_out, gradients.d_queries, gradients.d_keys, gradients.d_values, call,
+              sequence_proportions<T>(given, length), proportion_backward);
+        else
+          reference::linear_bidirectional_backward<Map, Rw, Pos>(
+              q, k, v, d_out, gradients.d_queries, gradients.d_keys, gradients.d_values, call,
+              sequence_proportions<T>(given, length), proportion_backward);
+      }
+    }
+    add_module_gradients(module_gradients, gradients);
+  }
+
+  /// Sums the workers' module weight gradients into the caller's modules.
+  template <Real T>
+  static void add_module_gradients(const std::vector<LeaPModule>& parts,
+                                   const LinearGradients<T>& gradients) {
+    for (std::size_t i = 0; i < parts.size(); ++i) {
+      LeaPModule* into = i % 2 == 0 ? gradients.d_query_module : gradients.d_key_module;
+      if (!into) continue;
+      const LeaPModule& part = parts[i];
+      for (index_t x = 0; x < part.w1.size(); ++x) into->w1.data()[x] += part.w1.data()[x];
+      for (index_t x = 0; x < part.b1.size(); ++x) into->b1.data()[x] += part.b1.data()[x];
+      for (index_t x = 0; x < part.w2.size(); ++x) into->w2.data()[x] += part.w2.data()[x];
+      into->b2 += part.b2;
+    }
+  }
+
+  template <Real T>
+  void validate_backward(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
+                         const TensorView<const T, 4>& v, const SequenceProportions<T>* given,
+                         const TensorView<const T, 4>& d_out, const LinearGradients<T>& gradients,
+                         bool cross) const {
+    check_view(q, "queries");
+    check_view(k, "keys");
+    const index_t B = q.extent(0), Tn = q.extent(1), Sn = cross ? k.extent(1) : Tn,
+                  H = dims_.heads, Dk = dims_.key_dim, Dv = dims_.value_dim;
+    const char* source = cross ? "[B, S, H, Dk]" : "[B, T, H, Dk]";
+    const char* source_values = cross ? "[B, S, H, Dv]" : "[B, T, H, Dv]";
+    detail::check_shape(q, "queries", {B, Tn, H, Dk}, "[B, T, H, Dk]");
+    detail::check_shape(k, "keys", {B, Sn, H, Dk}, source);
+    detail::check_shape(v, "values", {B, Sn, H, Dv}, source_values);
+    detail::check_shape(d_out, "d_out", {B, Tn, H, Dv}, "[B, T, H, Dv]");
+    // Named references, not a structured binding: clang 14 cannot capture those.
+    const TensorView<T, 4>& dq = gradients.d_queries;
+    const TensorView<T, 4>& dk = gradients.d_keys;
+    const TensorView<T, 4>& dv = gradients.d_values;
+    const TensorView<T, 3>& dpq = gradients.d_query_proportions;
+    const TensorView<T, 3>& dpk = gradients.d_key_proportions;
+    detail::check_shape(dq, "gradients.d_queries", {B, Tn, H, Dk}, "[B, T, H, Dk]");
+    detail::check_shape(dk, "gradients.d_keys", {B, Sn, H, Dk}, source);
+    detail::check_shape(dv, "gradients.d_values", {B, Sn, H, Dv}, source_values);
+    const TensorView<const T, 3> no_proportions{};
+    const TensorView<const T, 3>& pq = given ? given->queries : no_proportions;
+    const TensorView<const T, 3>& pk = given ? given->keys : no_proportions;
+    if (given) validate_proportions(*given, Tn, Sn, dq);
+    const auto inputs = std::tuple(detail::named(q, "queries"), detail::named(k, "keys"),
+                                   detail::named(v, "values"), detail::named(d_out, "d_out"),
+                                   detail::named(pq, "query_proportions"),
+                                   detail::named(pk, "key_proportions"));
+    std::apply([&](const auto&... in) {
+      detail::check_output(dq, "gradients.d_queries", in...);
+      detail::check_output(dk, "gradients.d_keys", in..., detail::named(dq, "gradients.d_queries"));
+      detail::check_output(dv, "gradients.d_values", in..., detail::named(dq, "gradients.d_queries"),
+                           detail::named(dk, "gradients.d_keys"));
+    }, inputs);
+    auto check_proportion_gradient = [&](const TensorView<T, 3>& d, const char* name,
+                                         index_t length, const char* layout) {
+      if (d.empty()) return;
+      detail::require(learned_proportions && given != nullptr, name,
+                      "only a LeaPformer given precomputed proportions has proportion "
+                      "gradients (leave it empty)");
+      detail::check_shape(d, name, {B, length, H}, layout);
+      std::apply([&](const auto&... in) {
+        detail::check_output(d, name, in..., detail::named(dq, "gradients.d_queries"),
+                             detail::named(dk, "gradients.d_keys"),
+                             detail::named(dv, "gradients.d_values"));
+      }, inputs);
+    };
+    check_proportion_gradient(dpq, "gradients.d_query_proportions", Tn, "[B, T, H]");
+    check_proportion_gradient(dpk, "gradients.d_key_proportions", Sn,
+                              cross ? "[B, S, H]" : "[B, T, H]");
+    if (!dpq.empty() && !dpk.empty())
+      detail::check_no_overlap(dpk, "gradients.d_key_proportions", dpq,
+                               "gradients.d_query_proportions");
+    auto check_module_gradient = [&](const LeaPModule* d, const char* name,
+                                     const LeaPModule* other) {
+      if (!d) return;
+      if constexpr (learned_proportions) {
+        detail::require(given == nullptr && options_.reweight.query_module.has_value(), name,
+                        "module gradients need a LeaPformer with LeaP modules, called without "
+                        "proportions (leave it null)");
+        detail::require(d != other, name, "must be a module of its own (not the other side's)");
+        const LeaPModule& shape = *options_.reweight.query_module;  // both sides share a shape
+        auto check = [&](const auto& tensor, const auto& expected, const char* part) {
+          detail::require(tensor.extents() == expected.extents(), std::string(name) + "." + part,
+                          detail::expected_given("shape (make it with zeros_like())",
+                                                 format_extents(expected.extents()),
+                                                 format_extents(tensor.extents())));
+        };
+        check(d->w1, shape.w1, "w1");
+        check(d->b1, shape.b1, "b1");
+        check(d->w2, shape.w2, "w2");
+      } else {
+        (void)other;
+        throw Error(name, "only a LeaPformer has LeaP module gradients (leave it null)");
+      }
+    };
+    check_module_gradient(gradients.d_query_module, "gradients.d_query_module",
+                          gradients.d_key_module);
+    check_module_gradient(gradients.d_key_module, "gradients.d_key_module",
+                          gradients.d_query_module);
+  }
+
+  template <Real T>
+  void validate_state_gradients(const LinearStateGradients<T>& states, index_t batch,
+                                index_t tokens) const {
+    const auto sizes = sizes_for(batch);
+    auto check = [&](const State<T>* state, const char* name) {
+      if (!state) return;
+      detail::require(state->kind() == kind<T>() && state->sizes() == sizes, name,
+                      detail::expected_given("state of kind and sizes",
+                                             kind<T>() + " " + detail::describe_sizes(sizes),
+                                             (state->kind().empty() ? std::string("<empty state>")
+                                                                    : state->kind()) +
+                                                 " " + detail::describe_sizes(state->sizes())));
+    };
+    check(states.initial, "states.initial");
+    check(states.d_final, "states.d_final");
+    if (states.initial) {
+      states.initial->require_room(tokens);
+      if constexpr (position_proportions)
+        (void)cosformer_length(static_cast<index_t>(states.initial->position() + tokens), 0);
+    }
+    detail::require(states.d_initial == nullptr ||
+                        (states.d_initial != states.initial && states.d_initial != states.d_final),
+                    "states.d_initial", "must be a state of its own (not initial nor d_final)");
   }
 
   LinearDims dims_;

@@ -20,6 +20,10 @@
 // another size than x (examples/custom_policy.cpp). Maps whose features can be
 // negative are allowed: linear attention then clamps a negative denominator
 // (policies/normaliser.hpp).
+//
+// backward() needs the map's derivative: a static `backward(x, d_phi, d_x)`
+// that writes d_x = J_phi(x)^T d_phi (the DifferentiableFeatureMap concept),
+// for Squared above d_x[i] = 2 x[i] d_phi[i]. The built-in maps have one.
 #include <cmath>
 #include <concepts>
 #include <cstddef>
@@ -37,6 +41,11 @@ struct Relu {
     // x < 0 rather than x > 0: a NaN feature stays NaN (the NaN policy, docs/numerics.md).
     for (std::size_t i = 0; i < x.size(); ++i) phi[i] = x[i] < T(0) ? T(0) : x[i];
   }
+  /// d_x = d_phi where x > 0, 0 elsewhere (0 at x = 0, as torch.relu).
+  template <Real T>
+  static void backward(std::span<const T> x, std::span<const T> d_phi, std::span<T> d_x) noexcept {
+    for (std::size_t i = 0; i < x.size(); ++i) d_x[i] = x[i] > T(0) ? d_phi[i] : T(0);
+  }
 };
 
 /// phi(x) = elu(x) + 1 = x + 1 for x > 0, exp(x) otherwise (Katharopoulos et al.
@@ -48,6 +57,12 @@ struct EluPlusOne {
   static void apply(std::span<const T> x, std::span<T> phi) noexcept {
     for (std::size_t i = 0; i < x.size(); ++i) phi[i] = x[i] > T(0) ? x[i] + T(1) : std::exp(x[i]);
   }
+  /// d_x = d_phi for x > 0, exp(x) d_phi otherwise (the two agree at 0).
+  template <Real T>
+  static void backward(std::span<const T> x, std::span<const T> d_phi, std::span<T> d_x) noexcept {
+    for (std::size_t i = 0; i < x.size(); ++i)
+      d_x[i] = x[i] > T(0) ? d_phi[i] : std::exp(x[i]) * d_phi[i];
+  }
 };
 
 /// phi(x) = x: features that are already what the caller wants (for example
@@ -57,6 +72,10 @@ struct Identity {
   template <Real T>
   static void apply(std::span<const T> x, std::span<T> phi) noexcept {
     for (std::size_t i = 0; i < x.size(); ++i) phi[i] = x[i];
+  }
+  template <Real T>
+  static void backward(std::span<const T>, std::span<const T> d_phi, std::span<T> d_x) noexcept {
+    for (std::size_t i = 0; i < d_phi.size(); ++i) d_x[i] = d_phi[i];
   }
 };
 
@@ -68,6 +87,17 @@ concept FeatureMap = requires(std::span<const float> xf, std::span<float> phif,
   M::apply(xf, phif);
   M::apply(xd, phid);
 };
+
+/// A feature map whose derivative backward() can use: backward(x, d_phi, d_x)
+/// writes d_x = J_phi(x)^T d_phi (x and d_x of Dk values, d_phi of feature_dim).
+template <class M>
+concept DifferentiableFeatureMap =
+    FeatureMap<M> && requires(std::span<const float> xf, std::span<const float> dphif,
+                              std::span<float> dxf, std::span<const double> xd,
+                              std::span<const double> dphid, std::span<double> dxd) {
+      M::backward(xf, dphif, dxf);
+      M::backward(xd, dphid, dxd);
+    };
 
 namespace detail {
 

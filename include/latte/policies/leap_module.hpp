@@ -84,6 +84,39 @@ struct LeaPModule {
   [[nodiscard]] Proportion evaluate(const T* x) const noexcept {
     return Proportion::from_logit(logit(x));
   }
+
+  /// A module of this one's shape with every weight 0: where backward()
+  /// accumulates a module's gradient.
+  [[nodiscard]] LeaPModule zeros_like() const {
+    LeaPModule zeros;
+    zeros.w1 = Tensor<double, 2>({w1.extent(0), w1.extent(1)});
+    zeros.b1 = Tensor<double, 1>({b1.extent(0)});
+    zeros.w2 = Tensor<double, 1>({w2.extent(0)});
+    return zeros;
+  }
+
+  /// Gradient of P(x) given dL/dP = d_proportion at the row x evaluated to
+  /// `proportion`: adds dL/dx into d_x and, when `gradient` is not null, the
+  /// weights' gradients into it (a module of this shape). dP/dz = P (1 - P).
+  template <Real T>
+  void backward(const T* x, const Proportion& proportion, double d_proportion, T* d_x,
+                LeaPModule* gradient) const noexcept {
+    const index_t H = w1.extent(0), D = w1.extent(1);
+    const double d_logit = d_proportion * proportion.value * proportion.complement;
+    if (gradient) gradient->b2 += d_logit;
+    for (index_t j = 0; j < H; ++j) {
+      double pre = b1(j);
+      for (index_t f = 0; f < D; ++f) pre += w1(j, f) * static_cast<double>(x[f]);
+      if (gradient) gradient->w2(j) += d_logit * (pre > 0.0 ? pre : 0.0);
+      if (!(pre > 0.0)) continue;  // relu: no gradient through an inactive unit
+      const double d_pre = d_logit * w2(j);
+      if (gradient) {
+        gradient->b1(j) += d_pre;
+        for (index_t f = 0; f < D; ++f) gradient->w1(j, f) += d_pre * static_cast<double>(x[f]);
+      }
+      for (index_t f = 0; f < D; ++f) d_x[f] += static_cast<T>(d_pre * w1(j, f));
+    }
+  }
 };
 
 }  // namespace latte

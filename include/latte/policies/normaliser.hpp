@@ -56,6 +56,14 @@ struct Normaliser {
     return std::max(denominator, v);
   }
 
+  /// dN/dD at D: 1 where N follows D (D > 0 additive, D > minimum clamp_min), 0
+  /// where it is clamped (backward; the kink itself takes the clamped side).
+  template <Real T>
+  [[nodiscard]] T derivative(T denominator) const noexcept {
+    const T v = std::max(static_cast<T>(value), std::numeric_limits<T>::min());
+    return denominator > (kind == Kind::additive ? T(0) : v) ? T(1) : T(0);
+  }
+
   void validate() const {
     detail::require(kind == Kind::additive || kind == Kind::clamp_min, "normaliser",
                     "unknown normaliser kind");

@@ -11,9 +11,19 @@
 //   e(q_t) . e(k_s) = phi(q_t) . R^{p_s - p_t} phi(k_s) * cos(pi/2 (P_q,t - P_k,s)).
 // The denominator features e' are the same without the rotation (RoFormer
 // eq. 19, the default under RoPE) or equal to e (rotated denominator).
-// Kernels receive validated views and never allocate more than O(E * Dv).
+// Kernels receive validated views and never allocate more than O(E * Dv)
+// (the backward: O(E * Dv + T) per call).
+//
+// Backward (DESIGN §3.6): with g_t = dL/do_t, n_t = N(D_t), g~_t = g_t / n_t and
+// dD_t = -N'(D_t) <g_t, o_t> / n_t,
+//   dL/de(q_t) = S_t g~_t,  dL/de'(q_t) = dD_t z_t                 (forward scan)
+//   U_s = sum_{t >= s} e(q_t) g~_t^T,  u_s = sum_{t >= s} dD_t e'(q_t)  (reverse scan)
+//   dL/de(k_s) = U_s v_s,  dL/dv_s = U_s^T e(k_s),  dL/de'(k_s) = u_s,
+// then each token's feature gradients go back through the streams, the
+// rotation (R^T = R^{-p}), the proportion and the feature map.
 #include <algorithm>
 #include <cstdint>
+#include <numbers>
 #include <span>
 #include <vector>
 
@@ -189,6 +199,299 @@ void linear_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 
             q.row(b, t, h), t, spec.theta(h), spec,
             [&](const T* phi) { return proportion_of(Side::query, b, t, h, t, phi); }, token);
         linear_read(token, carry, E, Dv, spec.normaliser, out.row(b, t, h));
+      }
+    }
+}
+
+// ------------------------------------------------------------ backward --
+
+/// Gradient of linear_features for the row x: given dL/de (`d_numerator`) and
+/// dL/de' (`d_denominator`), writes dL/dx into d_x. With re-weighting, dL/dP =
+/// pi/2 (dL/dw_sin cos(pi P/2) - dL/dw_cos sin(pi P/2)) goes to
+/// `proportion_backward(P, dP, phi, d_phi)`, which adds the proportion's own
+/// path into d_phi (LeaP modules) and keeps dP where the caller wants it.
+/// `scratch` holds 3 F values.
+template <FeatureMap Map, Reweight Rw, Positional Pos, Real T, class ProportionOf,
+          class ProportionBackward>
+void linear_features_backward(const T* x, std::int64_t position, const double* theta,
+                              const LinearSpec& spec, ProportionOf&& proportion_of,
+                              ProportionBackward&& proportion_backward, const T* d_numerator,
+                              const T* d_denominator, T* scratch, T* d_x) {
+  static_assert(DifferentiableFeatureMap<Map>,
+                "backward needs the feature map's derivative: give it a static "
+                "backward(x, d_phi, d_x) (policies/feature_map.hpp)");
+  const index_t F = spec.feature_dim;
+  T* phi = scratch;
+  T* rotated = scratch + F;  // R^p phi(x)
+  T* d_phi = scratch + 2 * F;
+  Map::apply(std::span<const T>(x, static_cast<std::size_t>(spec.key_dim)),
+             std::span<T>(phi, static_cast<std::size_t>(F)));
+  Proportion proportion{};
+  T weight[2] = {T(1), T(1)};
+  if constexpr (Rw::streams == 2) {
+    proportion = proportion_of(static_cast<const T*>(phi));
+    cos_reweight_streams(proportion, weight);
+  }
+  std::copy(phi, phi + F, rotated);
+  if constexpr (Pos::rotates_queries_keys) Pos::rotate(rotated, F, theta, position);
+  // e' = e unless RoPE leaves the denominator un-rotated: its gradient joins e's.
+  const bool separate = Pos::rotates_queries_keys && !spec.rotated_denominator;
+  double d_weight[2] = {0.0, 0.0};
+  std::fill(d_phi, d_phi + F, T(0));
+  for (index_t stream = 0; stream < Rw::streams; ++stream)
+    for (index_t f = 0; f < F; ++f) {
+      const index_t e = stream * F + f;
+      const T d_e = separate ? d_numerator[e] : d_numerator[e] + d_denominator[e];
+      d_weight[stream] += static_cast<double>(d_e) * static_cast<double>(rotated[f]);
+      d_phi[f] += weight[stream] * d_e;  // dL/d(R^p phi)
+    }
+  if constexpr (Pos::rotates_queries_keys) Pos::rotate(d_phi, F, theta, -position);  // R^T
+  if (separate)
+    for (index_t stream = 0; stream < Rw::streams; ++stream)
+      for (index_t f = 0; f < F; ++f) {
+        const T d_e = d_denominator[stream * F + f];
+        d_weight[stream] += static_cast<double>(d_e) * static_cast<double>(phi[f]);
+        d_phi[f] += weight[stream] * d_e;
+      }
+  if constexpr (Rw::streams == 2) {
+    const double d_proportion =
+        std::numbers::pi / 2.0 * (d_weight[0] * static_cast<double>(weight[1]) -
+                                  d_weight[1] * static_cast<double>(weight[0]));
+    proportion_backward(proportion, d_proportion, static_cast<const T*>(phi), d_phi);
+  } else {
+    (void)proportion_backward;
+  }
+  Map::backward(std::span<const T>(x, static_cast<std::size_t>(spec.key_dim)),
+                std::span<const T>(d_phi, static_cast<std::size_t>(F)),
+                std::span<T>(d_x, static_cast<std::size_t>(spec.key_dim)));
+}
+
+/// What a query's read passes to the reverse scan: 1 / n and dD.
+template <Real T>
+struct ReadGradient {
+  T inverse_normaliser;  ///< 1 / N(D)
+  T d_denominator;       ///< dL/dD = -N'(D) <g, o> / N(D)
+};
+
+/// The backward of linear_read for a query with output gradient g: writes
+/// dL/de(q) = S g / n into d_numerator and dL/de'(q) = dD z into d_denominator.
+/// `scratch` holds Dv values.
+template <Real T>
+ReadGradient<T> linear_read_backward(const TokenFeatures<T>& query, LinearCarry<const T> carry,
+                                     index_t E, index_t Dv, const Normaliser& normaliser,
+                                     const T* g, T* scratch, T* d_numerator,
+                                     T* d_denominator) noexcept {
+  T* numerator = scratch;
+  std::fill(numerator, numerator + Dv, T(0));
+  T denominator = 0;
+  for (index_t e = 0; e < E; ++e) {
+    const T* row = carry.memory + e * Dv;
+    T d_e = 0;
+    for (index_t d = 0; d < Dv; ++d) {
+      numerator[d] += query.numerator[e] * row[d];
+      d_e += row[d] * g[d];
+    }
+    d_numerator[e] = d_e;
+    denominator += query.denominator[e] * carry.normaliser[e];
+  }
+  const T inverse = T(1) / normaliser.apply(denominator);
+  T g_dot_o = 0;  // <g, o> with o = numerator / n
+  for (index_t d = 0; d < Dv; ++d) g_dot_o += g[d] * numerator[d] * inverse;
+  const T d_sum = -normaliser.derivative(denominator) * g_dot_o * inverse;  // dL/dD
+  for (index_t e = 0; e < E; ++e) {
+    d_numerator[e] *= inverse;
+    d_denominator[e] = d_sum * carry.normaliser[e];
+  }
+  return {inverse, d_sum};
+}
+
+/// Reverse carry update for one query: U += e(q) (g / n)^T, u += dD e'(q).
+template <Real T>
+void linear_adjoint_absorb(const TokenFeatures<T>& query, const T* g, ReadGradient<T> read,
+                           LinearCarry<T> adjoint, index_t E, index_t Dv) noexcept {
+  for (index_t e = 0; e < E; ++e) {
+    const T weight = query.numerator[e] * read.inverse_normaliser;
+    T* row = adjoint.memory + e * Dv;
+    for (index_t d = 0; d < Dv; ++d) row[d] += weight * g[d];
+    adjoint.normaliser[e] += read.d_denominator * query.denominator[e];
+  }
+}
+
+/// A key's gradients from the reverse carry: dL/de(k) = U v, dL/de'(k) = u and
+/// dL/dv = U^T e(k) (written).
+template <Real T>
+void linear_key_backward(const TokenFeatures<T>& key, const T* v, LinearCarry<const T> adjoint,
+                         index_t E, index_t Dv, T* d_numerator, T* d_denominator,
+                         T* d_v) noexcept {
+  std::fill(d_v, d_v + Dv, T(0));
+  for (index_t e = 0; e < E; ++e) {
+    const T* row = adjoint.memory + e * Dv;
+    T d_e = 0;
+    for (index_t d = 0; d < Dv; ++d) {
+      d_e += row[d] * v[d];
+      d_v[d] += row[d] * key.numerator[e];
+    }
+    d_numerator[e] = d_e;
+    d_denominator[e] = adjoint.normaliser[e];
+  }
+}
+
+/// Per-call workspace of the reference backward.
+template <Real T>
+struct LinearBackwardScratch {
+  explicit LinearBackwardScratch(const LinearSpec& spec)
+      : features(static_cast<std::size_t>(spec.scratch_size())),
+        carry(static_cast<std::size_t>(spec.expanded_dim() * (spec.value_dim + 1))),
+        adjoint(carry.size()),
+        d_features(static_cast<std::size_t>(2 * spec.expanded_dim() + 3 * spec.feature_dim +
+                                             spec.value_dim)) {}
+  std::vector<T> features, carry, adjoint, d_features;
+  /// S, z (or U, u) laid out in `storage` of E * (Dv + 1) values.
+  [[nodiscard]] static LinearCarry<T> carry_in(std::vector<T>& storage, index_t E,
+                                               index_t Dv) noexcept {
+    return {storage.data(), storage.data() + E * Dv};
+  }
+};
+
+/// Gradient of linear_causal_forward (continuing from carry_of(b, h) at
+/// `first_position`): writes d_q, d_k, d_v. `initial_of(b, h, carry)` fills the
+/// carry the forward started from; `final_gradient_of(b, h)` gives dL/d(S, z)
+/// of the carry it left (a null memory: zero); `initial_gradient_of(b, h)`
+/// gives where dL/d(initial S, z) goes (a null memory: nowhere).
+/// `proportion_backward(worker, side, b, t, h, P, dP, phi, d_phi)` as in
+/// linear_features_backward (worker: the thread's index, always 0 here). Per (b, h): a forward scan (query gradients),
+/// then a reverse scan (key and value gradients).
+template <FeatureMap Map, Reweight Rw, Positional Pos, Real T, class ProportionOf,
+          class ProportionBackward, class InitialOf, class FinalGradientOf,
+          class InitialGradientOf>
+void linear_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
+                            TensorView<const T, 4> v, TensorView<const T, 4> d_out,
+                            TensorView<T, 4> d_q, TensorView<T, 4> d_k, TensorView<T, 4> d_v,
+                            const LinearSpec& spec, std::int64_t first_position,
+                            ProportionOf&& proportion_of, ProportionBackward&& proportion_backward,
+                            InitialOf&& initial_of, FinalGradientOf&& final_gradient_of,
+                            InitialGradientOf&& initial_gradient_of) {
+  const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2);
+  const index_t E = spec.expanded_dim(), Dv = spec.value_dim, F = spec.feature_dim;
+  LinearBackwardScratch<T> scratch(spec);
+  const LinearCarry<T> carry = scratch.carry_in(scratch.carry, E, Dv);
+  const LinearCarry<T> adjoint = scratch.carry_in(scratch.adjoint, E, Dv);
+  const TokenFeatures<T> token(scratch.features.data(), spec);
+  T* d_numerator = scratch.d_features.data();
+  T* d_denominator = d_numerator + E;
+  T* feature_scratch = d_denominator + E;  // 3F
+  T* read_scratch = feature_scratch + 3 * F;  // Dv
+  std::vector<ReadGradient<T>> reads(static_cast<std::size_t>(Tn));
+  for (index_t b = 0; b < B; ++b)
+    for (index_t h = 0; h < H; ++h) {
+      const double* theta = spec.theta(h);
+      auto features_of = [&](Side side, const T* x, index_t t, std::int64_t position) {
+        linear_features<Map, Rw, Pos>(
+            x, position, theta, spec,
+            [&](const T* phi) { return proportion_of(side, b, t, h, position, phi); }, token);
+      };
+      auto backward_of = [&](Side side, const T* x, index_t t, std::int64_t position, T* d_x) {
+        linear_features_backward<Map, Rw, Pos>(
+            x, position, theta, spec,
+            [&](const T* phi) { return proportion_of(side, b, t, h, position, phi); },
+            [&](const Proportion& p, double dp, const T* phi, T* d_phi) {
+              proportion_backward(0, side, b, t, h, p, dp, phi, d_phi);
+            },
+            d_numerator, d_denominator, feature_scratch, d_x);
+      };
+      initial_of(b, h, carry);
+      for (index_t t = 0; t < Tn; ++t) {  // forward scan: S_t, z_t and the query gradients
+        const std::int64_t position = first_position + t;
+        features_of(Side::key, k.row(b, t, h), t, position);
+        linear_absorb(token, v.row(b, t, h), carry, E, Dv);
+        features_of(Side::query, q.row(b, t, h), t, position);
+        reads[static_cast<std::size_t>(t)] =
+            linear_read_backward<T>(token, {carry.memory, carry.normaliser}, E, Dv,
+                                    spec.normaliser, d_out.row(b, t, h), read_scratch,
+                                    d_numerator, d_denominator);
+        backward_of(Side::query, q.row(b, t, h), t, position, d_q.row(b, t, h));
+      }
+      const LinearCarry<const T> d_final = final_gradient_of(b, h);
+      if (d_final.memory) {
+        std::copy(d_final.memory, d_final.memory + E * Dv, adjoint.memory);
+        std::copy(d_final.normaliser, d_final.normaliser + E, adjoint.normaliser);
+      } else {
+        linear_reset(adjoint, E, Dv);
+      }
+      for (index_t t = Tn; t-- > 0;) {  // reverse scan: U_t, u_t and the key/value gradients
+        const std::int64_t position = first_position + t;
+        features_of(Side::query, q.row(b, t, h), t, position);
+        linear_adjoint_absorb(token, d_out.row(b, t, h), reads[static_cast<std::size_t>(t)],
+                              adjoint, E, Dv);
+        features_of(Side::key, k.row(b, t, h), t, position);
+        linear_key_backward<T>(token, v.row(b, t, h), {adjoint.memory, adjoint.normaliser}, E,
+                               Dv, d_numerator, d_denominator, d_v.row(b, t, h));
+        backward_of(Side::key, k.row(b, t, h), t, position, d_k.row(b, t, h));
+      }
+      const LinearCarry<T> d_initial = initial_gradient_of(b, h);
+      if (d_initial.memory) {
+        std::copy(adjoint.memory, adjoint.memory + E * Dv, d_initial.memory);
+        std::copy(adjoint.normaliser, adjoint.normaliser + E, d_initial.normaliser);
+      }
+    }
+}
+
+/// Gradient of linear_bidirectional_forward (self- or cross-attention):
+/// S, z over the source; the query gradients and U, u over the queries; then
+/// the key and value gradients.
+template <FeatureMap Map, Reweight Rw, Positional Pos, Real T, class ProportionOf,
+          class ProportionBackward>
+void linear_bidirectional_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
+                                   TensorView<const T, 4> v, TensorView<const T, 4> d_out,
+                                   TensorView<T, 4> d_q, TensorView<T, 4> d_k,
+                                   TensorView<T, 4> d_v, const LinearSpec& spec,
+                                   ProportionOf&& proportion_of,
+                                   ProportionBackward&& proportion_backward) {
+  const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), Sn = k.extent(1);
+  const index_t E = spec.expanded_dim(), Dv = spec.value_dim, F = spec.feature_dim;
+  LinearBackwardScratch<T> scratch(spec);
+  const LinearCarry<T> carry = scratch.carry_in(scratch.carry, E, Dv);
+  const LinearCarry<T> adjoint = scratch.carry_in(scratch.adjoint, E, Dv);
+  const TokenFeatures<T> token(scratch.features.data(), spec);
+  T* d_numerator = scratch.d_features.data();
+  T* d_denominator = d_numerator + E;
+  T* feature_scratch = d_denominator + E;
+  T* read_scratch = feature_scratch + 3 * F;
+  for (index_t b = 0; b < B; ++b)
+    for (index_t h = 0; h < H; ++h) {
+      const double* theta = spec.theta(h);
+      auto features_of = [&](Side side, const T* x, index_t t) {
+        linear_features<Map, Rw, Pos>(
+            x, t, theta, spec, [&](const T* phi) { return proportion_of(side, b, t, h, t, phi); },
+            token);
+      };
+      auto backward_of = [&](Side side, const T* x, index_t t, T* d_x) {
+        linear_features_backward<Map, Rw, Pos>(
+            x, t, theta, spec, [&](const T* phi) { return proportion_of(side, b, t, h, t, phi); },
+            [&](const Proportion& p, double dp, const T* phi, T* d_phi) {
+              proportion_backward(0, side, b, t, h, p, dp, phi, d_phi);
+            },
+            d_numerator, d_denominator, feature_scratch, d_x);
+      };
+      linear_reset(carry, E, Dv);
+      for (index_t s = 0; s < Sn; ++s) {
+        features_of(Side::key, k.row(b, s, h), s);
+        linear_absorb(token, v.row(b, s, h), carry, E, Dv);
+      }
+      linear_reset(adjoint, E, Dv);
+      for (index_t t = 0; t < Tn; ++t) {
+        features_of(Side::query, q.row(b, t, h), t);
+        const ReadGradient<T> read = linear_read_backward<T>(
+            token, {carry.memory, carry.normaliser}, E, Dv, spec.normaliser, d_out.row(b, t, h),
+            read_scratch, d_numerator, d_denominator);
+        linear_adjoint_absorb(token, d_out.row(b, t, h), read, adjoint, E, Dv);
+        backward_of(Side::query, q.row(b, t, h), t, d_q.row(b, t, h));
+      }
+      for (index_t s = 0; s < Sn; ++s) {
+        features_of(Side::key, k.row(b, s, h), s);
+        linear_key_backward<T>(token, v.row(b, s, h), {adjoint.memory, adjoint.normaliser}, E, Dv,
+                               d_numerator, d_denominator, d_v.row(b, s, h));
+        backward_of(Side::key, k.row(b, s, h), s, d_k.row(b, s, h));
       }
     }
 }
