@@ -370,6 +370,19 @@ int main(int argc, char** argv) {
         timed(name, "causal", E, double(B) * T * H * (4.0 * E * D + 3.0 * E), f, 1, 1000);
       };
       linear_run("linear_elu", L, [&] { linear_causal.forward(latte::exec::cpu, q, k, v, out.view()); });
+      {  // backward: 2x the forward's FLOPs, forward + backward 3x (as Latte's rows)
+        const double linear_flops = double(B) * T * H * (4.0 * L * D + 3.0 * L);
+        auto d_out = random_tensor<4>(rng, {B, T, H, D});
+        latte::Tensor<float, 4> dq({B, T, H, L}), dk({B, T, H, L}), dv({B, T, H, D});
+        const latte::LinearGradients<float> gradients{dq.view(), dk.view(), dv.view()};
+        timed("linear_elu_backward", "causal", L, 2 * linear_flops, [&] {
+          linear_causal.backward(latte::exec::cpu, q, k, v, d_out, gradients);
+        }, 1, 1000);
+        timed("linear_elu_forward_backward", "causal", L, 3 * linear_flops, [&] {
+          linear_causal.forward(latte::exec::cpu, q, k, v, out.view());
+          linear_causal.backward(latte::exec::cpu, q, k, v, d_out, gradients);
+        }, 1, 1000);
+      }
       linear_run("cosformer", 2 * L,
                  [&] { cosformer_causal.forward(latte::exec::cpu, q, k, v, out.view()); });
       // Macchiato: q carries L + 1 columns (column 0 scores the window state), the

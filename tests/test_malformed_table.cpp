@@ -2,7 +2,8 @@
 // mechanism x every malformed case, in one place, checked the same way.
 //
 // Entry points: forward, forward with a state, make_state, step, State::restore,
-// backward (SoftmaxAttention, reference + cpu; malformed_backward.hpp),
+// backward (SoftmaxAttention, LatteAttention, LinearAttention and its
+// cross_backward, reference + cpu; malformed_backward.hpp),
 // load_state and the constructors of LatteAttention (reference + cpu),
 // SoftmaxAttention (reference + cpu), LatteMacchiato, LinearAttention, CosFormer
 // and LeaPformer (reference + cpu), Lavo, ConvCompressedAttention, cross_forward where a
@@ -635,6 +636,44 @@ MultiOutputEntry<4> latte_backward_entry(E exec_tag) {
   return entry;
 }
 
+/// backward(queries, keys, values, d_out, {d_queries, d_keys, d_values}) of a
+/// linear attention, or its cross_backward (keys and values over a source of
+/// S tokens): B comes from queries and is reported on keys; T from queries
+/// (reported on keys, or on d_out for cross); S from keys (reported on values).
+template <class M, class E>
+MultiOutputEntry<4> linear_backward_entry(E exec_tag, bool cross) {
+  auto attention = std::make_shared<const typename M::A>(M::make());
+  MultiOutputEntry<4> entry;
+  entry.entry = entry_name<M>(cross ? "cross_backward" : "backward", E::name);
+  entry.inputs = sequence_args<M>();
+  entry.inputs.push_back({"d_out", {kB, kT, kH, kDv}});
+  entry.outputs = {{"gradients.d_queries", {kB, kT, kH, kDk}},
+                   {"gradients.d_keys", {kB, kT, kH, kDk}},
+                   {"gradients.d_values", {kB, kT, kH, kDv}}};
+  entry.dim_names = kSequenceDims;
+  entry.invoke = [attention, exec_tag, cross](const In4& in, const std::vector<Out4>& out) {
+    const LinearGradients<float> gradients{out[0], out[1], out[2]};
+    if constexpr (!M::A::direction::is_causal) {
+      if (cross) {
+        attention->cross_backward(exec_tag, in[0], in[1], in[2], in[3], gradients);
+        return;
+      }
+    }
+    attention->backward(exec_tag, in[0], in[1], in[2], in[3], gradients);
+  };
+  entry.blame = [cross, names = std::vector<std::string>{
+                            "queries", "keys", "values", "d_out", "gradients.d_queries",
+                            "gradients.d_keys", "gradients.d_values"}](std::size_t arg,
+                                                                       std::size_t dim) {
+    if (!cross) return arg == 0 && dim < 2 ? names[1] : names[arg];
+    if (arg == 0 && dim == 0) return names[1];
+    if (arg == 0 && dim == 1) return names[3];  // T: d_out
+    if (arg == 1 && dim == 1) return names[2];  // S: values
+    return names[arg];
+  };
+  return entry;
+}
+
 // ------------------------------------------------------ cross-attention --
 
 /// Cross-attention blame: queries' B is reported on the next source tensor,
@@ -732,6 +771,14 @@ Registry build_registry() {
   registry.add(softmax_backward_entry<SoftmaxCausal>(exec::cpu));
   registry.add(softmax_backward_entry<SoftmaxWindowed>(exec::reference));
   registry.add(softmax_backward_entry<SoftmaxWindowed>(exec::cpu));
+  for (const bool cross : {false, true}) {
+    if (!cross) {
+      registry.add(linear_backward_entry<LinearElu>(exec::reference, false));
+      registry.add(linear_backward_entry<LinearElu>(exec::cpu, false));
+    }
+    registry.add(linear_backward_entry<LinearBidirectional>(exec::reference, cross));
+    registry.add(linear_backward_entry<LinearBidirectional>(exec::cpu, cross));
+  }
   add_make_state_batch_rows<SoftmaxCausal>(registry);
   for (index_t capacity : {index_t{-1}}) {
     add_call_row(rows, entry_name<SoftmaxCausal>("make_state", "-"),

@@ -1,7 +1,7 @@
 #pragma once
 // CPU backward of the linear-attention family (DESIGN §3.6; the equations are
 // in backends/reference/linear.hpp's backward section), in the chunked GEMM
-// form: per block of C = linear_block tokens of one (b, h), with E_Q, E'_Q,
+// form: per block of C = linear_backward_block tokens of one (b, h), with E_Q, E'_Q,
 // E_K, E'_K the block's feature rows, G the rows g_t / n_t and dD the
 // denominators' gradients,
 //
@@ -15,18 +15,22 @@
 //
 // (bidirectional and cross: the same without the triangles, S over the
 // whole source). Each token's feature gradients then go back through its
-// streams, rotation, proportion and feature map
-// (reference::linear_features_backward). Nothing of size T x E x Dv is made:
+// streams, rotation, proportion and feature map (vectorised for the built-in
+// maps without re-weighting or rotation; reference::linear_features_backward
+// otherwise). Nothing of size T x E x Dv is made:
 // S and U are recomputed by the two sweeps; a worker keeps 1 / n_t and dD_t of
 // its head's T tokens between them. (b, h) pairs run in parallel.
 #include <algorithm>
 #include <cstdint>
+#include <span>
+#include <type_traits>
 #include <vector>
 
 #include <Eigen/Core>
 
 #include "latte/backends/cpu/linear/forward.hpp"
 #include "latte/backends/cpu/parallel.hpp"
+#include "latte/backends/cpu/simd.hpp"
 #include "latte/backends/reference/linear.hpp"
 #include "latte/core/huge_page_allocator.hpp"
 #include "latte/core/tensor_view.hpp"
@@ -37,22 +41,28 @@
 
 namespace latte::cpu {
 
+/// Tokens per block of the backward's sweeps: the intra-block triangles cost
+/// C (E + Dv) per token on top of the 6 E Dv of the carries' GEMMs, so blocks
+/// are smaller than the forward's (measured, B1 H8 E64 D64 fp32 at 16K on one
+/// thread: 233 ms at 16, 246 ms at 32, 273 ms at 64).
+inline constexpr index_t linear_backward_block = 16;
+
 /// One worker's backward workspace: a block's features and their gradients,
 /// the carries S, z and U, u, and the C x C score matrices.
 template <Real T>
 struct LinearBackwardWorkspace {
   LinearBackwardWorkspace(const LinearSpec& spec, index_t tokens)
-      : features(spec, linear_block),
+      : features(spec, linear_backward_block),
         carry(static_cast<std::size_t>(spec.expanded_dim() * (spec.value_dim + 1))),
         adjoint(carry.size()),
         feature_scratch(static_cast<std::size_t>(3 * spec.feature_dim)),
         reads(static_cast<std::size_t>(tokens)),
-        scores(linear_block, linear_block), d_scores(linear_block, linear_block),
-        numerators(linear_block, spec.value_dim), scaled(linear_block, spec.value_dim),
-        d_query_numerator(linear_block, spec.expanded_dim()),
-        d_query_denominator(linear_block, spec.expanded_dim()),
-        d_key_numerator(linear_block, spec.expanded_dim()),
-        d_key_denominator(linear_block, spec.expanded_dim()) {}
+        scores(linear_backward_block, linear_backward_block), d_scores(linear_backward_block, linear_backward_block),
+        numerators(linear_backward_block, spec.value_dim), scaled(linear_backward_block, spec.value_dim),
+        d_query_numerator(linear_backward_block, spec.expanded_dim()),
+        d_query_denominator(linear_backward_block, spec.expanded_dim()),
+        d_key_numerator(linear_backward_block, spec.expanded_dim()),
+        d_key_denominator(linear_backward_block, spec.expanded_dim()) {}
   LinearScratch<T> features;
   AlignedVector<T> carry, adjoint, feature_scratch;
   std::vector<reference::ReadGradient<T>> reads;  // per token of the head (causal)
@@ -82,16 +92,70 @@ void block_read_gradients(const ConstRows<T>& d_out, index_t n, const Normaliser
   }
 }
 
-/// Token r's feature gradients (rows r of d_numerator / d_denominator) back to
-/// its input row x: d_x.
+/// dL/dx of one row from dL/dphi, given x and phi(x): the built-in maps
+/// vectorised (elu + 1's derivative is phi itself where x <= 0), any other map
+/// through its backward().
+template <FeatureMap Map, Real T>
+LATTE_FLATTEN void feature_map_backward_row(const T* x, const T* phi, const T* d_phi, T* d_x,
+                                            index_t key_dim, index_t feature_dim) noexcept {
+  constexpr bool builtin = std::is_same_v<Map, Relu> || std::is_same_v<Map, EluPlusOne> ||
+                           std::is_same_v<Map, Identity>;
+  if constexpr (builtin) {
+    index_t i = 0;
+#if LATTE_WITH_XSIMD
+    using B = simd::batch<T>;
+    constexpr index_t W = simd::width<T>;
+    for (; i + W <= key_dim; i += W) {
+      const B value = simd::load(x + i), gradient = simd::load(d_phi + i);
+      if constexpr (std::is_same_v<Map, Relu>)
+        simd::store(d_x + i, xsimd::select(value > B(T(0)), gradient, B(T(0))));
+      else if constexpr (std::is_same_v<Map, EluPlusOne>)
+        simd::store(d_x + i, xsimd::select(value > B(T(0)), gradient, gradient * simd::load(phi + i)));
+      else
+        simd::store(d_x + i, gradient);
+    }
+#endif
+    for (; i < key_dim; ++i) {
+      if constexpr (std::is_same_v<Map, Relu>) d_x[i] = x[i] > T(0) ? d_phi[i] : T(0);
+      else if constexpr (std::is_same_v<Map, EluPlusOne>)
+        d_x[i] = x[i] > T(0) ? d_phi[i] : d_phi[i] * phi[i];
+      else d_x[i] = d_phi[i];
+    }
+  } else {
+    (void)phi;
+    Map::backward(std::span<const T>(x, static_cast<std::size_t>(key_dim)),
+                  std::span<const T>(d_phi, static_cast<std::size_t>(feature_dim)),
+                  std::span<T>(d_x, static_cast<std::size_t>(key_dim)));
+  }
+}
+
+/// Token r's feature gradients (rows of dL/de and dL/de') back to its input
+/// row x: d_x. Without re-weighting and rotation e = e' = phi(x) (`phi`, from
+/// the block's features): dL/dphi = dL/de + dL/de', then the map's derivative.
+/// Otherwise through the streams, rotation and proportion
+/// (reference::linear_features_backward).
 template <FeatureMap Map, Reweight Rw, Positional Pos, Real T, class ProportionOf,
           class ProportionBackward>
-void token_backward(const T* x, std::int64_t position, const double* theta, const LinearSpec& spec,
-                    ProportionOf&& proportion_of, ProportionBackward&& proportion_backward,
-                    const T* d_numerator, const T* d_denominator, T* scratch, T* d_x) {
-  reference::linear_features_backward<Map, Rw, Pos>(x, position, theta, spec, proportion_of,
-                                                    proportion_backward, d_numerator,
-                                                    d_denominator, scratch, d_x);
+void token_backward(const T* x, const T* phi, std::int64_t position, const double* theta,
+                    const LinearSpec& spec, ProportionOf&& proportion_of,
+                    ProportionBackward&& proportion_backward, const T* d_numerator,
+                    const T* d_denominator, T* scratch, T* d_x) {
+  if constexpr (Rw::streams == 1 && !Pos::rotates_queries_keys) {
+    const index_t F = spec.feature_dim;
+    index_t i = 0;
+#if LATTE_WITH_XSIMD
+    constexpr index_t W = simd::width<T>;
+    for (; i + W <= F; i += W)
+      simd::store(scratch + i, simd::load(d_numerator + i) + simd::load(d_denominator + i));
+#endif
+    for (; i < F; ++i) scratch[i] = d_numerator[i] + d_denominator[i];
+    feature_map_backward_row<Map>(x, phi, scratch, d_x, spec.key_dim, F);
+  } else {
+    (void)phi;
+    reference::linear_features_backward<Map, Rw, Pos>(x, position, theta, spec, proportion_of,
+                                                      proportion_backward, d_numerator,
+                                                      d_denominator, scratch, d_x);
+  }
 }
 
 /// Gradient of linear_causal_forward; the reference's signature
@@ -131,11 +195,11 @@ void linear_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
       block_features<Map, Rw, Pos>(&q, &k, b, h, c0, n, first_position + c0, spec, proportion_of,
                                    fs);
     };
-    auto backward_row = [&](Side side, const T* x, index_t t, const T* d_numerator,
-                            const T* d_denominator, T* d_x) {
+    auto backward_row = [&](Side side, const T* x, const T* phi, index_t t,
+                            const T* d_numerator, const T* d_denominator, T* d_x) {
       const std::int64_t position = first_position + t;
       token_backward<Map, Rw, Pos>(
-          x, position, theta, spec,
+          x, phi, position, theta, spec,
           [&](const T* phi) { return proportion_of(side, b, t, h, position, phi); },
           [&](const Proportion& p, double dp, const T* phi, T* d_phi) {
             proportion_backward(worker, side, b, t, h, p, dp, phi, d_phi);
@@ -143,8 +207,8 @@ void linear_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
           d_numerator, d_denominator, ws.feature_scratch.data(), d_x);
     };
     initial_of(b, h, carry);
-    for (index_t c0 = 0; c0 < Tn; c0 += linear_block) {  // forward sweep: query gradients
-      const index_t n = std::min(linear_block, Tn - c0);
+    for (index_t c0 = 0; c0 < Tn; c0 += linear_backward_block) {  // forward sweep: query gradients
+      const index_t n = std::min(linear_backward_block, Tn - c0);
       features(c0, n);
       const ConstRows<T> kn(fs.key_numerator.data(), n, E, Eigen::OuterStride<>(E));
       const ConstRows<T> qn(fs.query_numerator.data(), n, E, Eigen::OuterStride<>(E));
@@ -177,7 +241,8 @@ void linear_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
         d_qd.row(r) = ws.reads[static_cast<std::size_t>(c0 + r)].d_denominator * prefix;
       }
       for (index_t r = 0; r < n; ++r)
-        backward_row(Side::query, q.row(b, c0 + r, h), c0 + r, d_qn.row(r).data(),
+        backward_row(Side::query, q.row(b, c0 + r, h), qn.row(r).data(), c0 + r,
+                     d_qn.row(r).data(),
                      d_qd.row(r).data(), d_q.row(b, c0 + r, h));
       S.noalias() += kn.transpose() * values;
       z += kd.colwise().sum();
@@ -189,9 +254,9 @@ void linear_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
     } else {
       reference::linear_reset(adjoint, E, Dv);
     }
-    const index_t last = (Tn - 1) / linear_block * linear_block;
-    for (index_t c0 = last;; c0 -= linear_block) {  // reverse sweep: key and value gradients
-      const index_t n = std::min(linear_block, Tn - c0);
+    const index_t last = (Tn - 1) / linear_backward_block * linear_backward_block;
+    for (index_t c0 = last;; c0 -= linear_backward_block) {  // reverse sweep: key and value gradients
+      const index_t n = std::min(linear_backward_block, Tn - c0);
       features(c0, n);
       const ConstRows<T> kn(fs.key_numerator.data(), n, E, Eigen::OuterStride<>(E));
       const ConstRows<T> qn(fs.query_numerator.data(), n, E, Eigen::OuterStride<>(E));
@@ -223,7 +288,8 @@ void linear_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
       u = suffix;
       U.noalias() += qn.transpose() * G;
       for (index_t r = 0; r < n; ++r)
-        backward_row(Side::key, k.row(b, c0 + r, h), c0 + r, d_kn.row(r).data(),
+        backward_row(Side::key, k.row(b, c0 + r, h), kn.row(r).data(), c0 + r,
+                     d_kn.row(r).data(),
                      d_kd.row(r).data(), d_k.row(b, c0 + r, h));
       if (c0 == 0) break;
     }
@@ -265,22 +331,27 @@ void linear_bidirectional_backward(TensorView<const T, 4> q, TensorView<const T,
     const Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>> z(carry.normaliser, E);
     Rows<T> U(adjoint.memory, E, Dv, Eigen::OuterStride<>(Dv));
     Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>> u(adjoint.normaliser, E);
-    auto backward_row = [&](Side side, const T* x, index_t t, const T* d_numerator,
-                            const T* d_denominator, T* d_x) {
+    auto backward_row = [&](Side side, const T* x, const T* phi, index_t t,
+                            const T* d_numerator, const T* d_denominator, T* d_x) {
       token_backward<Map, Rw, Pos>(
-          x, t, theta, spec, [&](const T* phi) { return proportion_of(side, b, t, h, t, phi); },
+          x, phi, t, theta, spec, [&](const T* phi) { return proportion_of(side, b, t, h, t, phi); },
           [&](const Proportion& p, double dp, const T* phi, T* d_phi) {
             proportion_backward(worker, side, b, t, h, p, dp, phi, d_phi);
           },
           d_numerator, d_denominator, ws.feature_scratch.data(), d_x);
     };
-    reference::linear_reset(carry, E, Dv);
-    absorb_segment<Map, Rw, Pos>(k, v, b, h, 0, Sn, carry, 0, spec, proportion_of, fs);
-    reference::linear_reset(adjoint, E, Dv);
-    reference::ReadGradient<T> reads[linear_block];
+    reference::linear_reset(carry, E, Dv);  // S = E_K^T V, z = 1^T E'_K over the source
     seek_rotation<Pos>(fs, spec, h, 0);
-    for (index_t c0 = 0; c0 < Tn; c0 += linear_block) {  // queries: their gradients, U and u
-      const index_t n = std::min(linear_block, Tn - c0);
+    for (index_t c0 = 0; c0 < Sn; c0 += linear_backward_block) {
+      const index_t n = std::min(linear_backward_block, Sn - c0);
+      block_features<Map, Rw, Pos>(no_view, &k, b, h, c0, n, c0, spec, proportion_of, fs);
+      absorb_block(fs, separate, rows_of(v, b, h, c0, n), n, carry, E, Dv);
+    }
+    reference::linear_reset(adjoint, E, Dv);
+    reference::ReadGradient<T> reads[linear_backward_block];
+    seek_rotation<Pos>(fs, spec, h, 0);
+    for (index_t c0 = 0; c0 < Tn; c0 += linear_backward_block) {  // queries: their gradients, U and u
+      const index_t n = std::min(linear_backward_block, Tn - c0);
       block_features<Map, Rw, Pos>(&q, no_view, b, h, c0, n, c0, spec, proportion_of, fs);
       const ConstRows<T> qn(fs.query_numerator.data(), n, E, Eigen::OuterStride<>(E));
       const ConstRows<T> qd(separate ? fs.query_denominator.data() : fs.query_numerator.data(), n,
@@ -300,12 +371,13 @@ void linear_bidirectional_backward(TensorView<const T, 4> q, TensorView<const T,
       }
       U.noalias() += qn.transpose() * G;
       for (index_t r = 0; r < n; ++r)
-        backward_row(Side::query, q.row(b, c0 + r, h), c0 + r, d_qn.row(r).data(),
+        backward_row(Side::query, q.row(b, c0 + r, h), qn.row(r).data(), c0 + r,
+                     d_qn.row(r).data(),
                      d_qd.row(r).data(), d_q.row(b, c0 + r, h));
     }
     seek_rotation<Pos>(fs, spec, h, 0);
-    for (index_t c0 = 0; c0 < Sn; c0 += linear_block) {  // keys and values
-      const index_t n = std::min(linear_block, Sn - c0);
+    for (index_t c0 = 0; c0 < Sn; c0 += linear_backward_block) {  // keys and values
+      const index_t n = std::min(linear_backward_block, Sn - c0);
       block_features<Map, Rw, Pos>(no_view, &k, b, h, c0, n, c0, spec, proportion_of, fs);
       const ConstRows<T> kn(fs.key_numerator.data(), n, E, Eigen::OuterStride<>(E));
       const ConstRows<T> values = rows_of(v, b, h, c0, n);
@@ -315,7 +387,8 @@ void linear_bidirectional_backward(TensorView<const T, 4> q, TensorView<const T,
       d_kd = u.replicate(n, 1);
       Rows<T>(d_v.row(b, c0, h), n, Dv, Eigen::OuterStride<>(d_v.stride(1))).noalias() = kn * U;
       for (index_t r = 0; r < n; ++r)
-        backward_row(Side::key, k.row(b, c0 + r, h), c0 + r, d_kn.row(r).data(),
+        backward_row(Side::key, k.row(b, c0 + r, h), kn.row(r).data(), c0 + r,
+                     d_kn.row(r).data(),
                      d_kd.row(r).data(), d_k.row(b, c0 + r, h));
     }
   });
