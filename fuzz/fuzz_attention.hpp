@@ -575,6 +575,32 @@ void drive_backward(Fuzz& fuzz, const std::vector<std::array<index_t, 4>>& input
   check_accepted(third, finite && call.aliased < 0, what);
 }
 
+/// drive_backward for a self-attention backward(inputs..., d_out, {d_first,
+/// d_second, d_values}) whose gradients have their inputs' shapes; d_out
+/// sometimes has one feature too many. Fails when a call whose d_out or
+/// gradient shape differs from its input's is accepted.
+template <class T, class Backward>
+void drive_self_backward(Fuzz& fuzz, const Features& f, index_t batch, index_t time,
+                         index_t heads, double finite_bound, const char* what,
+                         Backward&& backward) {
+  const auto sequence = input_extents<4>(f, batch, time, heads);
+  const std::array<index_t, 4> values_extents{batch, time, heads, f.out};
+  std::vector<std::array<index_t, 4>> inputs = sequence;
+  inputs.push_back(fuzz.coin(8) ? std::array<index_t, 4>{batch, time, heads, f.out + 1}
+                                : values_extents);  // d_out
+  drive_backward<T>(fuzz, inputs, {sequence[0], sequence[1], values_extents}, finite_bound, what,
+                    [&](auto& c, auto& second, auto& third) {
+                      backward(c, second, third);
+                      const auto& in = c.inputs;
+                      if (in[3].layout.extents != in[2].layout.extents ||
+                          c.out.layout.extents != in[0].layout.extents ||
+                          second.out.layout.extents != in[1].layout.extents ||
+                          third.out.layout.extents != in[2].layout.extents)
+                        fail(std::string(what) + ": a gradient or d_out whose shape is not its "
+                                                 "input's was accepted");
+                    });
+}
+
 /// make_state, forward(..., state), step, save, load_state / restore: every
 /// outcome a latte::Error or a return; saved bytes reload to the same bytes.
 /// `state_demand(batch)`: what make_state(batch) asks of the allocator (the
@@ -688,28 +714,15 @@ void latte_attention(Fuzz& fuzz, const Sizes& s) {
     a.forward(E{}, c.inputs[0].cview(), c.inputs[1].cview(), c.inputs[2].cview(), c.out.view());
   });
   if (fuzz.coin(3)) {
-    const auto sequence = input_extents<4>(f, s.batch, s.time, s.heads);
-    const std::array<index_t, 4> values_extents{s.batch, s.time, s.heads, Dv};
-    std::vector<std::array<index_t, 4>> inputs = sequence;
-    inputs.push_back(fuzz.coin(8) ? std::array<index_t, 4>{s.batch, s.time, s.heads, Dv + 1}
-                                  : values_extents);  // d_out (sometimes one feature too many)
     latte::Tensor<T, 2> d_angles({Pos::rotates_values && fuzz.coin(2) ? s.heads : 0, Dv / 2});
     // Gradients of logits spread over 1e3 stay finite: |g|, |v| <= 1e3, T <= 40.
-    drive_backward<T>(fuzz, inputs, {sequence[0], sequence[1], values_extents},
-                      1e3, "LatteAttention backward",
-                      [&](auto& c, auto& second, auto& third) {
-                        a.backward(E{}, c.inputs[0].cview(), c.inputs[1].cview(),
-                                   c.inputs[2].cview(), c.inputs[3].cview(),
-                                   latte::LatteGradients<T>{c.out.view(), second.out.view(),
-                                                            third.out.view(), d_angles.view()});
-                        const auto& in = c.inputs;
-                        if (in[3].layout.extents != in[2].layout.extents ||
-                            c.out.layout.extents != in[0].layout.extents ||
-                            second.out.layout.extents != in[1].layout.extents ||
-                            third.out.layout.extents != in[2].layout.extents)
-                          fail("LatteAttention backward: a gradient or d_out whose shape is not "
-                               "its input's was accepted");
-                      });
+    drive_self_backward<T>(fuzz, f, s.batch, s.time, s.heads, 1e3, "LatteAttention backward",
+                           [&](auto& c, auto& second, auto& third) {
+                             a.backward(E{}, c.inputs[0].cview(), c.inputs[1].cview(),
+                                        c.inputs[2].cview(), c.inputs[3].cview(),
+                                        latte::LatteGradients<T>{c.out.view(), second.out.view(),
+                                                                 third.out.view(), d_angles.view()});
+                           });
   }
   if constexpr (causal<Dir>) {
     const auto first = first_position(fuzz);
@@ -748,6 +761,15 @@ void softmax_attention(Fuzz& fuzz, const Sizes& s) {
   drive_forward<T>(fuzz, f, s.batch, s.time, s.heads, "SoftmaxAttention forward", [&](auto& c) {
     a.forward(E{}, c.inputs[0].cview(), c.inputs[1].cview(), c.inputs[2].cview(), c.out.view());
   });
+  if (!decode && fuzz.coin(3))
+    drive_self_backward<T>(fuzz, f, s.batch, s.time, s.heads, tame(given_scale) ? 1e2 : 0,
+                           "SoftmaxAttention backward",
+                           [&](auto& c, auto& second, auto& third) {
+                             a.backward(E{}, c.inputs[0].cview(), c.inputs[1].cview(),
+                                        c.inputs[2].cview(), c.inputs[3].cview(),
+                                        latte::SoftmaxGradients<T>{c.out.view(), second.out.view(),
+                                                                   third.out.view()});
+                           });
   if constexpr (causal<Dir>) {
     if (!decode) return;
     const index_t capacity = fuzz.parameter(1, 48);
@@ -932,6 +954,23 @@ void linear_attention(Fuzz& fuzz, const Sizes& s) {
     a.forward(latte::exec::reference, c.inputs[0].cview(), c.inputs[1].cview(),
               c.inputs[2].cview(), c.out.view());
   });
+  if (fuzz.coin(3)) {
+    // Gradients stay finite for |x| <= 1e2: 1 / N(D) <= 1e6 enters squared.
+    const bool on_cpu = fuzz.coin(2);
+    drive_self_backward<T>(fuzz, f, s.batch, s.time, s.heads, f.finite_bound > 0 ? 1e2 : 0,
+                           "LinearAttention backward",
+                           [&](auto& c, auto& second, auto& third) {
+                             const latte::LinearGradients<T> gradients{
+                                 c.out.view(), second.out.view(), third.out.view()};
+                             if (on_cpu)
+                               a.backward(latte::exec::cpu, c.inputs[0].cview(), c.inputs[1].cview(),
+                                          c.inputs[2].cview(), c.inputs[3].cview(), gradients);
+                             else
+                               a.backward(latte::exec::reference, c.inputs[0].cview(),
+                                          c.inputs[1].cview(), c.inputs[2].cview(),
+                                          c.inputs[3].cview(), gradients);
+                           });
+  }
   if constexpr (causal<Dir>) {
     const auto first = first_position(fuzz);
     drive_decode<T>(

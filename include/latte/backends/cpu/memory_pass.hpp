@@ -28,11 +28,13 @@ struct PairRotations {
 };
 
 /// One register block of R vectors (columns d0 .. d0 + R W) of the pass; w and
-/// g hold token j's values at [j N, (j + 1) N).
+/// g hold token j's values at [j w_stride, j w_stride + N) and
+/// [j g_stride, j g_stride + N) (strides may be negative).
 template <Real T, int R, bool Rotate>
 LATTE_FLATTEN void update_read_quad_block(T* memory, index_t Dv, index_t d0, const T* w,
                                           const T* g, const T* const* v, T* const* out,
-                                          index_t N, PairRotations<T> rotation) noexcept {
+                                          index_t N, PairRotations<T> rotation,
+                                          index_t w_stride, index_t g_stride) noexcept {
   using B = simd::batch<T>;
   constexpr index_t W = simd::width<T>;
   constexpr int K = 4;
@@ -54,7 +56,7 @@ LATTE_FLATTEN void update_read_quad_block(T* memory, index_t Dv, index_t d0, con
     // 2 threads: 118 ms at -O2 against 76 ms at -O3).
     simd::unrolled<R>([&](auto r) { m[r] = simd::load(row + r * W); });
     simd::unrolled<K>([&](auto j) {
-      const B weight(w[j * N + n]), read(g[j * N + n]);
+      const B weight(w[j * w_stride + n]), read(g[j * g_stride + n]);
       simd::unrolled<R>([&](auto r) {
         m[r] = simd::fma(weight, value[j][r], m[r]);
         acc[j][r] = simd::fma(read, m[r], acc[j][r]);
@@ -72,28 +74,41 @@ LATTE_FLATTEN void update_read_quad_block(T* memory, index_t Dv, index_t d0, con
   });
 }
 
-/// The whole pass for four tokens: value j at v[j], output j to out[j]. With
-/// a rotation Dv must be a multiple of the vector width (no scalar tail).
+/// The whole pass for four tokens: value j at v[j], output j to out[j];
+/// token j's weights at w + j w_stride and reads at g + j g_stride (strides
+/// may be negative: rows of tokens taken in reverse). With a rotation Dv must
+/// be a multiple of the vector width (no scalar tail).
 template <Real T, bool Rotate = false>
-void update_and_read_quad(T* memory, const T* w, const T* g, const T* const* v, T* const* out,
-                          index_t N, index_t Dv, PairRotations<T> rotation = {}) noexcept {
+void update_and_read_quad_strided(T* memory, const T* w, index_t w_stride, const T* g,
+                                  index_t g_stride, const T* const* v, T* const* out, index_t N,
+                                  index_t Dv, PairRotations<T> rotation = {}) noexcept {
   constexpr index_t W = simd::width<T>;
   index_t d = 0;
   for (; d + 2 * W <= Dv; d += 2 * W)
-    update_read_quad_block<T, 2, Rotate>(memory, Dv, d, w, g, v, out, N, rotation);
+    update_read_quad_block<T, 2, Rotate>(memory, Dv, d, w, g, v, out, N, rotation, w_stride,
+                                         g_stride);
   for (; d + W <= Dv; d += W)
-    update_read_quad_block<T, 1, Rotate>(memory, Dv, d, w, g, v, out, N, rotation);
+    update_read_quad_block<T, 1, Rotate>(memory, Dv, d, w, g, v, out, N, rotation, w_stride,
+                                         g_stride);
   for (index_t e = d; e < Dv; ++e) {
     T acc[4] = {0, 0, 0, 0};
     for (index_t n = 0; n < N; ++n) {
       T& m = memory[n * Dv + e];
       for (int j = 0; j < 4; ++j) {
-        m += w[j * N + n] * v[j][e];
-        acc[j] += g[j * N + n] * m;
+        m += w[j * w_stride + n] * v[j][e];
+        acc[j] += g[j * g_stride + n] * m;
       }
     }
     for (int j = 0; j < 4; ++j) out[j][e] = acc[j];
   }
+}
+
+/// update_and_read_quad_strided with token j's weights and reads at rows j of
+/// [4 x N] arrays w and g.
+template <Real T, bool Rotate = false>
+void update_and_read_quad(T* memory, const T* w, const T* g, const T* const* v, T* const* out,
+                          index_t N, index_t Dv, PairRotations<T> rotation = {}) noexcept {
+  update_and_read_quad_strided<T, Rotate>(memory, w, N, g, N, v, out, N, Dv, rotation);
 }
 
 }  // namespace latte::cpu

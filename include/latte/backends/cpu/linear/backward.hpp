@@ -29,6 +29,7 @@
 #include <Eigen/Core>
 
 #include "latte/backends/cpu/linear/forward.hpp"
+#include "latte/backends/cpu/memory_pass.hpp"
 #include "latte/backends/cpu/parallel.hpp"
 #include "latte/backends/cpu/simd.hpp"
 #include "latte/backends/reference/linear.hpp"
@@ -47,16 +48,40 @@ namespace latte::cpu {
 /// thread: 233 ms at 16, 246 ms at 32, 273 ms at 64).
 inline constexpr index_t linear_backward_block = 16;
 
+/// <x, y> over n values.
+template <Real T>
+[[nodiscard]] T dot(const T* x, const T* y, index_t n) noexcept {
+  index_t i = 0;
+  T tail = 0;
+#if LATTE_WITH_XSIMD
+  using B = simd::batch<T>;
+  constexpr index_t W = simd::width<T>;
+  B total(T(0));
+  for (; i + W <= n; i += W) total = simd::fma(simd::load(x + i), simd::load(y + i), total);
+  tail = simd::reduce_add(total);
+#endif
+  for (; i < n; ++i) tail += x[i] * y[i];
+  return tail;
+}
+
 /// One worker's backward workspace: a block's features and their gradients,
 /// the carries S, z and U, u, and the C x C score matrices.
 template <Real T>
 struct LinearBackwardWorkspace {
-  LinearBackwardWorkspace(const LinearSpec& spec, index_t tokens)
+  /// `cached_tokens` tokens of `cached_sides` feature rows (2, or 4 with separate denominators).
+  LinearBackwardWorkspace(const LinearSpec& spec, index_t cached_tokens, index_t cached_sides)
       : features(spec, linear_backward_block),
         carry(static_cast<std::size_t>(spec.expanded_dim() * (spec.value_dim + 1))),
         adjoint(carry.size()),
         feature_scratch(static_cast<std::size_t>(3 * spec.feature_dim)),
-        reads(static_cast<std::size_t>(tokens)),
+        memory_t(carry.size()), adjoint_t(carry.size()),
+        normaliser(static_cast<std::size_t>(spec.expanded_dim())), d_normaliser(normaliser.size()),
+        pass_weights(static_cast<std::size_t>(4 * std::max(spec.expanded_dim(), spec.value_dim))),
+        pass_reads(pass_weights.size()), pass_values(pass_weights.size()),
+        zero_row(pass_weights.size() / 4), discard_row(zero_row.size()),
+        denominators(static_cast<std::size_t>(linear_backward_block)),
+        cached_features(static_cast<std::size_t>(cached_sides * cached_tokens * spec.expanded_dim())),
+        reads(static_cast<std::size_t>(cached_tokens)),
         scores(linear_backward_block, linear_backward_block), d_scores(linear_backward_block, linear_backward_block),
         numerators(linear_backward_block, spec.value_dim), scaled(linear_backward_block, spec.value_dim),
         d_query_numerator(linear_backward_block, spec.expanded_dim()),
@@ -65,10 +90,26 @@ struct LinearBackwardWorkspace {
         d_key_denominator(linear_backward_block, spec.expanded_dim()) {}
   LinearScratch<T> features;
   AlignedVector<T> carry, adjoint, feature_scratch;
+  // The causal sweeps' carries for the register-blocked passes: S^T and U^T
+  // [Dv x E] (U is `adjoint`, S's initial value arrives in `carry`), z and u [E];
+  // four tokens' weights and reads, a zero row and a row nothing reads.
+  AlignedVector<T> memory_t, adjoint_t, normaliser, d_normaliser;
+  AlignedVector<T> pass_weights, pass_reads, pass_values, zero_row, discard_row;
+  std::vector<T> denominators;  // D_t of one block
+  // The head's feature rows from the forward sweep, read again by the reverse
+  // sweep: e(q), e(k) and, where they differ, e'(q), e'(k) [T x E] each.
+  AlignedVector<T> cached_features;
   std::vector<reference::ReadGradient<T>> reads;  // per token of the head (causal)
   RowMatrix<T> scores, d_scores, numerators, scaled;
   RowMatrix<T> d_query_numerator, d_query_denominator, d_key_numerator, d_key_denominator;
 };
+
+/// to = from^T for a rows x cols row-major `from`.
+template <Real T>
+void transpose_into(const T* from, index_t rows, index_t cols, T* to) noexcept {
+  for (index_t r = 0; r < rows; ++r)
+    for (index_t c = 0; c < cols; ++c) to[c * rows + r] = from[r * cols + c];
+}
 
 /// S (memory, E x Dv) and z (normaliser, E) laid out in `storage`.
 template <Real T>
@@ -160,7 +201,14 @@ void token_backward(const T* x, const T* phi, std::int64_t position, const doubl
 
 /// Gradient of linear_causal_forward; the reference's signature
 /// (reference::linear_causal_backward), `proportion_backward` receiving the
-/// worker's index first.
+/// worker's index first. Both sweeps run the forward's register-blocked pass
+/// (memory_pass.hpp) four tokens at a time, on carries laid out for it:
+///   forward:  S^T [Dv x E] += v_j e(k_j)^T, then dL/de(q_j) = S_j g~_j  (rows d)
+///   reverse:  U [E x Dv] += e(q_j) g~_j^T, then dL/dv_j = U_j^T e(k_j)  (rows e)
+///             U^T [Dv x E] likewise, then dL/de(k_j) = U_j v_j          (rows d)
+/// (g~_j = g_j / n_j), so every contraction accumulates whole rows and none
+/// needs a horizontal sum; U is kept twice rather than read across its rows.
+/// <g_j, o_j> = e(q_j) . S_j g~_j comes from the query's own gradient.
 template <FeatureMap Map, Reweight Rw, Positional Pos, Real T, class ProportionOf,
           class ProportionBackward, class InitialOf, class FinalGradientOf,
           class InitialGradientOf>
@@ -178,18 +226,17 @@ void linear_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
   const double work = double(heads) * double(Tn) * double(E) * double(Dv);
   const int workers = work >= 1 << 18 ? thread_count() : 1;
   std::vector<LinearBackwardWorkspace<T>> workspaces(static_cast<std::size_t>(workers),
-                                                     LinearBackwardWorkspace<T>(spec, Tn));
+                                                     LinearBackwardWorkspace<T>(spec, Tn, separate ? 4 : 2));
   parallel_for(heads, workers, [&](index_t i, int worker) {
     const index_t b = i / H, h = i % H;
     LinearBackwardWorkspace<T>& ws = workspaces[static_cast<std::size_t>(worker)];
     LinearScratch<T>& fs = ws.features;
     const double* theta = spec.theta(h);
-    const LinearCarry<T> carry = carry_in(ws.carry, E, Dv);
-    const LinearCarry<T> adjoint = carry_in(ws.adjoint, E, Dv);
-    Rows<T> S(carry.memory, E, Dv, Eigen::OuterStride<>(Dv));
-    Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>> z(carry.normaliser, E);
-    Rows<T> U(adjoint.memory, E, Dv, Eigen::OuterStride<>(Dv));
-    Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>> u(adjoint.normaliser, E);
+    T* z = ws.normaliser.data();
+    T* u = ws.d_normaliser.data();
+    T* zero_row = ws.zero_row.data();
+    T* discard = ws.discard_row.data();
+    auto cached = [&](int side) { return ws.cached_features.data() + side * Tn * E; };
     auto features = [&](index_t c0, index_t n) {
       seek_rotation<Pos>(fs, spec, h, first_position + c0);
       block_features<Map, Rw, Pos>(&q, &k, b, h, c0, n, first_position + c0, spec, proportion_of,
@@ -200,103 +247,158 @@ void linear_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
       const std::int64_t position = first_position + t;
       token_backward<Map, Rw, Pos>(
           x, phi, position, theta, spec,
-          [&](const T* phi) { return proportion_of(side, b, t, h, position, phi); },
-          [&](const Proportion& p, double dp, const T* phi, T* d_phi) {
-            proportion_backward(worker, side, b, t, h, p, dp, phi, d_phi);
+          [&](const T* p) { return proportion_of(side, b, t, h, position, p); },
+          [&](const Proportion& p, double dp, const T* p_phi, T* d_phi) {
+            proportion_backward(worker, side, b, t, h, p, dp, p_phi, d_phi);
           },
           d_numerator, d_denominator, ws.feature_scratch.data(), d_x);
     };
-    initial_of(b, h, carry);
-    for (index_t c0 = 0; c0 < Tn; c0 += linear_backward_block) {  // forward sweep: query gradients
+    // Gathers four tokens' rows for a pass: `weights` [4 x N] (zeros past
+    // `count`), and row pointers (a zero row / a discarded row past `count`).
+    auto gather = [&](T* weights, index_t N, index_t count, auto&& row_of) {
+      for (index_t j = 0; j < 4; ++j) {
+        if (j < count) std::copy_n(row_of(j), N, weights + j * N);
+        else std::fill_n(weights + j * N, N, T(0));
+      }
+    };
+    {  // S^T, z from the initial state
+      reference::LinearCarry<T> carry{ws.carry.data(), z};
+      initial_of(b, h, carry);
+      transpose_into(ws.carry.data(), E, Dv, ws.memory_t.data());
+    }
+    for (index_t c0 = 0; c0 < Tn; c0 += linear_backward_block) {  // forward sweep
       const index_t n = std::min(linear_backward_block, Tn - c0);
       features(c0, n);
-      const ConstRows<T> kn(fs.key_numerator.data(), n, E, Eigen::OuterStride<>(E));
-      const ConstRows<T> qn(fs.query_numerator.data(), n, E, Eigen::OuterStride<>(E));
-      const ConstRows<T> kd(separate ? fs.key_denominator.data() : fs.key_numerator.data(), n, E,
-                            Eigen::OuterStride<>(E));
-      const ConstRows<T> qd(separate ? fs.query_denominator.data() : fs.query_numerator.data(), n,
-                            E, Eigen::OuterStride<>(E));
-      const ConstRows<T> values = rows_of(v, b, h, c0, n);
-      const ConstRows<T> gradient = rows_of(d_out, b, h, c0, n);
-      auto scores = ws.scores.topLeftCorner(n, n);
-      auto numerators = ws.numerators.topRows(n);
-      auto G = ws.scaled.topRows(n);
-      scores.noalias() = qd * kd.transpose();  // the denominators' scores first
-      Eigen::Map<Eigen::Matrix<T, Eigen::Dynamic, 1>> denominator(fs.denominator.data(), n);
-      denominator.noalias() = qd * z.transpose();
-      for (index_t r = 0; r < n; ++r) denominator[r] += scores.row(r).head(r + 1).sum();
-      if (separate) scores.noalias() = qn * kn.transpose();
-      numerators.noalias() = scores.template triangularView<Eigen::Lower>() * values;
-      numerators.noalias() += qn * S;
-      block_read_gradients<T>(gradient, n, spec.normaliser, ws, ws.reads.data() + c0);
-      auto d_scores = ws.d_scores.topLeftCorner(n, n);
-      d_scores.noalias() = G * values.transpose();
+      const T* kn = fs.key_numerator.data();
+      const T* qn = fs.query_numerator.data();
+      const T* kd = separate ? fs.key_denominator.data() : kn;
+      const T* qd = separate ? fs.query_denominator.data() : qn;
+      for (int side = 0; side < (separate ? 4 : 2); ++side) {
+        const T* rows[4] = {qn, kn, qd, kd};
+        std::copy_n(rows[side], n * E, cached(side) + c0 * E);
+      }
       auto d_qn = ws.d_query_numerator.topRows(n);
       auto d_qd = ws.d_query_denominator.topRows(n);
-      d_qn.noalias() = d_scores.template triangularView<Eigen::Lower>() * kn;
-      d_qn.noalias() += G * S.transpose();
-      Eigen::Matrix<T, 1, Eigen::Dynamic> prefix = z;  // z + sum of E'_K rows up to r
-      for (index_t r = 0; r < n; ++r) {
-        prefix += kd.row(r);
-        d_qd.row(r) = ws.reads[static_cast<std::size_t>(c0 + r)].d_denominator * prefix;
+      reference::ReadGradient<T>* reads = ws.reads.data() + c0;
+      std::vector<T>& D = ws.denominators;
+      for (index_t r = 0; r < n; ++r) {  // z_t (after key t), D_t, 1 / n_t; z_t kept for dE'_Q
+        const T denominator = absorb_read_normaliser(z, kd + r * E, qd + r * E, E);
+        std::copy_n(z, E, d_qd.row(r).data());
+        D[static_cast<std::size_t>(r)] = denominator;
+        reads[r].inverse_normaliser = T(1) / spec.normaliser.apply(denominator);
       }
-      for (index_t r = 0; r < n; ++r)
-        backward_row(Side::query, q.row(b, c0 + r, h), qn.row(r).data(), c0 + r,
-                     d_qn.row(r).data(),
+      for (index_t r0 = 0; r0 < n; r0 += 4) {
+        const index_t count = std::min<index_t>(4, n - r0);
+        // A full quad reads the values' rows in place; a partial one pads with zeros.
+        const T* weights = v.row(b, c0 + r0, h);
+        index_t weight_stride = v.stride(1);
+        if (count < 4) {
+          gather(ws.pass_weights.data(), Dv, count, [&](index_t j) { return v.row(b, c0 + r0 + j, h); });
+          weights = ws.pass_weights.data();
+          weight_stride = Dv;
+        }
+        for (index_t j = 0; j < 4; ++j) {
+          T* g = ws.pass_reads.data() + j * Dv;
+          if (j >= count) { std::fill_n(g, Dv, T(0)); continue; }
+          scaled_copy(d_out.row(b, c0 + r0 + j, h), reads[r0 + j].inverse_normaliser, g, Dv);
+        }
+        const T* values[4];
+        T* outs[4];
+        for (index_t j = 0; j < 4; ++j) {
+          values[j] = j < count ? kn + (r0 + j) * E : zero_row;
+          outs[j] = j < count ? d_qn.row(r0 + j).data() : discard;
+        }
+        update_and_read_quad_strided<T>(ws.memory_t.data(), weights, weight_stride,
+                                        ws.pass_reads.data(), Dv, values, outs, Dv, E);
+      }
+      for (index_t r = 0; r < n; ++r) {
+        const T g_dot_o = dot(qn + r * E, d_qn.row(r).data(), E);  // <g, o> = e(q) . S g~
+        const T inverse = reads[r].inverse_normaliser;
+        reads[r].d_denominator =
+            -spec.normaliser.derivative(D[static_cast<std::size_t>(r)]) * g_dot_o * inverse;
+        d_qd.row(r) *= reads[r].d_denominator;
+        backward_row(Side::query, q.row(b, c0 + r, h), qn + r * E, c0 + r, d_qn.row(r).data(),
                      d_qd.row(r).data(), d_q.row(b, c0 + r, h));
-      S.noalias() += kn.transpose() * values;
-      z += kd.colwise().sum();
+      }
     }
-    const LinearCarry<const T> d_final = final_gradient_of(b, h);
-    if (d_final.memory) {
-      std::copy(d_final.memory, d_final.memory + E * Dv, adjoint.memory);
-      std::copy(d_final.normaliser, d_final.normaliser + E, adjoint.normaliser);
-    } else {
-      reference::linear_reset(adjoint, E, Dv);
+    {  // U, U^T, u from the final state's gradient
+      const LinearCarry<const T> d_final = final_gradient_of(b, h);
+      if (d_final.memory) {
+        std::copy_n(d_final.memory, E * Dv, ws.adjoint.data());
+        std::copy_n(d_final.normaliser, E, u);
+      } else {
+        std::fill_n(ws.adjoint.data(), E * Dv, T(0));
+        std::fill_n(u, E, T(0));
+      }
+      transpose_into(ws.adjoint.data(), E, Dv, ws.adjoint_t.data());
     }
     const index_t last = (Tn - 1) / linear_backward_block * linear_backward_block;
-    for (index_t c0 = last;; c0 -= linear_backward_block) {  // reverse sweep: key and value gradients
+    for (index_t c0 = last;; c0 -= linear_backward_block) {  // reverse sweep
       const index_t n = std::min(linear_backward_block, Tn - c0);
-      features(c0, n);
-      const ConstRows<T> kn(fs.key_numerator.data(), n, E, Eigen::OuterStride<>(E));
-      const ConstRows<T> qn(fs.query_numerator.data(), n, E, Eigen::OuterStride<>(E));
-      const ConstRows<T> kd(separate ? fs.key_denominator.data() : fs.key_numerator.data(), n, E,
-                            Eigen::OuterStride<>(E));
-      const ConstRows<T> qd(separate ? fs.query_denominator.data() : fs.query_numerator.data(), n,
-                            E, Eigen::OuterStride<>(E));
-      const ConstRows<T> values = rows_of(v, b, h, c0, n);
-      const ConstRows<T> gradient = rows_of(d_out, b, h, c0, n);
-      auto G = ws.scaled.topRows(n);
-      for (index_t r = 0; r < n; ++r)
-        G.row(r) = gradient.row(r) * ws.reads[static_cast<std::size_t>(c0 + r)].inverse_normaliser;
-      auto scores = ws.scores.topLeftCorner(n, n);
-      scores.noalias() = qn * kn.transpose();
-      auto d_scores = ws.d_scores.topLeftCorner(n, n);
-      d_scores.noalias() = G * values.transpose();
+      const T* qn = cached(0) + c0 * E;
+      const T* kn = cached(1) + c0 * E;
+      const T* qd = separate ? cached(2) + c0 * E : qn;
       auto d_kn = ws.d_key_numerator.topRows(n);
       auto d_kd = ws.d_key_denominator.topRows(n);
-      d_kn.noalias() = d_scores.template triangularView<Eigen::Lower>().transpose() * qn;
-      d_kn.noalias() += values * U.transpose();
-      Rows<T> dv(d_v.row(b, c0, h), n, Dv, Eigen::OuterStride<>(d_v.stride(1)));
-      dv.noalias() = scores.template triangularView<Eigen::Lower>().transpose() * G;
-      dv.noalias() += kn * U;
-      Eigen::Matrix<T, 1, Eigen::Dynamic> suffix = u;  // u + sum of dD E'_Q rows from r on
-      for (index_t r = n; r-- > 0;) {
-        suffix += ws.reads[static_cast<std::size_t>(c0 + r)].d_denominator * qd.row(r);
-        d_kd.row(r) = suffix;
+      const reference::ReadGradient<T>* reads = ws.reads.data() + c0;
+      for (index_t r = n; r-- > 0;) {  // u_t = u_{t+1} + dD_t e'(q_t)
+        for (index_t e = 0; e < E; ++e) u[e] += reads[r].d_denominator * qd[r * E + e];
+        std::copy_n(u, E, d_kd.row(r).data());
       }
-      u = suffix;
-      U.noalias() += qn.transpose() * G;
+      for (index_t r1 = n; r1 > 0; r1 -= std::min<index_t>(4, r1)) {  // tokens r1 - 1, r1 - 2, ...
+        const index_t count = std::min<index_t>(4, r1);
+        auto token = [&](index_t j) { return r1 - 1 - j; };
+        for (index_t j = 0; j < 4; ++j) {
+          T* g = ws.pass_values.data() + j * Dv;
+          if (j >= count) { std::fill_n(g, Dv, T(0)); continue; }
+          scaled_copy(d_out.row(b, c0 + token(j), h), reads[token(j)].inverse_normaliser, g, Dv);
+        }
+        const T* scaled[4];
+        const T* query_rows[4];
+        T* d_values[4];
+        T* d_keys[4];
+        for (index_t j = 0; j < 4; ++j) {
+          scaled[j] = ws.pass_values.data() + j * Dv;
+          query_rows[j] = j < count ? qn + token(j) * E : zero_row;
+          d_values[j] = j < count ? d_v.row(b, c0 + token(j), h) : discard;
+          d_keys[j] = j < count ? d_kn.row(token(j)).data() : discard;
+        }
+        // A full quad reads its rows in place, latest token first (negative
+        // strides); a partial one gathers them and pads with zeros.
+        const bool full = count == 4;
+        const T* query_features = qn + token(0) * E;
+        const T* key_features = kn + token(0) * E;
+        const T* value_rows = v.row(b, c0 + token(0), h);
+        index_t feature_stride = -E, value_stride = -v.stride(1);
+        if (!full) {
+          gather(ws.pass_weights.data(), E, count, [&](index_t j) { return qn + token(j) * E; });
+          gather(ws.pass_reads.data(), E, count, [&](index_t j) { return kn + token(j) * E; });
+          query_features = ws.pass_weights.data();
+          key_features = ws.pass_reads.data();
+          feature_stride = E;
+        }
+        // U += e(q_j) g~_j^T, then dL/dv_j = U^T e(k_j).
+        update_and_read_quad_strided<T>(ws.adjoint.data(), query_features, feature_stride,
+                                        key_features, feature_stride, scaled, d_values, E, Dv);
+        // U^T += g~_j e(q_j)^T, then dL/de(k_j) = U v_j.
+        if (!full) {
+          gather(ws.pass_reads.data(), Dv, count,
+                 [&](index_t j) { return v.row(b, c0 + token(j), h); });
+          value_rows = ws.pass_reads.data();
+          value_stride = Dv;
+        }
+        update_and_read_quad_strided<T>(ws.adjoint_t.data(), ws.pass_values.data(), Dv,
+                                        value_rows, value_stride, query_rows, d_keys, Dv, E);
+      }
       for (index_t r = 0; r < n; ++r)
-        backward_row(Side::key, k.row(b, c0 + r, h), kn.row(r).data(), c0 + r,
-                     d_kn.row(r).data(),
+        backward_row(Side::key, k.row(b, c0 + r, h), kn + r * E, c0 + r, d_kn.row(r).data(),
                      d_kd.row(r).data(), d_k.row(b, c0 + r, h));
       if (c0 == 0) break;
     }
     const LinearCarry<T> d_initial = initial_gradient_of(b, h);
     if (d_initial.memory) {
-      std::copy(adjoint.memory, adjoint.memory + E * Dv, d_initial.memory);
-      std::copy(adjoint.normaliser, adjoint.normaliser + E, d_initial.normaliser);
+      std::copy_n(ws.adjoint.data(), E * Dv, d_initial.memory);
+      std::copy_n(u, E, d_initial.normaliser);
     }
   });
 }
@@ -318,7 +420,7 @@ void linear_bidirectional_backward(TensorView<const T, 4> q, TensorView<const T,
   const double work = double(heads) * double(Tn + Sn) * double(E) * double(Dv);
   const int workers = work >= 1 << 18 ? thread_count() : 1;
   std::vector<LinearBackwardWorkspace<T>> workspaces(static_cast<std::size_t>(workers),
-                                                     LinearBackwardWorkspace<T>(spec, 0));
+                                                     LinearBackwardWorkspace<T>(spec, 0, 0));
   const TensorView<const T, 4>* no_view = nullptr;
   parallel_for(heads, workers, [&](index_t i, int worker) {
     const index_t b = i / H, h = i % H;
