@@ -2,7 +2,7 @@
 // float64 autograd over plain torch transcriptions of the definitions, the
 // explicit T x T forms). LatteAttention::backward (both directions, RunningMax
 // and NoStabilizer, NoPositional and VAPOR with learned angles, and a causal case
-// with key logits spread over [-1000, 1000]) and SoftmaxAttention::backward
+// whose key logits sit at per-latent offsets in [-1000, 1000]) and SoftmaxAttention::backward
 // (causal, bidirectional, SlidingWindow) must reproduce them on exec::reference
 // and exec::cpu, fp32 and fp64, within Tolerance<T>::gradient, measured per
 // gradient as test_latte_gradients.cpp does (gradient_error). The forward's
@@ -12,9 +12,12 @@
 // linear backward's tests read is latte's definition (names: the script's docstring).
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <array>
+#include <cmath>
 #include <cstdio>
+#include <span>
 #include <string>
-#include <string_view>
 #include <utility>
 #include <vector>
 

@@ -10,7 +10,8 @@ L and D are totals split across heads: 512 and 512).
 gradients of sum(out * d_out) with respect to Q, K and V (the forward runs inside,
 as training runs it), FLOPs 3x the forward's as latte-compare counts them. Reverse
 mode through lax.scan keeps every step's L x D carry (B*H*L*D*4 bytes a token,
-2 GiB at T = 16K), so it runs up to --backward-max-t.
+2 GiB at T = 16K; the process peaked at 15 GB resident there, on a 24 GiB
+machine), so it runs up to --backward-max-t.
 """
 import argparse
 import time
