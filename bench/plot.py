@@ -21,7 +21,7 @@ def main(path, out):
     for label, points in sorted(series.items()):
         points.sort()
         xs, ys = zip(*points)
-        style = "--" if ("torch" in label or "jax" in label) else "-"
+        style = "--" if ("torch" in label or "jax" in label or "fla" in label) else "-"
         ax.loglog(xs, ys, style, marker="o", markersize=3, label=label)
     ax.set_xlabel("sequence length T")
     ax.set_ylabel("seconds per forward (B=1, H=8, L=64, D=64, fp32)")

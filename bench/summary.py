@@ -4,6 +4,41 @@ import sys
 from collections import defaultdict
 
 
+def forward_backward_targets(seconds):
+    """Issue 22's training targets: peer time / latte time for forward + backward
+    (the peers' rows from bench/peers, latte-compare's *_forward_backward rows), and
+    latte's backward / forward time."""
+    ours = "latte-cpu"
+    speedups = [  # (what, our row, peer row, {T: target speed-up})
+        ("causal Latte vs SDPA (autograd)", "latte_forward_backward",
+         ("sdpa_forward_backward", "torch"), {16384: 30, 65536: 100}),
+        ("causal Latte vs jax.jit(jax.grad(Listing 1 scan))", "latte_forward_backward",
+         ("jax_scan_core_forward_backward", "jax"), {16384: 10}),
+        ("causal linear elu+1 vs fla naive_chunk_linear_attn", "linear_elu_forward_backward",
+         ("fla_naive_chunk_forward_backward", "fla"), {4096: 10, 16384: 10}),
+    ]
+    print("forward + backward, peer time / latte time:")
+    for what, mechanism, (peer, backend), targets in speedups:
+        for T, target in targets.items():
+            mine = seconds[(mechanism, "causal", ours)].get(T)
+            theirs = seconds[(peer, "causal", backend)].get(T)
+            if not (mine and theirs):
+                missing = [name for name, x in ((mechanism, mine), (peer, theirs)) if not x]
+                print(f"  {what:<52} T={T:>6}: -  (no {' / '.join(missing)} row)")
+                continue
+            ratio = theirs / mine
+            print(f"  {what:<52} T={T:>6}: {ratio:7.1f}x  (target >= {target}x: "
+                  f"{'met' if ratio >= target else 'not met'})")
+    for forward, backward in (("latte", "latte_backward"), ("linear_elu", "linear_elu_backward")):
+        f = seconds[(forward, "causal", ours)].get(16384)
+        b = seconds[(backward, "causal", ours)].get(16384)
+        if f and b:
+            print(f"  {backward} / {forward} forward at T=16384: {b / f:.2f}  "
+                  f"(target <= 3: {'met' if b / f <= 3 else 'not met'})")
+        else:
+            print(f"  {backward} / {forward} forward at T=16384: -  (row missing)")
+
+
 def main(path):
     rows = list(csv.DictReader(open(path)))
     peak = next((float(r["gflops"]) for r in rows if r["mechanism"] == "fma_peak"), 0.0)
@@ -51,6 +86,7 @@ def main(path):
         cells = [gflops[key + ("latte-cpu",)].get(T) for key in kernels.values()]
         print(f"{T:>9}" + "".join(f"{100 * c / peak:>12.0f}%" if c else f"{'-':>13}"
                                   for c in cells))
+    forward_backward_targets(seconds)
     work = extra[("latte", "causal", "latte-cpu")]
     if work:
         print("latte causal workspace bytes by T: " +

@@ -5,6 +5,13 @@
 what latte's op computes, so the two are compared on equal work. Rows are
 appended to latte-compare's CSV: B=1, H=8, L=64 and D=64 per head (the listing's
 L and D are totals split across heads: 512 and 512).
+
+`jax_scan_core_forward_backward` is jax.jit(jax.grad(...)) of the core scan: the
+gradients of sum(out * d_out) with respect to Q, K and V (the forward runs inside,
+as training runs it), FLOPs 3x the forward's as latte-compare counts them. Reverse
+mode through lax.scan keeps every step's L x D carry (B*H*L*D*4 bytes a token,
+2 GiB at T = 16K; the process peaked at 15 GB resident there, on a 24 GiB
+machine), so it runs up to --backward-max-t.
 """
 import argparse
 import time
@@ -56,6 +63,13 @@ def causal_latte_core(Q, K, V, unroll=100):  # lines 34-50 on projected [T, B, H
     return y.transpose(1, 0, 2, 3)
 
 
+def core_loss(Q, K, V, d_out):
+    return jnp.sum(causal_latte_core(Q, K, V) * d_out)
+
+
+core_gradients = jax.jit(jax.grad(core_loss, argnums=(0, 1, 2)))
+
+
 def best_time(fn, min_time):
     jax.block_until_ready(fn())  # compile + warm-up
     best, spent, runs = float("inf"), 0.0, 0
@@ -69,7 +83,7 @@ def best_time(fn, min_time):
     return best
 
 
-def run(lengths, min_time, time_cap, backend):
+def run(lengths, min_time, time_cap, backend, backward_max_t=16384):
     """Times both scans at every T in `lengths` and prints latte-compare CSV rows
     labelled `backend`; a scan is skipped once its extrapolated time passes time_cap."""
     B, H, L, D = 1, 8, 64, 64
@@ -82,15 +96,20 @@ def run(lengths, min_time, time_cap, backend):
         Wv = jax.random.normal(ks[3], (H * D, H * D)) / (H * D) ** 0.5
         Q, K = (jax.random.normal(k, (T, B, H, L)) for k in ks[4:6])
         V = jax.random.normal(ks[6], (T, B, H, D))
+        d_out = jax.random.normal(jax.random.fold_in(key, T), (T, B, H, D))
         flops = 4.0 * B * T * H * L * D
-        for name, fn in (("jax_scan_core", lambda: causal_latte_core(Q, K, V)),
-                         ("jax_scan_listing1", lambda: causal_latte(Wq, Wk, Wv, H, X))):
+        cases = [("jax_scan_core", flops, lambda: causal_latte_core(Q, K, V)),
+                 ("jax_scan_listing1", flops, lambda: causal_latte(Wq, Wk, Wv, H, X))]
+        if T <= backward_max_t:
+            cases.append(("jax_scan_core_forward_backward", 3 * flops,
+                          lambda: core_gradients(Q, K, V, d_out)))
+        for name, case_flops, fn in cases:
             if name in previous and previous[name][1] * T / previous[name][0] > time_cap:
                 continue
             seconds = best_time(fn, min_time)
             previous[name] = (T, seconds)
             print(f"{name},causal,{backend},{B},{T},{H},{L},{D},{seconds:.6e},"
-                  f"{B * T / seconds:.6e},{flops / seconds / 1e9:.3f},-1", flush=True)
+                  f"{B * T / seconds:.6e},{case_flops / seconds / 1e9:.3f},-1", flush=True)
 
 
 def main():
@@ -98,8 +117,10 @@ def main():
     parser.add_argument("--t", default="256,1024,4096,16384,65536")
     parser.add_argument("--min-time", type=float, default=0.3)
     parser.add_argument("--time-cap", type=float, default=60.0)
+    parser.add_argument("--backward-max-t", type=int, default=16384)
     args = parser.parse_args()
-    run([int(x) for x in args.t.split(",")], args.min_time, args.time_cap, "jax")
+    run([int(x) for x in args.t.split(",")], args.min_time, args.time_cap, "jax",
+        args.backward_max_t)
 
 
 if __name__ == "__main__":

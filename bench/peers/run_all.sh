@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One comparison, side by side on this machine: latte-compare, then the peers
-# (PyTorch SDPA, the paper's JAX scan) appending to the same CSV, then the plot.
+# (PyTorch SDPA forward and forward + backward, the paper's JAX scan and its
+# jax.grad, flash-linear-attention's naive chunk form under autograd) appending to
+# the same CSV, then the plot and the summary.
 #   bench/peers/run_all.sh [lengths] [csv]      (defaults: 256..1M, bench/results.csv)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -15,5 +17,7 @@ build/bench/latte-compare --csv --rounds 5 --t "$lengths" > "$csv"
 .venv-peers/bin/python bench/peers/sdpa.py --threads "$threads" --t "$lengths" --time-cap 60 >> "$csv"
 peer_lengths=$(echo "$lengths" | tr ',' '\n' | awk '$1 <= 65536' | paste -sd, -)
 .venv-peers/bin/python bench/peers/jax_scan.py --t "$peer_lengths" >> "$csv"
+fla_lengths=$(echo "$lengths" | tr ',' '\n' | awk '$1 <= 16384' | paste -sd, -)
+.venv-peers/bin/python bench/peers/fla_naive.py --threads "$threads" --t "$fla_lengths" >> "$csv"
 .venv-peers/bin/python bench/plot.py "$csv" docs/scaling.png
 .venv-peers/bin/python bench/summary.py "$csv"

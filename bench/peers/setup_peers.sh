@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Creates .venv-peers/ (git-ignored) with the peers' Python packages from PyPI:
-# PyTorch (scaled_dot_product_attention), JAX (the paper's scan) and matplotlib
-# (the plot). Not a build dependency of latte. About 6 GB (PyTorch's wheel
-# brings its CUDA libraries even though the peers run on the CPU).
+# PyTorch (scaled_dot_product_attention), JAX (the paper's scan),
+# flash-linear-attention (imported as fla: its naive_chunk_linear_attn is what a
+# PyTorch user has on a CPU, where fla's Triton kernels do not run) and
+# matplotlib (the plot). Not a build dependency of latte. About 6 GB (PyTorch's
+# wheel brings its CUDA libraries even though the peers run on the CPU).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 if [ ! -x .venv-peers/bin/python ]; then
   python3 -m venv .venv-peers
 fi
 .venv-peers/bin/pip install --quiet --upgrade pip
-.venv-peers/bin/pip install --quiet torch jax matplotlib numpy
-.venv-peers/bin/python -c "import torch, jax, matplotlib; print('peers ready: torch', torch.__version__, 'jax', jax.__version__)"
+.venv-peers/bin/pip install --quiet torch jax matplotlib numpy flash-linear-attention
+.venv-peers/bin/python -c "import torch, jax, matplotlib, fla; from fla.ops.linear_attn.naive import naive_chunk_linear_attn; print('peers ready: torch', torch.__version__, 'jax', jax.__version__, 'fla', fla.__version__)"

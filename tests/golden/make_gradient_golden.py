@@ -1,0 +1,358 @@
+#!/usr/bin/env python3
+"""Golden gradients for latte's backward passes, from PyTorch autograd.
+
+Each mechanism is transcribed in plain torch, float64, from its definition in the
+explicit T x T form (never latte's recurrences or chunked scans), or, for cosFormer
+and LeaPformer, from the official code that tests/golden/make_linear_golden.py
+already re-implements in numpy (the torch transcriptions below are checked against
+those numpy functions to 1e-13 before anything is written). For every case the
+script draws the inputs and a d_out, and writes the output and
+torch.autograd.grad(sum(d_out * out)) with respect to every input and learned
+parameter into gradient_golden.hpp next to this file, for
+tests/test_golden_gradients.cpp (Latte, softmax) and the linear family's backward
+tests. Inputs are rounded to float32 values so the same numbers feed the float and
+double tests; layouts are latte's [B, T, H, D].
+
+Transcribed:
+  * Latte (paper 000 eqs. 5 and 10, DESIGN §3.2): p(l|t) = softmax_l(q_t);
+    p(s|l,t) = softmax over s <= t (causal) or all s (bidirectional) of k_{s,l};
+    o_t = sum_s [sum_l p(l|t) p(s|l,t)] R^{t-s} v_s. R is VAPOR's rotation (paper 000
+    App. B.3, eq. 22; include/latte/policies/positional.hpp): R^n turns each value
+    pair (2i, 2i+1) by n * theta_{h,i}, [x, y] -> [cos x - sin y, sin x + cos y];
+    NoPositional is R = I. VAPOR's angles [H, Dv/2] are learned: their gradient is
+    written too. B=2, T=9, H=2, L=5, Dv=6.
+  * Softmax attention (DESIGN §3.1): softmax_s(q_t . k_s / sqrt(Dk)) over s <= t
+    (causal), all s (bidirectional), and FlashAttention's window
+    t - left <= s <= t + right intersected with that. B=2, T=7, H=2, Dk=5, Dv=6.
+  * Linear family (DESIGN §3.3), B=2, T=6 (cross: T=5 queries, S=9 keys), H=2,
+    Dk=8, Dv=6:
+      - cosFormer: CosformerAttention.left_product (ReLU features, 1-based index
+        i * pi / 2 / M, M = max(T, S), causal mask, clamp_min(1e-6)), i.e. latte's
+        CosFormer with P = (i + 1) / M;
+      - LeaPformer: leapformer_attn_train (ReLU features; LeaP modules
+        Linear(8, 2) -> ReLU -> Linear(2, 1) -> Sigmoid on relu(q) and relu(k);
+        fairseq's future mask; clamp_min(0.1)), with modules, and with given
+        proportion tensors [B, T, H] in place of the modules' outputs;
+      - elu+1 linear attention: phi = elu + 1, o_t = sum_s (phi(q_t) . phi(k_s)) v_s /
+        (sum_s phi(q_t) . phi(k_s) + 1e-6) over s <= t or all s;
+      - RoPE linear attention: the same with the numerator's features rotated,
+        (R^t phi(q_t)) . (R^s phi(k_s)), theta_i = 10000^(-2i/Dk), and the un-rotated
+        denominator (RoFormer eq. 19, latte's default); additive 1e-6.
+
+Arrays (each 4-D [B, T, H, D] unless noted; `out` is the forward's output):
+  latte/<case>/{query_logits, key_logits, values, d_out, out,
+                d_query_logits, d_key_logits, d_values}
+      case: causal/no_positional, causal/vapor, bidirectional/no_positional,
+            bidirectional/vapor, causal/spread (key logits = a per-latent offset
+            in [-1000, 1000] + a rising trend (slope in [0, 3] per token) + noise:
+            exp overflows without the running maximum, which moves at most steps);
+      vapor cases also angles and d_angles [H, Dv/2].
+  softmax/<case>/{queries, keys, values, d_out, out, d_queries, d_keys, d_values}
+      case: causal, bidirectional, causal_window (left 2), bidirectional_window
+            (left 2, right 1).
+  linear/self/{queries, keys, values, d_out}, linear/cross/{queries, keys, values,
+      d_out}: the inputs shared by the linear cases (cross: keys and values have S).
+  linear/<case>/{out, d_queries, d_keys, d_values}
+      case: cosformer/{causal, bidirectional, cross}, elu/{causal, bidirectional,
+            cross}, rope/{causal, bidirectional}, leap_modules/{causal,
+            bidirectional}, leap_proportions/{causal, bidirectional};
+      leap_modules/<dir>/{d_query_module, d_key_module}/{w1 [2, 8], b1 [2], w2 [2],
+            b2 [1]} (the modules themselves: linear/leap/{query,key}/{w1,b1,w2,b2});
+      leap_proportions: inputs linear/leap_proportions/{query, key} [B, T, H] and
+            linear/leap_proportions/<dir>/{d_query_proportions, d_key_proportions}.
+
+Usage: .venv-peers/bin/python tests/golden/make_gradient_golden.py
+       (needs torch and numpy: bench/peers/setup_peers.sh makes that environment)
+"""
+import math
+import os
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import make_linear_golden as linear_golden  # noqa: E402  (its numpy official code, its writer)
+
+SEED = 20240622
+torch.set_default_dtype(torch.float64)
+
+LATTE = dict(B=2, T=9, H=2, L=5, Dv=6)
+SOFTMAX = dict(B=2, T=7, H=2, Dk=5, Dv=6)
+LINEAR = dict(B=2, T=6, T_CROSS=5, S_CROSS=9, H=2, Dk=8, Dv=6, LEAP_FACTOR=4)
+SPREAD = 1000.0
+
+
+def f32(x):
+    """float64 tensor holding float32 values."""
+    return torch.as_tensor(np.asarray(x, dtype=np.float32).astype(np.float64))
+
+
+def rotate_pairs(x, angle):
+    """[..., D] with per-pair angles [..., D/2]: [x, y] -> [c x - s y, s x + c y]."""
+    pairs = x.unflatten(-1, (-1, 2))
+    c, s = torch.cos(angle), torch.sin(angle)
+    first, second = pairs[..., 0], pairs[..., 1]
+    return torch.stack([c * first - s * second, s * first + c * second], -1).flatten(-2)
+
+
+def allowed(t, s, causal, left=None, right=None):
+    """[t, s] mask: s <= t when causal; t - left <= s <= t + right with a window."""
+    ti, si = torch.arange(t)[:, None], torch.arange(s)[None, :]
+    mask = torch.ones(t, s, dtype=torch.bool)
+    if causal:
+        mask &= si <= ti
+    if left is not None:
+        mask &= (si >= ti - left) & (si <= ti + right)
+    return mask
+
+
+# --------------------------------------------------------------------- Latte --
+
+def latte(q, k, v, causal, angles=None):
+    """o_t = sum_s [sum_l p(l|t) p(s|l,t)] R^{t-s} v_s, explicit T x T."""
+    b, t, h, latents = q.shape
+    p_latent = torch.softmax(q, dim=-1)                                  # p(l|t)
+    logits = k[:, None].expand(b, t, t, h, latents)                      # [b, t, s, h, l]
+    mask = allowed(t, t, causal)[None, :, :, None, None]
+    p_token = torch.softmax(logits.masked_fill(~mask, -math.inf), dim=2)  # p(s|l,t)
+    weights = torch.einsum("bthl,btshl->btsh", p_latent, p_token)         # p(s|t)
+    if angles is None:
+        return torch.einsum("btsh,bshd->bthd", weights, v)
+    distance = (torch.arange(t)[:, None] - torch.arange(t)[None, :]).to(v.dtype)  # t - s
+    turned = rotate_pairs(v[:, None].expand(b, t, t, h, v.shape[-1]),
+                          distance[None, :, :, None, None] * angles[None, None, None])
+    return torch.einsum("btsh,btshd->bthd", weights, turned)
+
+
+# ------------------------------------------------------------------- softmax --
+
+def softmax_attention(q, k, v, causal, left=None, right=None):
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = scale * torch.einsum("bthd,bshd->bths", q, k)
+    mask = allowed(q.shape[1], k.shape[1], causal, left, right)[None, :, None, :]
+    return torch.einsum("bths,bshd->bthd", torch.softmax(scores.masked_fill(~mask, -math.inf), -1), v)
+
+
+# -------------------------------------------------------------------- linear --
+# On the official code's [B * H, N, d] layout (make_linear_golden.to_heads).
+
+def to_heads(x):
+    b, n, h, d = x.shape
+    return x.permute(0, 2, 1, 3).reshape(b * h, n, d)
+
+
+def from_heads(x, b, h):
+    bh, n, d = x.shape
+    return x.reshape(b, h, n, d).permute(0, 2, 1, 3)
+
+
+def cosformer_left_product(q, k, v, causal, eps=1e-6):
+    """CosformerAttention.left_product (make_linear_golden.cosformer_left_product) in torch."""
+    tgt_len, src_len = q.shape[1], k.shape[1]
+    q, k = torch.relu(q), torch.relu(k)
+    m = max(src_len, tgt_len)
+    index = math.pi / 2 * torch.arange(1, m + 1).reshape(1, -1, 1)
+    q_ = torch.cat([q * torch.sin(index[:, :tgt_len, :] / m), q * torch.cos(index[:, :tgt_len, :] / m)], -1)
+    k_ = torch.cat([k * torch.sin(index[:, :src_len, :] / m), k * torch.cos(index[:, :src_len, :] / m)], -1)
+    weights = torch.bmm(q_, k_.transpose(1, 2))
+    if causal:  # attn_mask == -inf above the diagonal -> 0
+        weights = weights.masked_fill(~allowed(tgt_len, tgt_len, True)[None], 0.0)
+    denom = torch.clamp_min(weights.sum(dim=-1, keepdim=True), eps)
+    return torch.bmm(weights / denom, v)
+
+
+def leap_module(x, w1, b1, w2, b2):
+    """nn.Sequential(Linear(d, d // f), ReLU(), Linear(d // f, 1), Sigmoid())."""
+    return torch.sigmoid(torch.relu(x @ w1.T + b1) @ w2[None].T + b2)
+
+
+def leapformer_attn_train(q, k, v, query_proportion, key_proportion, causal):
+    """leapformer_attn_train (make_linear_golden.leapformer_attn_train) in torch;
+    `*_proportion(relu(x))` gives the proportions [B * H, N, 1]."""
+    q, k = torch.relu(q), torch.relu(k)
+    tgt, src = query_proportion(q), key_proportion(k)
+    half_pi = math.pi / 2
+    q_sin, q_cos = q * torch.sin(half_pi * tgt), q * torch.cos(half_pi * tgt)
+    k_sin, k_cos = k * torch.sin(half_pi * src), k * torch.cos(half_pi * src)
+    attn_weights = q_sin @ k_sin.transpose(1, 2) + q_cos @ k_cos.transpose(1, 2)
+    if causal:
+        future = ~allowed(q.shape[1], q.shape[1], True)
+        attn_weights = attn_weights.masked_fill(future[None], 0.0)
+    attn_probs = attn_weights @ v
+    if causal:
+        norm_sin = torch.cumsum(k_sin, dim=1).transpose(1, 2)
+        norm_cos = torch.cumsum(k_cos, dim=1).transpose(1, 2)
+    else:
+        norm_sin = k_sin.sum(dim=1)[..., None]
+        norm_cos = k_cos.sum(dim=1)[..., None]
+    prob_norm = q_sin @ norm_sin + q_cos @ norm_cos
+    if causal:
+        prob_norm = torch.diagonal(prob_norm, dim1=1, dim2=2)[..., None]
+    return attn_probs / torch.clamp_min(prob_norm, 0.1)
+
+
+def elu_linear(q, k, v, causal, rope=False, eps=1e-6):
+    """sum_s w_ts v_s / (sum_s w'_ts + eps), phi = elu + 1; under RoPE w_ts uses
+    R^t phi(q_t) . R^s phi(k_s) and w'_ts the un-rotated phi(q_t) . phi(k_s)."""
+    phi_q, phi_k = torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1
+    mask = allowed(q.shape[1], k.shape[1], causal)[None]
+    plain = (phi_q @ phi_k.transpose(1, 2)).masked_fill(~mask, 0.0)
+    scores = plain
+    if rope:
+        features = q.shape[-1]
+        theta = 10000.0 ** (-2.0 * torch.arange(features // 2) / features)
+        rq = rotate_pairs(phi_q, torch.arange(q.shape[1])[:, None] * theta[None])
+        rk = rotate_pairs(phi_k, torch.arange(k.shape[1])[:, None] * theta[None])
+        scores = (rq @ rk.transpose(1, 2)).masked_fill(~mask, 0.0)
+    return (scores @ v) / (plain.sum(dim=-1, keepdim=True) + eps)
+
+
+# ------------------------------------------------------------------- output --
+
+def gradients(function, d_out, inputs):
+    """out, and the gradient of sum(d_out * out) with respect to each of `inputs`."""
+    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+    out = function(*leaves)
+    return out.detach(), torch.autograd.grad((d_out * out).sum(), leaves)
+
+
+def main():
+    rng = np.random.default_rng(SEED)
+    arrays = []
+
+    def normal(*shape, scale=1.0):
+        return f32(rng.normal(0.0, scale, size=shape))
+
+    def uniform(low, high, *shape):
+        return f32(rng.uniform(low, high, size=shape))
+
+    def add(prefix, **named):
+        arrays.extend((f"{prefix}/{name}", value.numpy()) for name, value in named.items())
+
+    # Latte.
+    B, T, H, L, Dv = (LATTE[x] for x in ("B", "T", "H", "L", "Dv"))
+    for name, causal, vapor, spread in (("causal/no_positional", True, False, False),
+                                        ("causal/vapor", True, True, False),
+                                        ("bidirectional/no_positional", False, False, False),
+                                        ("bidirectional/vapor", False, True, False),
+                                        ("causal/spread", True, False, True)):
+        if spread:  # per-latent offsets in [-1000, 1000], noise, and a rising trend
+            offsets, slopes = uniform(-SPREAD, SPREAD, B, 1, H, L), uniform(0, 3, B, 1, H, L)
+            q = normal(B, T, H, L, scale=2.0)
+            k = f32(offsets + slopes * torch.arange(T).reshape(1, T, 1, 1) + normal(B, T, H, L, scale=2.0))
+        else:
+            q, k = normal(B, T, H, L, scale=2.0), normal(B, T, H, L, scale=2.0)
+        v, d_out = uniform(-1, 1, B, T, H, Dv), normal(B, T, H, Dv)
+        inputs = [q, k, v]
+        if vapor:
+            inputs.append(uniform(0.0, math.pi, H, Dv // 2))
+        out, grads = gradients(lambda *x, c=causal: latte(*x[:3], c, *x[3:]), d_out, inputs)
+        add(f"latte/{name}", query_logits=q, key_logits=k, values=v, d_out=d_out, out=out,
+            d_query_logits=grads[0], d_key_logits=grads[1], d_values=grads[2])
+        if vapor:
+            add(f"latte/{name}", angles=inputs[3], d_angles=grads[3])
+
+    # Softmax attention.
+    B, T, H, Dk, Dv = (SOFTMAX[x] for x in ("B", "T", "H", "Dk", "Dv"))
+    for name, causal, window in (("causal", True, (None, None)), ("bidirectional", False, (None, None)),
+                                 ("causal_window", True, (2, 0)), ("bidirectional_window", False, (2, 1))):
+        q, k = normal(B, T, H, Dk, scale=1.5), normal(B, T, H, Dk, scale=1.5)
+        v, d_out = uniform(-1, 1, B, T, H, Dv), normal(B, T, H, Dv)
+        out, grads = gradients(lambda *x, c=causal, w=window: softmax_attention(*x, c, *w),
+                               d_out, [q, k, v])
+        add(f"softmax/{name}", queries=q, keys=k, values=v, d_out=d_out, out=out,
+            d_queries=grads[0], d_keys=grads[1], d_values=grads[2])
+
+    # Linear family.
+    B, T, H, Dk, Dv = (LINEAR[x] for x in ("B", "T", "H", "Dk", "Dv"))
+    Tc, Sc = LINEAR["T_CROSS"], LINEAR["S_CROSS"]
+    shapes = {"self": (T, T), "cross": (Tc, Sc)}
+    inputs = {}
+    for side, (tq, tk) in shapes.items():
+        inputs[side] = (normal(B, tq, H, Dk), normal(B, tk, H, Dk), normal(B, tk, H, Dv),
+                        normal(B, tq, H, Dv))
+        add(f"linear/{side}", queries=inputs[side][0], keys=inputs[side][1],
+            values=inputs[side][2], d_out=inputs[side][3])
+    hidden = Dk // LINEAR["LEAP_FACTOR"]
+    modules = {side: [f32(m.w1), f32(m.b1), f32(m.w2.reshape(-1)), f32(m.b2)]
+               for side, m in (("query", linear_golden.LeaPModule(rng, Dk, LINEAR["LEAP_FACTOR"])),
+                               ("key", linear_golden.LeaPModule(rng, Dk, LINEAR["LEAP_FACTOR"])))}
+    assert modules["query"][0].shape == (hidden, Dk)
+    for side, (w1, b1, w2, b2) in modules.items():
+        add(f"linear/leap/{side}", w1=w1, b1=b1, w2=w2, b2=b2)
+    given = {"query": uniform(0.0, 1.0, B, T, H), "key": uniform(0.0, 1.0, B, T, H)}
+    add("linear/leap_proportions", **given)
+
+    def heads_call(core, b=B, h=H):
+        """A [B*H, N, d] core as a function of [B, T, H, d] tensors."""
+        return lambda q, k, v, *rest: from_heads(core(to_heads(q), to_heads(k), to_heads(v), *rest), b, h)
+
+    def proportions_of(x):  # [B, T, H] -> [B * H, T, 1]
+        return x.permute(0, 2, 1).reshape(B * H, -1, 1)
+
+    cases = []
+    for direction, causal in (("causal", True), ("bidirectional", False)):
+        cases += [
+            (f"cosformer/{direction}", "self", heads_call(lambda q, k, v, c=causal: cosformer_left_product(q, k, v, c)), []),
+            (f"elu/{direction}", "self", heads_call(lambda q, k, v, c=causal: elu_linear(q, k, v, c)), []),
+            (f"rope/{direction}", "self", heads_call(lambda q, k, v, c=causal: elu_linear(q, k, v, c, rope=True)), []),
+            (f"leap_modules/{direction}", "self",
+             heads_call(lambda q, k, v, *m, c=causal: leapformer_attn_train(
+                 q, k, v, lambda x: leap_module(x, *m[:4]), lambda x: leap_module(x, *m[4:]), c)),
+             modules["query"] + modules["key"]),
+            (f"leap_proportions/{direction}", "self",
+             heads_call(lambda q, k, v, pq, pk, c=causal: leapformer_attn_train(
+                 q, k, v, lambda _: proportions_of(pq), lambda _: proportions_of(pk), c)),
+             [given["query"], given["key"]]),
+        ]
+    cases += [("cosformer/cross", "cross", heads_call(lambda q, k, v: cosformer_left_product(q, k, v, False)), []),
+              ("elu/cross", "cross", heads_call(lambda q, k, v: elu_linear(q, k, v, False)), [])]
+    outputs = {}
+    for name, side, function, extra in cases:
+        q, k, v, d_out = inputs[side]
+        out, grads = gradients(function, d_out, [q, k, v] + extra)
+        outputs[name] = out
+        add(f"linear/{name}", out=out, d_queries=grads[0], d_keys=grads[1], d_values=grads[2])
+        if name.startswith("leap_modules"):
+            for i, module in enumerate(("d_query_module", "d_key_module")):
+                add(f"linear/{name}/{module}",
+                    **dict(zip(("w1", "b1", "w2", "b2"), grads[3 + 4 * i: 7 + 4 * i])))
+        if name.startswith("leap_proportions"):
+            add(f"linear/{name}", d_query_proportions=grads[3], d_key_proportions=grads[4])
+
+    check_against_numpy(inputs, modules, outputs)
+    linear_golden.write_header(
+        arrays, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gradient_golden.hpp"),
+        generated_by=["// Generated by tests/golden/make_gradient_golden.py (PyTorch autograd, float64,",
+                      "// over plain torch transcriptions of each definition; see that script). Do not edit."],
+        namespace="latte::test::gradient_golden",
+        constants=[f"// Latte: {LATTE}", f"// Softmax: {SOFTMAX}", f"// Linear: {LINEAR}"])
+
+
+def check_against_numpy(inputs, modules, outputs):
+    """The torch transcriptions of the official code give make_linear_golden's numpy values."""
+    B, H = LINEAR["B"], LINEAR["H"]
+    lg = linear_golden
+
+    class Module:  # make_linear_golden.LeaPModule's call on given weights
+        def __init__(self, w1, b1, w2, b2):
+            self.w1, self.b1, self.w2, self.b2 = (x.numpy() for x in (w1, b1, w2.reshape(1, -1), b2))
+        __call__ = lg.LeaPModule.__call__
+
+    q_leap, k_leap = Module(*modules["query"]), Module(*modules["key"])
+    for name, side, want in (
+            ("cosformer/causal", "self", lambda q, k, v: lg.cosformer_left_product(q, k, v, True)),
+            ("cosformer/bidirectional", "self", lambda q, k, v: lg.cosformer_left_product(q, k, v, False)),
+            ("cosformer/cross", "cross", lambda q, k, v: lg.cosformer_left_product(q, k, v, False)),
+            ("leap_modules/causal", "self", lambda q, k, v: lg.leapformer_attn_train(q, k, v, q_leap, k_leap, True)),
+            ("leap_modules/bidirectional", "self",
+             lambda q, k, v: lg.leapformer_attn_train(q, k, v, q_leap, k_leap, False))):
+        q, k, v = (lg.to_heads(x.numpy()) for x in inputs[side][:3])
+        expected = lg.from_heads(want(q, k, v), B, H)
+        error = np.abs(outputs[name].numpy() - expected).max() / np.abs(expected).max()
+        assert error < 1e-13, f"{name}: torch and numpy transcriptions differ by {error}"
+
+
+if __name__ == "__main__":
+    main()
