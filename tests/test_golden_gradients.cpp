@@ -7,9 +7,10 @@
 // and exec::cpu, fp32 and fp64, within Tolerance<T>::gradient, measured per
 // gradient as test_latte_gradients.cpp does (gradient_error). The forward's
 // output is checked too, so a disagreement on the definition shows as such.
-// The linear family's golden gradients live in the same header; here only their
-// outputs are checked against latte's forward, which shows that the data the
-// linear backward's tests read is latte's definition (names: the script's docstring).
+// LinearAttention::backward and cross_backward likewise for cosFormer (from the
+// official left_product), LeaPformer with LeaP modules (module weight gradients)
+// and with given proportions (their gradients), elu + 1 and RoPE linear
+// attention; causal, bidirectional and cross.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -171,42 +172,114 @@ LeaPModule golden_module(const std::string& side) {
                                   golden_array("linear/leap/" + side + "/b2").values[0]);
 }
 
+/// A LeaP module gradient's parts as T values, in the golden arrays' order.
+template <class T>
+std::vector<std::pair<std::string, Tensor<T, 1>>> module_parts(const LeaPModule& m,
+                                                              const std::string& side) {
+  std::vector<std::pair<std::string, Tensor<T, 1>>> parts;
+  auto add = [&](const char* name, const double* x, index_t n) {
+    Tensor<T, 1> copy({n});
+    for (index_t i = 0; i < n; ++i) copy(i) = static_cast<T>(x[i]);
+    parts.emplace_back(side + "/" + name, std::move(copy));
+  };
+  add("w1", m.w1.data(), m.w1.size());
+  add("b1", m.b1.data(), m.b1.size());
+  add("w2", m.w2.data(), m.w2.size());
+  add("b2", &m.b2, 1);
+  return parts;
+}
+
+/// Forward and backward (cross_backward for "cross") of every linear case
+/// against the golden output and gradients, LeaP's module weights and given
+/// proportions included.
 template <class T, class E>
-void linear_forward_cases(E e) {
+void linear_cases(E e) {
   const auto q = golden_tensor<T, 4>("linear/self/queries"), k = golden_tensor<T, 4>("linear/self/keys");
-  const auto v = golden_tensor<T, 4>("linear/self/values");
+  const auto v = golden_tensor<T, 4>("linear/self/values"), g = golden_tensor<T, 4>("linear/self/d_out");
   const auto cq = golden_tensor<T, 4>("linear/cross/queries");
   const auto ck = golden_tensor<T, 4>("linear/cross/keys"), cv = golden_tensor<T, 4>("linear/cross/values");
+  const auto cg = golden_tensor<T, 4>("linear/cross/d_out");
   const auto pq = golden_tensor<T, 3>("linear/leap_proportions/query");
   const auto pk = golden_tensor<T, 3>("linear/leap_proportions/key");
   const LinearDims dims{.heads = q.extent(2), .key_dim = q.extent(3), .value_dim = v.extent(3)};
   const LeaPReweight::Params leap{.query_module = golden_module("query"),
                                   .key_module = golden_module("key"), .leap_factor = 4};
-  Tensor<T, 4> out(v.extents()), cross_out({cq.extent(0), cq.extent(1), cq.extent(2), cv.extent(3)});
-  auto check = [&]<class A>(const A&, const Tensor<T, 4>& result, const std::string& name) {
-    check_against_golden<T>(label<A, T, E>(), "linear/" + name, result, {});
+  // One case: forward into `out`, backward into fresh gradients, then the checks.
+  auto run = [&]<class A>(const A&, const std::string& name, bool cross,
+                          auto&& forward, auto&& backward, auto&& extra) {
+    const Tensor<T, 4>& queries = cross ? cq : q;
+    const Tensor<T, 4>& keys = cross ? ck : k;
+    const Tensor<T, 4>& values = cross ? cv : v;
+    Tensor<T, 4> out({queries.extent(0), queries.extent(1), queries.extent(2), values.extent(3)});
+    Tensor<T, 4> dq(queries.extents()), dk(keys.extents()), dv(values.extents());
+    forward(out);
+    LinearGradients<T> gradients{dq.view(), dk.view(), dv.view()};
+    std::vector<std::pair<std::string, std::span<const T>>> got{
+        {"d_queries", span_of(dq)}, {"d_keys", span_of(dk)}, {"d_values", span_of(dv)}};
+    extra(gradients, got, [&] { backward(gradients); });
+    check_against_golden<T>(label<A, T, E>(), "linear/" + name, out, got);
   };
+  auto plain = [](LinearGradients<T>&, auto&, auto&& call) { call(); };
   auto both = [&]<class Dir>(Dir, const std::string& direction) {
-    const CosFormer<Dir> cosformer(dims);
-    cosformer.forward(e, q.cview(), k.cview(), v.cview(), out.view());
-    check(cosformer, out, "cosformer/" + direction);
-    const LinearAttention<Dir, EluPlusOne> elu(dims);
-    elu.forward(e, q.cview(), k.cview(), v.cview(), out.view());
-    check(elu, out, "elu/" + direction);
-    const LinearAttention<Dir, EluPlusOne, NoReweight, RoPE> rope(dims);
-    rope.forward(e, q.cview(), k.cview(), v.cview(), out.view());
-    check(rope, out, "rope/" + direction);
+    auto self = [&]<class A>(const A& attention, const std::string& name) {
+      run(attention, name + "/" + direction, false,
+          [&](Tensor<T, 4>& out) { attention.forward(e, q.cview(), k.cview(), v.cview(), out.view()); },
+          [&](const LinearGradients<T>& gradients) {
+            attention.backward(e, q.cview(), k.cview(), v.cview(), g.cview(), gradients);
+          },
+          plain);
+    };
+    self(CosFormer<Dir>(dims), "cosformer");
+    self(LinearAttention<Dir, EluPlusOne>(dims), "elu");
+    self(LinearAttention<Dir, EluPlusOne, NoReweight, RoPE>(dims), "rope");
     const LeaPformer<Dir> modules(dims, {.reweight = leap});
-    modules.forward(e, q.cview(), k.cview(), v.cview(), out.view());
-    check(modules, out, "leap_modules/" + direction);
+    LeaPModule d_query_module, d_key_module;
+    std::vector<std::pair<std::string, Tensor<T, 1>>> parts;
+    run(modules, "leap_modules/" + direction, false,
+        [&](Tensor<T, 4>& out) { modules.forward(e, q.cview(), k.cview(), v.cview(), out.view()); },
+        [&](const LinearGradients<T>& gradients) {
+          modules.backward(e, q.cview(), k.cview(), v.cview(), g.cview(), gradients);
+        },
+        [&](LinearGradients<T>& gradients, auto& got, auto&& call) {
+          d_query_module = leap.query_module->zeros_like();
+          d_key_module = leap.key_module->zeros_like();
+          gradients.d_query_module = &d_query_module;
+          gradients.d_key_module = &d_key_module;
+          call();
+          parts = module_parts<T>(d_query_module, "d_query_module");
+          for (auto& part : module_parts<T>(d_key_module, "d_key_module")) parts.push_back(std::move(part));
+          for (const auto& [name, tensor] : parts) got.emplace_back(name, span_of(tensor));
+        });
     const LeaPformer<Dir> given(dims);
-    given.forward(e, q.cview(), k.cview(), v.cview(), {pq.cview(), pk.cview()}, out.view());
-    check(given, out, "leap_proportions/" + direction);
+    const SequenceProportions<T> proportions{pq.cview(), pk.cview()};
+    Tensor<T, 3> dpq(pq.extents()), dpk(pk.extents());
+    run(given, "leap_proportions/" + direction, false,
+        [&](Tensor<T, 4>& out) {
+          given.forward(e, q.cview(), k.cview(), v.cview(), proportions, out.view());
+        },
+        [&](const LinearGradients<T>& gradients) {
+          given.backward(e, q.cview(), k.cview(), v.cview(), proportions, g.cview(), gradients);
+        },
+        [&](LinearGradients<T>& gradients, auto& got, auto&& call) {
+          gradients.d_query_proportions = dpq.view();
+          gradients.d_key_proportions = dpk.view();
+          call();
+          got.emplace_back("d_query_proportions", span_of(dpq));
+          got.emplace_back("d_key_proportions", span_of(dpk));
+        });
     if constexpr (!Dir::is_causal) {
-      cosformer.cross_forward(e, cq.cview(), ck.cview(), cv.cview(), cross_out.view());
-      check(cosformer, cross_out, "cosformer/cross");
-      elu.cross_forward(e, cq.cview(), ck.cview(), cv.cview(), cross_out.view());
-      check(elu, cross_out, "elu/cross");
+      auto cross = [&]<class A>(const A& attention, const std::string& name) {
+        run(attention, name + "/cross", true,
+            [&](Tensor<T, 4>& out) {
+              attention.cross_forward(e, cq.cview(), ck.cview(), cv.cview(), out.view());
+            },
+            [&](const LinearGradients<T>& gradients) {
+              attention.cross_backward(e, cq.cview(), ck.cview(), cv.cview(), cg.cview(), gradients);
+            },
+            plain);
+      };
+      cross(CosFormer<Dir>(dims), "cosformer");
+      cross(LinearAttention<Dir, EluPlusOne>(dims), "elu");
     }
   };
   both(Causal{}, "causal");
@@ -215,11 +288,11 @@ void linear_forward_cases(E e) {
 
 }  // namespace
 
-TEST_CASE("the linear family's golden outputs are latte's forward (data for its backward tests)") {
-  linear_forward_cases<double>(exec::reference);
-  linear_forward_cases<float>(exec::reference);
-  linear_forward_cases<double>(exec::cpu);
-  linear_forward_cases<float>(exec::cpu);
+TEST_CASE("LinearAttention::backward and cross_backward reproduce PyTorch autograd's gradients") {
+  linear_cases<double>(exec::reference);
+  linear_cases<float>(exec::reference);
+  linear_cases<double>(exec::cpu);
+  linear_cases<float>(exec::cpu);
 }
 
 TEST_CASE("NoStabilizer cannot reproduce the spread case: the golden values need the running maximum") {
