@@ -611,6 +611,16 @@ TEST_CASE("linear backward: empty sequences, and bad gradient buffers are refuse
          "gradients.d_key_proportions");
   expect([&] { call({dq.view(), dk.view(), dv.view(), p.view()}, g.cview()); },
          "gradients.d_query_proportions");
+  {  // d_queries over the given proportions: named as the gradient, not as an 'out'
+    std::vector<float> shared(40, 0.5f);
+    const TensorView<const float, 3> over(shared.data(), {1, 5, 2});
+    const TensorView<float, 4> d_queries(shared.data(), {1, 5, 2, 4});
+    expect([&] {
+      given.backward(exec::reference, q.cview(), k.cview(), v.cview(),
+                     SequenceProportions<float>{over, over}, g.cview(),
+                     LinearGradients<float>{d_queries, dk.view(), dv.view()});
+    }, "gradients.d_queries");
+  }
   // Without proportions and without modules there is nothing to differentiate through.
   expect([&] {
     given.backward(exec::reference, q.cview(), k.cview(), v.cview(), g.cview(),

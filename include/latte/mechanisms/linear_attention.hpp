@@ -932,7 +932,6 @@ class LinearAttention {
     const TensorView<const T, 3> no_proportions{};
     const TensorView<const T, 3>& pq = given ? given->queries : no_proportions;
     const TensorView<const T, 3>& pk = given ? given->keys : no_proportions;
-    if (given) validate_proportions(*given, Tn, Sn, dq);
     const auto inputs = std::tuple(detail::named(q, "queries"), detail::named(k, "keys"),
                                    detail::named(v, "values"), detail::named(d_out, "d_out"),
                                    detail::named(pq, "query_proportions"),
@@ -943,6 +942,8 @@ class LinearAttention {
       detail::check_output(dv, "gradients.d_values", in..., detail::named(dq, "gradients.d_queries"),
                            detail::named(dk, "gradients.d_keys"));
     }, inputs);
+    // After the overlap checks, which name the gradient (this one would say "out").
+    if (given) validate_proportions(*given, Tn, Sn, dq);
     auto check_proportion_gradient = [&](const TensorView<T, 3>& d, const char* name,
                                          index_t length, const char* layout) {
       if (d.empty()) return;
