@@ -185,6 +185,17 @@ class StateStorage {
                                            detail::describe_sizes(sizes_)));
   }
 
+  /// Throws latte::Error(argument) unless this state has `kind` and `sizes`,
+  /// both named in one message (the backward's state arguments).
+  void require_kind_and_sizes(const std::string& kind, const std::vector<StateSize>& sizes,
+                              std::string_view argument) const {
+    detail::require(kind_ == kind && sizes_ == sizes, argument,
+                    detail::expected_given("state of kind and sizes",
+                                           kind + " " + detail::describe_sizes(sizes),
+                                           (kind_.empty() ? std::string("<empty state>") : kind_) +
+                                               " " + detail::describe_sizes(sizes_)));
+  }
+
   [[nodiscard]] std::vector<std::byte> save() const {
     detail::ByteSink sink;
     sink.bytes.reserve(saved_size());

@@ -997,13 +997,7 @@ class LinearAttention {
                                 index_t tokens) const {
     const auto sizes = sizes_for(batch);
     auto check = [&](const State<T>* state, const char* name) {
-      if (!state) return;
-      detail::require(state->kind() == kind<T>() && state->sizes() == sizes, name,
-                      detail::expected_given("state of kind and sizes",
-                                             kind<T>() + " " + detail::describe_sizes(sizes),
-                                             (state->kind().empty() ? std::string("<empty state>")
-                                                                    : state->kind()) +
-                                                 " " + detail::describe_sizes(state->sizes())));
+      if (state) state->require_kind_and_sizes(kind<T>(), sizes, name);
     };
     check(states.initial, "states.initial");
     check(states.d_final, "states.d_final");
