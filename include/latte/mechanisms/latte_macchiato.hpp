@@ -27,6 +27,8 @@
 //   latte::LatteMacchiato<latte::Causal, latte::RunningMax, latte::NoPositional, latte::RoPE>
 //       attn({.heads = 8, .latents = 64, .key_dim = 64, .value_dim = 64, .window = 128});
 //   attn.forward(latte::exec::reference, q, k, window_q, window_k, v, out.view());
+//   attn.backward(latte::exec::cpu, q, k, window_q, window_k, v, d_out,
+//                 latte::MacchiatoGradients<float>{dq, dk, d_window_q, d_window_k, dv});
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -34,6 +36,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -46,6 +49,7 @@
 #include "latte/core/state_storage.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
+#include "latte/mechanisms/macchiato_gradients.hpp"
 #include "latte/mechanisms/macchiato_state.hpp"
 #include "latte/policies/direction.hpp"
 #include "latte/policies/execution.hpp"
@@ -319,6 +323,55 @@ class LatteMacchiato {
     state.advance(1);
   }
 
+  /// Gradients of a loss whose gradient with respect to `out` is `d_out`
+  /// [B, T, H, Dv], for a forward over a whole sequence from a fresh state:
+  /// writes the five input gradients and, when given, accumulates d_angles
+  /// [H, Dv/2] (VAPOR). The forward is recomputed from the inputs (Latte's and
+  /// the window's backwards, mixed as docs/backward.md derives); extra memory
+  /// O(B * T * H * (Dk + Dv)).
+  template <exec::Policy E, Real T>
+  void backward(E, InputView<T> query_logits, InputView<T> key_logits,
+                InputView<T> window_queries, InputView<T> window_keys, InputView<T> values,
+                InputView<T> d_out, const MacchiatoGradients<T>& gradients) const {
+    static_assert(!std::is_same_v<E, exec::cuda_t> && !exec::cuda_unavailable<E>,
+                  "LatteMacchiato::backward runs on exec::reference and exec::cpu (no CUDA "
+                  "backward yet)");
+    static_assert(exec::implemented<E>, "this execution backend is not implemented yet");
+    validate_backward(query_logits, key_logits, window_queries, window_keys, values, d_out,
+                      gradients);
+    const index_t H = dims_.heads, pairs = dims_.value_dim / 2;
+    std::vector<double> d_angles;  // summed in double: terms grow with the position
+    if (!gradients.d_angles.empty()) d_angles.assign(static_cast<std::size_t>(H * pairs), 0.0);
+    const reference::MacchiatoGradientViews<T> views{
+        gradients.d_query_logits, gradients.d_key_logits, gradients.d_window_queries,
+        gradients.d_window_keys, gradients.d_values};
+    const reference::MacchiatoBackwardSpec spec{dims_.window, scale_, &latent_angles_,
+                                                &key_angles_,
+                                                options_.vapor_scope == VaporScope::all_states};
+    using Parts = std::conditional_t<std::is_same_v<E, exec::cpu_t>, cpu::MacchiatoParts,
+                                     reference::ReferenceMacchiatoParts>;
+    reference::macchiato_backward<Dir::is_causal, Stab, LatentPos, WindowPos, Parts>(
+        query_logits, key_logits, window_queries, window_keys, values, d_out, views, spec,
+        d_angles.empty() ? nullptr : d_angles.data());
+    for (index_t h = 0; h < H && !d_angles.empty(); ++h)
+      for (index_t i = 0; i < pairs; ++i)
+        gradients.d_angles(h, i) += static_cast<T>(d_angles[static_cast<std::size_t>(h * pairs + i)]);
+  }
+
+  // The same calls without an execution tag run on exec::default_t (exec::cpu).
+  template <Real T>
+  void forward(InputView<T> query_logits, InputView<T> key_logits, InputView<T> window_queries,
+               InputView<T> window_keys, InputView<T> values, TensorView<T, 4> out) const {
+    forward(exec::default_t{}, query_logits, key_logits, window_queries, window_keys, values, out);
+  }
+  template <Real T>
+  void backward(InputView<T> query_logits, InputView<T> key_logits, InputView<T> window_queries,
+                InputView<T> window_keys, InputView<T> values, InputView<T> d_out,
+                const MacchiatoGradients<T>& gradients) const {
+    backward(exec::default_t{}, query_logits, key_logits, window_queries, window_keys, values,
+             d_out, gradients);
+  }
+
  private:
   template <exec::Policy E>
   static void require_host_backend() {
@@ -394,6 +447,57 @@ class LatteMacchiato {
     detail::check_shape(v, "values", {B, Tn, H, Dv}, "[B, T, H, Dv]");
     detail::check_shape(out, "out", {B, Tn, H, Dv}, "[B, T, H, Dv]");
     check_outputs_distinct(q, k, wq, wk, v, out);
+  }
+
+  template <class T>
+  void validate_backward(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
+                         const TensorView<const T, 4>& wq, const TensorView<const T, 4>& wk,
+                         const TensorView<const T, 4>& v, const TensorView<const T, 4>& d_out,
+                         const MacchiatoGradients<T>& gradients) const {
+    check_view(q, "query_logits");
+    const index_t B = q.extent(0), Tn = q.extent(1), H = dims_.heads;
+    const index_t L = dims_.latents, Dk = dims_.key_dim, Dv = dims_.value_dim;
+    detail::check_shape(q, "query_logits", {B, Tn, H, L + 1}, "[B, T, H, L+1]");
+    detail::check_shape(k, "key_logits", {B, Tn, H, L}, "[B, T, H, L]");
+    detail::check_shape(wq, "window_queries", {B, Tn, H, Dk}, "[B, T, H, Dk]");
+    detail::check_shape(wk, "window_keys", {B, Tn, H, Dk}, "[B, T, H, Dk]");
+    detail::check_shape(v, "values", {B, Tn, H, Dv}, "[B, T, H, Dv]");
+    detail::check_shape(d_out, "d_out", {B, Tn, H, Dv}, "[B, T, H, Dv]");
+    // Named references, not a structured binding: clang 14 cannot capture those.
+    const TensorView<T, 4>& dq = gradients.d_query_logits;
+    const TensorView<T, 4>& dk = gradients.d_key_logits;
+    const TensorView<T, 4>& dwq = gradients.d_window_queries;
+    const TensorView<T, 4>& dwk = gradients.d_window_keys;
+    const TensorView<T, 4>& dv = gradients.d_values;
+    const TensorView<T, 2>& d_angles = gradients.d_angles;
+    detail::check_shape(dq, "gradients.d_query_logits", {B, Tn, H, L + 1}, "[B, T, H, L+1]");
+    detail::check_shape(dk, "gradients.d_key_logits", {B, Tn, H, L}, "[B, T, H, L]");
+    detail::check_shape(dwq, "gradients.d_window_queries", {B, Tn, H, Dk}, "[B, T, H, Dk]");
+    detail::check_shape(dwk, "gradients.d_window_keys", {B, Tn, H, Dk}, "[B, T, H, Dk]");
+    detail::check_shape(dv, "gradients.d_values", {B, Tn, H, Dv}, "[B, T, H, Dv]");
+    const auto inputs = std::tuple(
+        detail::named(q, "query_logits"), detail::named(k, "key_logits"),
+        detail::named(wq, "window_queries"), detail::named(wk, "window_keys"),
+        detail::named(v, "values"), detail::named(d_out, "d_out"));
+    const auto n_dq = detail::named(dq, "gradients.d_query_logits");
+    const auto n_dk = detail::named(dk, "gradients.d_key_logits");
+    const auto n_dwq = detail::named(dwq, "gradients.d_window_queries");
+    const auto n_dwk = detail::named(dwk, "gradients.d_window_keys");
+    std::apply([&](const auto&... in) {
+      detail::check_output(dq, "gradients.d_query_logits", in...);
+      detail::check_output(dk, "gradients.d_key_logits", in..., n_dq);
+      detail::check_output(dwq, "gradients.d_window_queries", in..., n_dq, n_dk);
+      detail::check_output(dwk, "gradients.d_window_keys", in..., n_dq, n_dk, n_dwq);
+      detail::check_output(dv, "gradients.d_values", in..., n_dq, n_dk, n_dwq, n_dwk);
+    }, inputs);
+    if (d_angles.empty()) return;
+    detail::require(LatentPos::rotates_values, "gradients.d_angles",
+                    "only VAPOR has angles to differentiate (leave d_angles empty)");
+    detail::check_shape(d_angles, "gradients.d_angles", {H, Dv / 2}, "[H, Dv/2]");
+    std::apply([&](const auto&... in) {
+      detail::check_output(d_angles, "gradients.d_angles", in..., n_dq, n_dk, n_dwq, n_dwk,
+                           detail::named(dv, "gradients.d_values"));
+    }, inputs);
   }
 
   template <class Q, class K, class WQ, class WK, class V, class O>

@@ -48,13 +48,6 @@ struct MacchiatoWindowSpec {
   bool rotate_window_values;       ///< VAPOR acts on the window part too
 };
 
-/// The latent logits q_{.,1..L} of a [B, T, H, L + 1] view, as a [B, T, H, L] view (no copy).
-template <class T>
-[[nodiscard]] TensorView<T, 4> latent_logits(const TensorView<T, 4>& q) noexcept {
-  return TensorView<T, 4>(q.data() + 1, {q.extent(0), q.extent(1), q.extent(2), q.extent(3) - 1},
-                          q.strides());
-}
-
 /// Causal window pass and mixture over [B, T, H, *], `out` holding the latent
 /// reads (already rotated by R^t under VAPOR). `ring_of(b, h)` gives the state's
 /// ring (`capacity` = w + 1 slots, `fill` tokens before `first_position`), or
@@ -237,7 +230,7 @@ void macchiato_causal_forward(TensorView<const T, 4> q, TensorView<const T, 4> k
                               const MacchiatoWindowSpec& spec, std::int64_t first_position,
                               index_t fill, index_t capacity, CarryOf&& carry_of,
                               RingOf&& ring_of) {
-  latte_causal_forward<Stab, LatentPos>(latent_logits(q), k, v, out, *spec.value_angles,
+  latte_causal_forward<Stab, LatentPos>(reference::latent_logits(q), k, v, out, *spec.value_angles,
                                         first_position, carry_of);
   macchiato_causal_window<LatentPos, WindowPos>(q, wq, wk, v, out, spec, first_position, fill,
                                                 capacity, ring_of);
@@ -253,7 +246,7 @@ void macchiato_bidirectional_forward(TensorView<const T, 4> q, TensorView<const 
   const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), L = q.extent(3) - 1;
   const index_t Dv = v.extent(3);
   if (Tn == 0 || B * H == 0) return;
-  latte_bidirectional_forward<Stab, LatentPos>(latent_logits(q), k, v, out, *spec.value_angles);
+  latte_bidirectional_forward<Stab, LatentPos>(reference::latent_logits(q), k, v, out, *spec.value_angles);
   const bool rope = WindowPos::rotates_queries_keys;
   const bool vapor_window = LatentPos::rotates_values && spec.rotate_window_values;
   // Rotated copies where a policy acts (R^t q_t, R^s k_s; R^{-s} v_s), else the inputs.
@@ -296,5 +289,47 @@ void macchiato_bidirectional_forward(TensorView<const T, 4> q, TensorView<const 
     }
   });
 }
+
+/// The cpu kernels as reference::macchiato_backward's parts: Latte's and
+/// softmax attention's cpu backwards, the per-token work parallel over heads.
+struct MacchiatoParts {
+  template <class Body>
+  static void for_heads(index_t count, Body&& body) {
+    parallel_for(count, thread_count(), [&](index_t i, int) { body(i); });
+  }
+  template <bool Causal, Stabilizer Stab, Positional Pos, Real T>
+  static void latte_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
+                             TensorView<const T, 4> v, TensorView<const T, 4> g,
+                             TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,
+                             const std::vector<double>& angles, double* d_angles,
+                             TensorView<T, 3> read_dots) {
+    using reference::LatteCarry;
+    using reference::LatteCarryGradient;
+    if constexpr (Causal)
+      latte_causal_backward<Stab, Pos>(
+          q, k, v, g, dq, dk, dv, angles, 0,
+          [&](index_t, index_t, LatteCarry<T> carry) {
+            reference::latte_reset<Stab>(carry, k.extent(3), v.extent(3));
+          },
+          [](index_t, index_t, const T*) { return LatteCarryGradient<const T>{nullptr, nullptr}; },
+          [](index_t, index_t) { return LatteCarryGradient<T>{nullptr, nullptr}; }, d_angles,
+          read_dots);
+    else
+      latte_bidirectional_backward<Stab, Pos>(q, k, v, g, dq, dk, dv, angles, d_angles, read_dots);
+  }
+  template <bool Causal, Real T>
+  static void softmax_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
+                               TensorView<const T, 4> v, TensorView<const T, 4> g,
+                               TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,
+                               T scale, const SlidingWindow& window, TensorView<T, 3> row_dots) {
+    cpu::softmax_backward<Causal>(q, k, v, g, dq, dk, dv, scale, window, row_dots);
+  }
+  template <bool Causal, Real T>
+  static void softmax_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
+                              TensorView<const T, 4> v, TensorView<T, 4> out, T scale,
+                              const SlidingWindow& window) {
+    cpu::softmax_forward<Causal>(q, k, v, out, scale, window);
+  }
+};
 
 }  // namespace latte::cpu

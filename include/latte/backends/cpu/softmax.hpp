@@ -276,11 +276,12 @@ index_t first_where(index_t Tn, Pred&& pred) {
   return heads >= 2 * index_t{workers};
 }
 
+/// The gradients of softmax attention; the arguments are reference::softmax_backward's.
 template <bool Causal, Window Win, Real T>
 void softmax_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
                       TensorView<const T, 4> v, TensorView<const T, 4> d_out,
                       TensorView<T, 4> d_q, TensorView<T, 4> d_k, TensorView<T, 4> d_v, T scale,
-                      const Win& window) {
+                      const Win& window, TensorView<T, 3> row_dots = {}) {
   constexpr index_t block_q = 64, block_k = 64;
   const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), Dk = q.extent(3);
   const index_t Dv = v.extent(3);
@@ -316,6 +317,7 @@ void softmax_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
       statistics.row_max[at] = s.flash.row_max[r];
       statistics.inverse_sum[at] = T(1) / s.flash.row_sum[r];
       statistics.row_dot[at] = G.row(r).dot(s.out_rows.row(r));
+      if (!row_dots.empty()) row_dots(b, i0 + r, h) = statistics.row_dot[at];
     }
   };
 

@@ -205,9 +205,9 @@ void latent_softmax(const T* q, index_t L, T* p) noexcept {
 /// dp_l = <g, M^_l> / alpha^_l, dq_l = p_l (dp_l - sum_j p_j dp_j); returns
 /// p_l / alpha^_l and p_l dp_l / alpha^_l (0 where alpha^_l = 0) in `read_weight`
 /// and `read_dp`, and y = sum_l p_l M^_l / alpha^_l (the unrotated output) when
-/// `y` is not null.
+/// `y` is not null. Returns sum_l p_l dp_l = <g, y>.
 template <Real T>
-void latte_read_backward(const T* q, const T* g, const T* normaliser, const T* memory, index_t L,
+T latte_read_backward(const T* q, const T* g, const T* normaliser, const T* memory, index_t L,
                          index_t Dv, T* dq, T* p, T* read_weight, T* read_dp, T* y) noexcept {
   latent_softmax(q, L, p);
   T mean_dp = 0;
@@ -228,6 +228,7 @@ void latte_read_backward(const T* q, const T* g, const T* normaliser, const T* m
     for (index_t l = 0; l < L; ++l)
       for (index_t d = 0; d < Dv; ++d) y[d] += read_weight[l] * memory[l * Dv + d];
   }
+  return mean_dp;
 }
 
 /// Causal Latte backward over a whole [B, T, H, *] sequence starting at
@@ -237,7 +238,9 @@ void latte_read_backward(const T* q, const T* g, const T* normaliser, const T* m
 /// members: none), given the recomputed running maximum m_T [L] to express it
 /// against; `initial_gradient_of(b, h)` returns where the initial state's
 /// gradient goes (null members: not asked). `d_angles` [H * (Dv/2)] doubles,
-/// accumulated, or null. Workspace O(T * L + L * Dv) per call.
+/// accumulated, or null. `read_dots` [B, T, H], when not empty, receives each
+/// token's <g_t, o_t> (Latte Macchiato's mixture needs it). Workspace
+/// O(T * L + L * Dv) per call.
 template <Stabilizer Stab, Positional Pos, Real T, class InitialOf, class FinalGradientOf,
           class InitialGradientOf>
 void latte_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
@@ -245,7 +248,8 @@ void latte_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
                            TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,
                            const std::vector<double>& angles, std::int64_t first_position,
                            InitialOf&& initial_of, FinalGradientOf&& final_gradient_of,
-                           InitialGradientOf&& initial_gradient_of, double* d_angles) {
+                           InitialGradientOf&& initial_gradient_of, double* d_angles,
+                           TensorView<T, 3> read_dots = {}) {
   const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), L = q.extent(3);
   const index_t Dv = v.extent(3), pairs = Dv / 2;
   const auto n = [](index_t count) { return static_cast<std::size_t>(count); };
@@ -281,9 +285,11 @@ void latte_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
             vtilde[d] = vtilde[d] * a.carry_scale + a.weight * rotated[n(d)];
         }
         rotate_to(g.row(b, t, h), g_rotated.data(), -position);  // g~_t
-        latte_read_backward(q.row(b, t, h), g_rotated.data(), carry.normaliser, carry.memory, L,
-                            Dv, dq.row(b, t, h), p.data(), read_weight.data() + t * L,
-                            read_dp.data() + t * L, d_theta ? y.data() : nullptr);
+        const T g_dot_o = latte_read_backward(
+            q.row(b, t, h), g_rotated.data(), carry.normaliser, carry.memory, L, Dv,
+            dq.row(b, t, h), p.data(), read_weight.data() + t * L, read_dp.data() + t * L,
+            d_theta ? y.data() : nullptr);
+        if (!read_dots.empty()) read_dots(b, t, h) = g_dot_o;
         if (d_theta) accumulate_angle_gradient(d_theta, Dv, g_rotated.data(), y.data(), t);
       }
       // Pass 2, reverse: the adjoints of the stored normaliser and memory.
@@ -347,11 +353,13 @@ void latte_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
 /// M^_l = sum_s w_{s,l} vtilde_s (w = exp(k - shift), the shift held fixed),
 /// Mbar_l = sum_t p(l|t) g~_t / alpha^_l and Abar_l = -sum_t p(l|t) dp_{t,l} / alpha^_l:
 /// dvtilde_s = sum_l w_{s,l} Mbar_l, dk_{s,l} = w_{s,l} (<vtilde_s, Mbar_l> + Abar_l).
+/// `read_dots` as in latte_causal_backward.
 template <Stabilizer Stab, Positional Pos, Real T>
 void latte_bidirectional_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
                                   TensorView<const T, 4> v, TensorView<const T, 4> g,
                                   TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,
-                                  const std::vector<double>& angles, double* d_angles) {
+                                  const std::vector<double>& angles, double* d_angles,
+                                  TensorView<T, 3> read_dots = {}) {
   const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), L = q.extent(3);
   const index_t Dv = v.extent(3), pairs = Dv / 2;
   const auto n = [](index_t count) { return static_cast<std::size_t>(count); };
@@ -391,9 +399,10 @@ void latte_bidirectional_backward(TensorView<const T, 4> q, TensorView<const T, 
         const std::int64_t position = t;
         T* g_rotated = rotated.data();
         rotate_to(g.row(b, t, h), g_rotated, -position);
-        latte_read_backward(q.row(b, t, h), g_rotated, normaliser.data(), memory.data(), L, Dv,
-                            dq.row(b, t, h), p.data(), read_weight.data(), read_dp.data(),
-                            d_theta ? y.data() : nullptr);
+        const T g_dot_o = latte_read_backward(
+            q.row(b, t, h), g_rotated, normaliser.data(), memory.data(), L, Dv, dq.row(b, t, h),
+            p.data(), read_weight.data(), read_dp.data(), d_theta ? y.data() : nullptr);
+        if (!read_dots.empty()) read_dots(b, t, h) = g_dot_o;
         if (d_theta) accumulate_angle_gradient(d_theta, Dv, g_rotated, y.data(), position);
         for (index_t l = 0; l < L; ++l) {
           normaliser_bar[n(l)] -= read_dp[n(l)];

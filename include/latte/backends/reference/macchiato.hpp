@@ -23,10 +23,12 @@
 
 #include "latte/backends/reference/latte.hpp"
 #include "latte/backends/reference/softmax.hpp"
+#include "latte/core/checked_size.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
 #include "latte/policies/positional.hpp"
 #include "latte/policies/stabilizer.hpp"
+#include "latte/policies/window.hpp"
 
 namespace latte::reference {
 
@@ -59,6 +61,13 @@ void macchiato_mix(MixtureShares<T> shares, const T* window_read, T* latent_read
                    index_t Dv) noexcept {
   for (index_t d = 0; d < Dv; ++d)
     latent_read_and_out[d] = shares.latent * latent_read_and_out[d] + shares.local * window_read[d];
+}
+
+/// The latent logits q_{.,1..L} of a [B, T, H, L + 1] view, as a [B, T, H, L] view (no copy).
+template <class T>
+[[nodiscard]] TensorView<T, 4> latent_logits(const TensorView<T, 4>& q) noexcept {
+  return TensorView<T, 4>(q.data() + 1, {q.extent(0), q.extent(1), q.extent(2), q.extent(3) - 1},
+                          q.strides());
 }
 
 /// Sizes of one head.
@@ -151,9 +160,7 @@ void macchiato_bidirectional_forward(TensorView<const T, 4> q, TensorView<const 
   const index_t Dk = wq.extent(3), Dv = v.extent(3);
   if (B == 0 || Tn == 0) return;
   // Latent states 1..L: bidirectional Latte on the query logits 1..L, written into out.
-  const TensorView<const T, 4> latent_logits(q.data() + 1, {B, Tn, H, L},
-                                             {q.stride(0), q.stride(1), q.stride(2), 1});
-  latte_bidirectional_forward<Stab, LatentPos>(latent_logits, k, v, out, latent_angles);
+  latte_bidirectional_forward<Stab, LatentPos>(latent_logits(q), k, v, out, latent_angles);
   // State 0: the window keys / values of tokens [t - w, t + w], prepared once per token
   // (R^s k_s under RoPE; R^{-s} v_s when VAPOR acts on the window) in a ring of
   // min(2w + 1, T) slots, token s in slot s % capacity.
@@ -202,5 +209,240 @@ void macchiato_bidirectional_forward(TensorView<const T, 4> q, TensorView<const 
       }
     }
 }
+
+// ------------------------------------------------------------- backward --
+// The mixture splits the gradient as it splits the output (DESIGN §3.6). With
+// a_t = p(0|t), s_t = sum_{l>=1} p(l|t), o_t = a_t w_t + s_t y_t (w_t the
+// window read, y_t Latte's read over the logits 1..L alone):
+//   - the latent part is Latte's backward on the logits 1..L with d_out s_t g_t
+//     (its p(l|t) s_t is the mixture's), which also gives X_t = <g_t, s_t y_t>;
+//   - the window part is softmax attention's backward (window w, RoPE-rotated
+//     copies of q' and k', R^{-s} v_s and R^{-t} g_t when VAPOR acts on it) with
+//     d_out a_t g_t, which gives Y_t = <g_t, a_t w_t>;
+//   - the query logits: with <g_t, o_t> = X_t + Y_t, dq_{t,0} = Y_t - a_t (X_t + Y_t),
+//     and for l >= 1 the true p(l|t) (<g_t, u_l> - <g_t, o_t>) differs from what
+//     Latte's backward wrote, p(l|t) <g_t, u_l> - pL(l|t) X_t (pL its softmax over
+//     1..L), by pL(l|t) X_t - p(l|t) (X_t + Y_t).
+// Each part runs on its backend's kernels (`Parts`: ReferenceMacchiatoParts
+// here, cpu::MacchiatoParts). Extra memory O(B T H (Dk + Dv)): the scaled
+// d_out, the window part's value gradient, the rotated copies and per token
+// a_t, s_t, X_t, Y_t.
+
+/// The gradient buffers of a Macchiato backward (shapes checked by the caller).
+template <Real T>
+struct MacchiatoGradientViews {
+  TensorView<T, 4> d_query_logits;    ///< [B, T, H, L + 1]
+  TensorView<T, 4> d_key_logits;      ///< [B, T, H, L]
+  TensorView<T, 4> d_window_queries;  ///< [B, T, H, Dk]
+  TensorView<T, 4> d_window_keys;     ///< [B, T, H, Dk]
+  TensorView<T, 4> d_values;          ///< [B, T, H, Dv]
+};
+
+/// What a Macchiato backward needs besides the tensors.
+struct MacchiatoBackwardSpec {
+  index_t window;                            ///< w
+  double scale;                              ///< of q' . k'
+  const std::vector<double>* latent_angles;  ///< VAPOR [H * Dv/2] (empty: none)
+  const std::vector<double>* key_angles;     ///< RoPE [H * Dk/2] (empty: none)
+  bool rotate_window_values;                 ///< VAPOR acts on the window part too
+};
+
+/// The query logits' gradient of one token, given Latte's over the logits
+/// 1..L in dq[1..L], X = <g, s y> and Y = <g, a w> (see above).
+template <Real T>
+void macchiato_query_gradient(const T* q, index_t L, T X, T Y, T* dq) noexcept {
+  constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+  T all_max = minus_inf, latent_max = minus_inf;
+  for (index_t l = 1; l <= L; ++l) latent_max = std::max(latent_max, q[l]);
+  all_max = std::max(latent_max, q[0]);
+  if (all_max == minus_inf) {  // reads nothing: no gradient
+    std::fill(dq, dq + L + 1, T(0));
+    return;
+  }
+  T all_sum = std::exp(q[0] - all_max), latent_sum = 0;
+  for (index_t l = 1; l <= L; ++l) {
+    all_sum += std::exp(q[l] - all_max);
+    if (latent_max != minus_inf) latent_sum += std::exp(q[l] - latent_max);
+  }
+  const T total = X + Y;  // <g, o>
+  dq[0] = Y - std::exp(q[0] - all_max) / all_sum * total;
+  if (latent_max == minus_inf) return;  // Latte wrote zeros there, and p(l|t) = 0
+  for (index_t l = 1; l <= L; ++l)
+    dq[l] += std::exp(q[l] - latent_max) / latent_sum * X - std::exp(q[l] - all_max) / all_sum * total;
+}
+
+/// Latte Macchiato's backward over a whole [B, T, H, *] sequence from a fresh
+/// state (see above). `d_angles` [H * (Dv/2)] doubles, accumulated, or null.
+template <bool Causal, Stabilizer Stab, Positional LatentPos, Positional WindowPos, class Parts,
+          Real T>
+void macchiato_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
+                        TensorView<const T, 4> wq, TensorView<const T, 4> wk,
+                        TensorView<const T, 4> v, TensorView<const T, 4> g,
+                        const MacchiatoGradientViews<T>& gradients,
+                        const MacchiatoBackwardSpec& spec, double* d_angles) {
+  const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), L = k.extent(3);
+  const index_t Dk = wq.extent(3), Dv = v.extent(3), heads = B * H;
+  if (B == 0 || Tn == 0 || H == 0) return;
+  constexpr bool rope = WindowPos::rotates_queries_keys;
+  const bool vapor_window = LatentPos::rotates_values && spec.rotate_window_values;
+  const auto size = [](index_t count) { return static_cast<std::size_t>(count); };
+  const index_t tokens = detail::checked_count<T>("query_logits", {B, Tn, H});
+  const index_t value_rows = detail::checked_count<T>("values", {tokens, Dv});
+  // Per token a_t, s_t, X_t, Y_t; the parts' d_out; the window's value gradient.
+  std::vector<T> shares(size(2 * tokens)), dots(size(2 * tokens));
+  std::vector<T> upstream(size(value_rows)), window_d_values(size(value_rows));
+  auto dense = [&](T* data, index_t D) { return TensorView<T, 4>(data, {B, Tn, H, D}); };
+  auto token = [&](index_t b, index_t t, index_t h) { return (b * Tn + t) * H + h; };
+  const TensorView<T, 3> latent_dots(dots.data(), {B, Tn, H});
+  const TensorView<T, 3> window_dots(dots.data() + tokens, {B, Tn, H});
+  auto theta_of = [&](const std::vector<double>* angles, index_t h, index_t D) {
+    return angles->empty() ? nullptr : angles->data() + h * (D / 2);
+  };
+
+  // The latent part: Latte on the logits 1..L with d_out s_t g_t.
+  Parts::for_heads(heads, [&](index_t i) {
+    const index_t b = i / H, h = i % H;
+    for (index_t t = 0; t < Tn; ++t) {
+      const MixtureShares<T> share = macchiato_shares(q.row(b, t, h), L);
+      shares[size(2 * token(b, t, h))] = share.local;
+      shares[size(2 * token(b, t, h) + 1)] = share.latent;
+      const T* gt = g.row(b, t, h);
+      T* out = upstream.data() + token(b, t, h) * Dv;
+      for (index_t d = 0; d < Dv; ++d) out[d] = share.latent * gt[d];
+    }
+  });
+  Parts::template latte_backward<Causal, Stab, LatentPos>(
+      latent_logits(q), k, v, TensorView<const T, 4>(dense(upstream.data(), Dv)),
+      latent_logits(gradients.d_query_logits), gradients.d_key_logits, gradients.d_values,
+      *spec.latent_angles, d_angles, latent_dots);
+
+  // The window part: softmax over W(t) with d_out a_t g_t, on rotated copies
+  // where the window rotates (R^t q'_t, R^s k'_s; R^{-s} v_s and R^{-t} g_t).
+  std::vector<T> rotated_queries(rope ? size(tokens * Dk) : 0), rotated_keys(rotated_queries.size());
+  std::vector<T> rotated_values(vapor_window ? size(value_rows) : 0);
+  Parts::for_heads(heads, [&](index_t i) {
+    const index_t b = i / H, h = i % H;
+    const double* key_theta = theta_of(spec.key_angles, h, Dk);
+    const double* value_theta = theta_of(spec.latent_angles, h, Dv);
+    for (index_t t = 0; t < Tn; ++t) {
+      const index_t at = token(b, t, h);
+      const std::int64_t position = t;
+      if constexpr (rope) {
+        std::copy_n(wq.row(b, t, h), Dk, rotated_queries.data() + at * Dk);
+        std::copy_n(wk.row(b, t, h), Dk, rotated_keys.data() + at * Dk);
+        WindowPos::rotate(rotated_queries.data() + at * Dk, Dk, key_theta, position);
+        WindowPos::rotate(rotated_keys.data() + at * Dk, Dk, key_theta, position);
+      }
+      T* out = upstream.data() + at * Dv;
+      const T* gt = g.row(b, t, h);
+      const T local = shares[size(2 * at)];
+      for (index_t d = 0; d < Dv; ++d) out[d] = local * gt[d];
+      if constexpr (LatentPos::rotates_values) {
+        if (vapor_window) {
+          LatentPos::rotate(out, Dv, value_theta, -position);
+          std::copy_n(v.row(b, t, h), Dv, rotated_values.data() + at * Dv);
+          LatentPos::rotate(rotated_values.data() + at * Dv, Dv, value_theta, -position);
+        }
+      } else {
+        (void)value_theta;
+      }
+    }
+  });
+  const TensorView<const T, 4> window_queries =
+      rope ? TensorView<const T, 4>(dense(rotated_queries.data(), Dk)) : wq;
+  const TensorView<const T, 4> window_keys =
+      rope ? TensorView<const T, 4>(dense(rotated_keys.data(), Dk)) : wk;
+  const TensorView<const T, 4> window_values =
+      vapor_window ? TensorView<const T, 4>(dense(rotated_values.data(), Dv)) : v;
+  const SlidingWindow band{spec.window, Causal ? 0 : spec.window};
+  const T scale = static_cast<T>(spec.scale);
+  Parts::template softmax_backward<Causal>(
+      window_queries, window_keys, window_values, TensorView<const T, 4>(dense(upstream.data(), Dv)),
+      gradients.d_window_queries, gradients.d_window_keys, dense(window_d_values.data(), Dv), scale,
+      band, window_dots);
+  if constexpr (LatentPos::rotates_values) {
+    if (vapor_window && d_angles) {
+      // The window part's angle terms (DESIGN §3.6, VAPOR): with w~_t the
+      // unrotated window read, sum_t t <a_t g~_t, J w~_t> - sum_s s <dv~_s, J v~_s>.
+      std::vector<T> reads(size(value_rows));
+      Parts::template softmax_forward<Causal>(window_queries, window_keys, window_values,
+                                              dense(reads.data(), Dv), scale, band);
+      for (index_t b = 0; b < B; ++b)
+        for (index_t h = 0; h < H; ++h)
+          for (index_t t = 0; t < Tn; ++t) {
+            const index_t at = token(b, t, h);
+            double* d_theta = d_angles + h * (Dv / 2);
+            accumulate_angle_gradient(d_theta, Dv, upstream.data() + at * Dv,
+                                      reads.data() + at * Dv, t);
+            accumulate_angle_gradient(d_theta, Dv, window_d_values.data() + at * Dv,
+                                      rotated_values.data() + at * Dv, -t);
+          }
+    }
+  }
+
+  // Everything back to the inputs' frames, and the query logits' gradient.
+  Parts::for_heads(heads, [&](index_t i) {
+    const index_t b = i / H, h = i % H;
+    const double* key_theta = theta_of(spec.key_angles, h, Dk);
+    const double* value_theta = theta_of(spec.latent_angles, h, Dv);
+    for (index_t t = 0; t < Tn; ++t) {
+      const index_t at = token(b, t, h);
+      const std::int64_t position = t;
+      if constexpr (rope) {  // dq' = R^{-t} d(R^t q'), dk' likewise
+        WindowPos::rotate(gradients.d_window_queries.row(b, t, h), Dk, key_theta, -position);
+        WindowPos::rotate(gradients.d_window_keys.row(b, t, h), Dk, key_theta, -position);
+      } else {
+        (void)key_theta;
+      }
+      T* window_dv = window_d_values.data() + at * Dv;
+      if constexpr (LatentPos::rotates_values) {
+        if (vapor_window) LatentPos::rotate(window_dv, Dv, value_theta, position);  // R^s dv~
+      } else {
+        (void)value_theta;
+      }
+      T* dv = gradients.d_values.row(b, t, h);
+      for (index_t d = 0; d < Dv; ++d) dv[d] += window_dv[d];
+      macchiato_query_gradient(q.row(b, t, h), L, latent_dots(b, t, h), window_dots(b, t, h),
+                               gradients.d_query_logits.row(b, t, h));
+    }
+  });
+}
+
+/// The reference backend's parts for macchiato_backward.
+struct ReferenceMacchiatoParts {
+  template <class Body>
+  static void for_heads(index_t count, Body&& body) {
+    for (index_t i = 0; i < count; ++i) body(i);
+  }
+  template <bool Causal, Stabilizer Stab, Positional Pos, Real T>
+  static void latte_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
+                             TensorView<const T, 4> v, TensorView<const T, 4> g,
+                             TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,
+                             const std::vector<double>& angles, double* d_angles,
+                             TensorView<T, 3> read_dots) {
+    if constexpr (Causal)
+      latte_causal_backward<Stab, Pos>(
+          q, k, v, g, dq, dk, dv, angles, 0,
+          [&](index_t, index_t, LatteCarry<T> carry) { latte_reset<Stab>(carry, k.extent(3), v.extent(3)); },
+          [](index_t, index_t, const T*) { return LatteCarryGradient<const T>{nullptr, nullptr}; },
+          [](index_t, index_t) { return LatteCarryGradient<T>{nullptr, nullptr}; }, d_angles,
+          read_dots);
+    else
+      latte_bidirectional_backward<Stab, Pos>(q, k, v, g, dq, dk, dv, angles, d_angles, read_dots);
+  }
+  template <bool Causal, Real T>
+  static void softmax_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
+                               TensorView<const T, 4> v, TensorView<const T, 4> g,
+                               TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,
+                               T scale, const SlidingWindow& window, TensorView<T, 3> row_dots) {
+    reference::softmax_backward<Causal>(q, k, v, g, dq, dk, dv, scale, window, row_dots);
+  }
+  template <bool Causal, Real T>
+  static void softmax_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
+                              TensorView<const T, 4> v, TensorView<T, 4> out, T scale,
+                              const SlidingWindow& window) {
+    reference::softmax_forward<Causal>(q, k, v, out, scale, window);
+  }
+};
 
 }  // namespace latte::reference

@@ -69,11 +69,12 @@ void softmax_forward(TensorView<const T, 4> q, TensorView<const T, 4> k, TensorV
 ///   dv_s += P_ts g_t,  dS_ts = P_ts (<g_t, v_s> - D_t),
 ///   dq_t += scale dS_ts k_s,  dk_s += scale dS_ts q_t.
 /// The row's softmax and o_t are recomputed: nothing is kept from the forward.
+/// `row_dots` [B, T, H], when not empty, receives each D_t.
 template <bool Causal, Window Win, Real T>
 void softmax_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
                       TensorView<const T, 4> v, TensorView<const T, 4> d_out,
                       TensorView<T, 4> d_q, TensorView<T, 4> d_k, TensorView<T, 4> d_v, T scale,
-                      const Win& window) {
+                      const Win& window, TensorView<T, 3> row_dots = {}) {
   const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), Dk = q.extent(3);
   const index_t Dv = v.extent(3);
   std::vector<T> o(static_cast<std::size_t>(Dv));
@@ -113,6 +114,7 @@ void softmax_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
         }
         T D = 0;
         for (index_t d = 0; d < Dv; ++d) D += g_t[d] * o[d];
+        if (!row_dots.empty()) row_dots(b, t, h) = D;
         for (index_t s = lo; s <= hi; ++s) {
           const T p = probability(s);
           const T* v_s = v.row(b, s, h);

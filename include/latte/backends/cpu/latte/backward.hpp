@@ -49,6 +49,12 @@ TensorView<T, 4> head_view(const TensorView<T, 4>& x, index_t b, index_t h) {
                           {x.stride(0), x.stride(1), x.stride(2), x.stride(3)});
 }
 
+/// Token 0 of (batch b, head h) in a [B, T, H] view, or null when it is empty.
+template <class T>
+T* head_row(const TensorView<T, 3>& x, index_t b, index_t h) noexcept {
+  return x.empty() ? nullptr : x.data() + b * x.stride(0) + h * x.stride(2);
+}
+
 /// Runs `backward(b, h, the head's angles (or null), d_angles of the task, worker)`
 /// for every (batch, head) in parallel; per-task angle gradients are summed
 /// into `d_angles` [H * (Dv/2)] afterwards, in a fixed order.
@@ -211,7 +217,8 @@ void latte_causal_backward_head(TensorView<const T, 4> q, TensorView<const T, 4>
                                 const double* theta, std::int64_t first_position,
                                 InitialOf&& initial_of, FinalGradientOf&& final_gradient,
                                 InitialGradientOf&& initial_gradient, double* d_theta,
-                                LatteBackwardScratch<T>& scratch) {
+                                LatteBackwardScratch<T>& scratch, T* read_dots,
+                                index_t read_dots_stride) {
   using B = simd::batch<T>;
   constexpr index_t W = simd::width<T>;
   constexpr int R = backward_tokens;
@@ -313,6 +320,7 @@ void latte_causal_backward_head(TensorView<const T, 4> q, TensorView<const T, 4>
       }
       T* dqt = dq.row(0, t, 0);
       for (l = 0; l < L; ++l) dqt[l] = pr[l] * (dp[l] - mean_dp);
+      if (read_dots) read_dots[t * read_dots_stride] = mean_dp;  // <g_t, o_t>
       if (d_theta) {  // n == 1: the memory is the one after token t
         std::fill(y, y + Dv, T(0));
         for (l = 0; l < L; ++l)
@@ -397,7 +405,8 @@ void latte_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
                            TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,
                            const std::vector<double>& angles, std::int64_t first_position,
                            InitialOf&& initial_of, FinalGradientOf&& final_gradient_of,
-                           InitialGradientOf&& initial_gradient_of, double* d_angles) {
+                           InitialGradientOf&& initial_gradient_of, double* d_angles,
+                           TensorView<T, 3> read_dots = {}) {
   using detail::head_view;
   std::vector<LatteBackwardScratch<T>> scratch;  // one per worker
   for (int worker = 0; worker < thread_count(); ++worker)
@@ -412,7 +421,8 @@ void latte_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
         [&](LatteCarry<T> carry) { initial_of(b, h, carry); },
         [&](const T* m_T) { return final_gradient_of(b, h, m_T); },
         [&] { return initial_gradient_of(b, h); }, head_d_angles,
-        scratch[static_cast<std::size_t>(worker)]);
+        scratch[static_cast<std::size_t>(worker)], detail::head_row(read_dots, b, h),
+        read_dots.empty() ? 0 : read_dots.stride(1));
   });
 }
 
@@ -422,7 +432,7 @@ void latte_bidirectional_backward_head(TensorView<const T, 4> q, TensorView<cons
                                        TensorView<const T, 4> v, TensorView<const T, 4> g,
                                        TensorView<T, 4> dq, TensorView<T, 4> dk,
                                        TensorView<T, 4> dv, const double* theta,
-                                       double* d_theta) {
+                                       double* d_theta, T* read_dots, index_t read_dots_stride) {
   constexpr index_t W = simd::width<T>;
   const index_t Tn = q.extent(1), L = q.extent(3), Dv = v.extent(3);
   if (Tn == 0) return;
@@ -488,6 +498,7 @@ void latte_bidirectional_backward_head(TensorView<const T, 4> q, TensorView<cons
       dp(t, l) = dpl;
       p(t, l) = pl;
     }
+    if (read_dots) read_dots[t * read_dots_stride] = mean;  // <g_t, o_t>
     for (index_t l = 0; l < L; ++l) {
       dQ(t, l) = p(t, l) * (dp(t, l) - mean);
       p(t, l) = alpha(0, l) != T(0) ? p(t, l) / alpha(0, l) : T(0);  // now rw
@@ -522,7 +533,8 @@ template <Stabilizer Stab, Positional Pos, Real T>
 void latte_bidirectional_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
                                   TensorView<const T, 4> v, TensorView<const T, 4> g,
                                   TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,
-                                  const std::vector<double>& angles, double* d_angles) {
+                                  const std::vector<double>& angles, double* d_angles,
+                                  TensorView<T, 3> read_dots = {}) {
   using detail::head_view;
   detail::for_each_head<T>(q, v.extent(3), angles, d_angles,
                            [&](index_t b, index_t h, const double* theta,
@@ -530,7 +542,8 @@ void latte_bidirectional_backward(TensorView<const T, 4> q, TensorView<const T, 
     latte_bidirectional_backward_head<Stab, Pos>(
         head_view(q, b, h), head_view(k, b, h), head_view(v, b, h), head_view(g, b, h),
         head_view(dq, b, h), head_view(dk, b, h), head_view(dv, b, h),
-        theta, head_d_angles);
+        theta, head_d_angles, detail::head_row(read_dots, b, h),
+        read_dots.empty() ? 0 : read_dots.stride(1));
   });
 }
 

@@ -1,0 +1,300 @@
+// LatteMacchiato::backward against the explicit T x T oracle
+// (tests/oracles/macchiato_oracle.hpp): gradients of the long-double loss
+// <d_out, oracle(q, k, q', k', v, angles)> by central differences (every
+// element, small shapes) and along random directions (random shapes and
+// windows), for both directions, both stabilisers, the positional set-ups
+// (none, RoPE window, VAPOR + RoPE, VAPOR on the whole mixture, learned VAPOR
+// angles), on exec::reference and exec::cpu, fp32 and fp64; the adversarial
+// inputs the forward survives; bad gradient buffers.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <limits>
+#include <numbers>
+#include <optional>
+#include <string>
+#include <type_traits>
+
+#include "expect_error.hpp"
+#include "gradient_check.hpp"
+#include "latte/mechanisms/latte_macchiato.hpp"
+#include "oracles/macchiato_oracle.hpp"
+#include "support.hpp"
+
+namespace {
+using namespace latte;
+using namespace latte::test;
+
+struct MacchiatoShape {
+  index_t batch, time, heads, latents, key_dim, value_dim, window;
+};
+
+/// One backward problem: inputs, d_out, the attention, and the kernel's gradients.
+template <class T, class Dir, class Stab, class LatentPos, class WindowPos>
+struct Problem {
+  using Attention = LatteMacchiato<Dir, Stab, LatentPos, WindowPos>;
+  MacchiatoShape shape;
+  Tensor<T, 4> q, k, wq, wk, v, g;
+  typename LatentPos::Params latent_params{};
+  typename WindowPos::Params window_params{};
+  MacchiatoOptions options;
+  std::optional<Attention> attention;
+  Tensor<T, 4> dq, dk, dwq, dwk, dv;
+  Tensor<T, 2> d_angles;
+
+  Problem(Rng& rng, const MacchiatoShape& s, double logit_scale, bool all_states)
+      : shape(s) {
+    const index_t B = s.batch, Tn = s.time, H = s.heads;
+    q = random_tensor<T, 4>(rng, {B, Tn, H, s.latents + 1}, logit_scale);
+    k = random_tensor<T, 4>(rng, {B, Tn, H, s.latents}, logit_scale);
+    wq = random_tensor<T, 4>(rng, {B, Tn, H, s.key_dim}, 1.5);
+    wk = random_tensor<T, 4>(rng, {B, Tn, H, s.key_dim}, 1.5);
+    v = uniform_tensor<T, 4>(rng, {B, Tn, H, s.value_dim}, -1, 1);
+    g = uniform_tensor<T, 4>(rng, {B, Tn, H, s.value_dim}, -1, 1);
+    if constexpr (LatentPos::rotates_values)
+      latent_params.angles = uniform_tensor<double, 2>(rng, {H, s.value_dim / 2}, 0.0, std::numbers::pi);
+    if constexpr (WindowPos::rotates_queries_keys)
+      window_params.angles = uniform_tensor<double, 2>(rng, {H, s.key_dim / 2}, 0.0, std::numbers::pi);
+    if (all_states) options.vapor_scope = VaporScope::all_states;
+    attention.emplace(MacchiatoDims{.heads = H, .latents = s.latents, .key_dim = s.key_dim,
+                                    .value_dim = s.value_dim, .window = s.window},
+                      options, latent_params, window_params);
+  }
+
+  template <class E>
+  void run(E e) {
+    dq = Tensor<T, 4>(q.extents());
+    dk = Tensor<T, 4>(k.extents());
+    dwq = Tensor<T, 4>(wq.extents());
+    dwk = Tensor<T, 4>(wk.extents());
+    dv = Tensor<T, 4>(v.extents());
+    MacchiatoGradients<T> gradients{dq.view(), dk.view(), dwq.view(), dwk.view(), dv.view()};
+    if constexpr (LatentPos::rotates_values) {
+      d_angles = Tensor<T, 2>({shape.heads, shape.value_dim / 2});
+      gradients.d_angles = d_angles.view();
+    }
+    attention->backward(e, q.cview(), k.cview(), wq.cview(), wk.cview(), v.cview(), g.cview(),
+                        gradients);
+  }
+
+  /// The oracle's loss over long-double copies, and the spans it reads.
+  struct Loss {
+    MacchiatoSpec spec;
+    TensorLD<4> q, k, wq, wk, v, g;
+    std::vector<long double> value_angles, key_angles;
+    long double operator()() const {
+      const TensorLD<4> out = macchiato_oracle(spec, q, k, wq, wk, v, value_angles, key_angles);
+      long double total = 0;
+      for (index_t i = 0; i < out.size(); ++i) total += g.data()[i] * out.data()[i];
+      return total;
+    }
+    GradientInputs inputs() {
+      GradientInputs in{as_input(q), as_input(k), as_input(wq), as_input(wk), as_input(v)};
+      if constexpr (LatentPos::rotates_values) in.emplace_back(value_angles);
+      return in;
+    }
+  };
+  Loss loss() const {
+    Loss l{{.causal = Dir::is_causal, .window = shape.window,
+            .scale = 1.0L / std::sqrt((long double)shape.key_dim),
+            .vapor_on_window = options.vapor_scope == VaporScope::all_states},
+           to_long_double(q), to_long_double(k), to_long_double(wq), to_long_double(wk),
+           to_long_double(v), to_long_double(g), {}, {}};
+    if constexpr (LatentPos::rotates_values)
+      for (index_t i = 0; i < latent_params.angles.size(); ++i)
+        l.value_angles.push_back(latent_params.angles.data()[i]);
+    if constexpr (WindowPos::rotates_queries_keys)
+      for (index_t i = 0; i < window_params.angles.size(); ++i)
+        l.key_angles.push_back(window_params.angles.data()[i]);
+    return l;
+  }
+  std::vector<std::span<const T>> gradients() const {
+    std::vector<std::span<const T>> out{span_of(dq), span_of(dk), span_of(dwq), span_of(dwk),
+                                        span_of(dv)};
+    if constexpr (LatentPos::rotates_values) out.push_back(span_of(d_angles));
+    return out;
+  }
+};
+
+constexpr const char* kNames[] = {"d_query_logits", "d_key_logits", "d_window_queries",
+                                  "d_window_keys", "d_values", "d_angles"};
+
+template <class T, class Dir, class Stab, class LatentPos, class WindowPos>
+void every_element_cases(std::uint64_t seed, bool all_states) {
+  Rng rng(seed);
+  // Each loss evaluation rebuilds every T x T matrix: B * H * T^2 stays small.
+  constexpr MacchiatoShape shapes[] = {{2, 1, 2, 3, 2, 4, 1},  {1, 2, 2, 2, 4, 2, 1},
+                                       {2, 7, 1, 3, 4, 6, 2},  {1, 23, 2, 3, 2, 4, 5},
+                                       {1, 40, 1, 2, 4, 4, 40}};
+  for (const MacchiatoShape& s : shapes) {
+    // fp32 (whose tolerance is looser) takes the shorter shapes at one scale.
+    if (std::is_same_v<T, float> && s.time > 30) continue;
+    for (const double logit_scale : std::array{3.0, 0.5}) {
+      if (logit_scale == 0.5 && (std::is_same_v<T, float> || case_count(2) < 2))
+        continue;  // sanitizer runs: one scale
+      Problem<T, Dir, Stab, LatentPos, WindowPos> problem(rng, s, logit_scale, all_states);
+      CAPTURE(s.time);
+      CAPTURE(s.window);
+      CAPTURE(logit_scale);
+      problem.run(exec::reference);
+      check_every_element<T>(problem, kNames);
+      problem.run(exec::cpu);
+      check_every_element<T>(problem, kNames);
+    }
+  }
+}
+
+template <class T, class Dir, class Stab, class LatentPos, class WindowPos>
+void direction_cases(std::uint64_t seed, int cases, bool all_states) {
+  Rng rng(seed);
+  for (int c = 0; c < case_count(cases); ++c) {
+    const Shape base = random_shape(rng, 2e6);
+    const index_t key_dim = pick(rng, std::array<index_t, 3>{2, 5, 16});
+    const index_t window = pick(rng, std::array<index_t, 4>{1, 3, 17, base.time + 2});
+    const MacchiatoShape s{base.batch, base.time,      base.heads, base.latents,
+                           key_dim,    base.value_dim, window};
+    Problem<T, Dir, Stab, LatentPos, WindowPos> problem(rng, s, pick(rng, std::array{0.5, 2.0, 5.0}),
+                                                        all_states);
+    CAPTURE(s.batch);
+    CAPTURE(s.time);
+    CAPTURE(s.heads);
+    CAPTURE(s.latents);
+    CAPTURE(s.key_dim);
+    CAPTURE(s.value_dim);
+    CAPTURE(s.window);
+    problem.run(exec::reference);
+    check_direction<T>(problem, rng);
+    problem.run(exec::cpu);
+    check_direction<T>(problem, rng);
+  }
+}
+
+template <class T, class Dir>
+void all_configurations(std::uint64_t seed) {
+  SUBCASE("RunningMax, no positions") {
+    every_element_cases<T, Dir, RunningMax, NoPositional, NoPositional>(seed, false);
+    direction_cases<T, Dir, RunningMax, NoPositional, NoPositional>(seed + 1, 8, false);
+  }
+  SUBCASE("RunningMax, RoPE window") {
+    every_element_cases<T, Dir, RunningMax, NoPositional, RoPE>(seed + 2, false);
+    direction_cases<T, Dir, RunningMax, NoPositional, RoPE>(seed + 3, 6, false);
+  }
+  SUBCASE("RunningMax, VAPOR (learned angles) on the latent states, RoPE window") {
+    every_element_cases<T, Dir, RunningMax, VAPOR, RoPE>(seed + 4, false);
+    direction_cases<T, Dir, RunningMax, VAPOR, RoPE>(seed + 5, 6, false);
+  }
+  SUBCASE("RunningMax, VAPOR (learned angles) on every state") {
+    every_element_cases<T, Dir, RunningMax, VAPOR, NoPositional>(seed + 6, true);
+    direction_cases<T, Dir, RunningMax, VAPOR, NoPositional>(seed + 7, 6, true);
+  }
+  SUBCASE("NoStabilizer, no positions") {
+    every_element_cases<T, Dir, NoStabilizer, NoPositional, NoPositional>(seed + 8, false);
+    direction_cases<T, Dir, NoStabilizer, NoPositional, NoPositional>(seed + 9, 4, false);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("causal Latte Macchiato backward matches the oracle's gradients, fp64") {
+  all_configurations<double, Causal>(100);
+}
+TEST_CASE("causal Latte Macchiato backward matches the oracle's gradients, fp32") {
+  all_configurations<float, Causal>(200);
+}
+TEST_CASE("bidirectional Latte Macchiato backward matches the oracle's gradients, fp64") {
+  all_configurations<double, Bidirectional>(300);
+}
+TEST_CASE("bidirectional Latte Macchiato backward matches the oracle's gradients, fp32") {
+  all_configurations<float, Bidirectional>(400);
+}
+
+TEST_CASE("Latte Macchiato backward: logit spreads up to 1e4, -inf logits, zero values") {
+  Rng rng(500);
+  auto adversarial = [&]<class T, class Dir>(T, Dir) {
+    const MacchiatoShape s{1, 19, 2, 4, 4, 4, 3};
+    Problem<T, Dir, RunningMax, VAPOR, RoPE> problem(rng, s, 1.0, true);
+    std::uniform_real_distribution<double> spread(-5000.0, 5000.0);
+    for (index_t i = 0; i < problem.k.size(); ++i) problem.k.data()[i] = static_cast<T>(spread(rng));
+    for (index_t i = 0; i < problem.q.size(); i += 3) problem.q.data()[i] = static_cast<T>(spread(rng));
+    constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+    for (index_t h = 0; h < 2; ++h) {
+      for (index_t t = 0; t < 7; ++t) problem.k(0, t, h, 1) = minus_inf;  // a latent empty up to t = 6
+      problem.k(0, 11, h, 3) = minus_inf;
+      for (index_t l = 0; l <= 4; ++l) problem.q(0, 4, h, l) = minus_inf;  // a query reading nothing
+      for (index_t l = 1; l <= 4; ++l) problem.q(0, 6, h, l) = minus_inf;  // only the window
+      problem.q(0, 8, h, 0) = minus_inf;                                  // only the latents
+      problem.q(0, 9, h, 2) = minus_inf;
+      for (index_t d = 0; d < 4; ++d) problem.v(0, 13, h, d) = 0;
+    }
+    for (auto e : {0, 1}) {
+      if (e == 0) problem.run(exec::reference);
+      else problem.run(exec::cpu);
+      for (const auto& gradient : problem.gradients())
+        CHECK(std::all_of(gradient.begin(), gradient.end(), [](T x) { return std::isfinite(x); }));
+      for (index_t i = 0; i < problem.k.size(); ++i)
+        if (problem.k.data()[i] == minus_inf) CHECK(problem.dk.data()[i] == T(0));
+      for (index_t i = 0; i < problem.q.size(); ++i)
+        if (problem.q.data()[i] == minus_inf) CHECK(problem.dq.data()[i] == T(0));
+      check_every_element<T>(problem, kNames);
+    }
+  };
+  adversarial(double{}, Causal{});
+  adversarial(float{}, Causal{});
+  adversarial(double{}, Bidirectional{});
+  adversarial(float{}, Bidirectional{});
+}
+
+TEST_CASE("Latte Macchiato backward: empty sequences, and bad gradient buffers are refused by name") {
+  using Attention = LatteMacchiato<Causal, RunningMax, VAPOR, RoPE>;
+  const Attention attention({.heads = 2, .latents = 3, .key_dim = 2, .value_dim = 4, .window = 2});
+  Tensor<float, 4> q({1, 5, 2, 4}), k({1, 5, 2, 3}), wq({1, 5, 2, 2}), wk({1, 5, 2, 2});
+  Tensor<float, 4> v({1, 5, 2, 4}), g({1, 5, 2, 4});
+  Tensor<float, 4> dq({1, 5, 2, 4}), dk({1, 5, 2, 3}), dwq({1, 5, 2, 2}), dwk({1, 5, 2, 2});
+  Tensor<float, 4> dv({1, 5, 2, 4}), wrong({1, 5, 2, 5});
+  Tensor<float, 2> d_angles({2, 2}), wrong_angles({2, 3});
+  auto call = [&](MacchiatoGradients<float> gradients, TensorView<const float, 4> d_out) {
+    attention.backward(exec::reference, q.cview(), k.cview(), wq.cview(), wk.cview(), v.cview(),
+                       d_out, gradients);
+  };
+  auto valid = [&] {
+    return MacchiatoGradients<float>{dq.view(), dk.view(), dwq.view(), dwk.view(), dv.view(),
+                                     d_angles.view()};
+  };
+  call(valid(), g.cview());  // the valid call first
+  auto with = [&](auto change) {
+    MacchiatoGradients<float> gradients = valid();
+    change(gradients);
+    return gradients;
+  };
+  expect_error([&] { call(valid(), wrong.cview()); }, "d_out", "");
+  expect_error([&] { call(with([&](auto& x) { x.d_query_logits = dk.view(); }), g.cview()); },
+               "gradients.d_query_logits", "");
+  expect_error([&] { call(with([&](auto& x) { x.d_key_logits = dq.view(); }), g.cview()); },
+               "gradients.d_key_logits", "");
+  expect_error([&] { call(with([&](auto& x) { x.d_window_queries = wrong.view(); }), g.cview()); },
+               "gradients.d_window_queries", "");
+  expect_error([&] { call(with([&](auto& x) { x.d_window_keys = dwq.view(); }), g.cview()); },
+               "gradients.d_window_keys", "");
+  expect_error([&] { call(with([&](auto& x) { x.d_values = g.view(); }), g.cview()); },
+               "gradients.d_values", "");
+  expect_error([&] { call(with([&](auto& x) { x.d_window_queries = wq.view(); }), g.cview()); },
+               "gradients.d_window_queries", "");
+  expect_error([&] { call(with([&](auto& x) { x.d_angles = wrong_angles.view(); }), g.cview()); },
+               "gradients.d_angles", "");
+  const LatteMacchiato<Causal> plain({.heads = 2, .latents = 3, .key_dim = 2, .value_dim = 4, .window = 2});
+  expect_error([&] {
+    plain.backward(exec::reference, q.cview(), k.cview(), wq.cview(), wk.cview(), v.cview(),
+                   g.cview(), valid());
+  }, "gradients.d_angles", "");
+  // T = 0: nothing to write, nothing read.
+  Tensor<float, 4> none_q({1, 0, 2, 4}), none_k({1, 0, 2, 3}), none_w({1, 0, 2, 2}),
+      none_v({1, 0, 2, 4});
+  Tensor<float, 4> none_dq({1, 0, 2, 4}), none_dk({1, 0, 2, 3}), none_dwq({1, 0, 2, 2}),
+      none_dwk({1, 0, 2, 2}), none_dv({1, 0, 2, 4});
+  attention.backward(exec::cpu, none_q.cview(), none_k.cview(), none_w.cview(), none_w.cview(),
+                     none_v.cview(), none_v.cview(),
+                     MacchiatoGradients<float>{none_dq.view(), none_dk.view(), none_dwq.view(),
+                                               none_dwk.view(), none_dv.view()});
+}
