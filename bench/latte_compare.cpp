@@ -390,10 +390,24 @@ int main(int argc, char** argv) {
       {
         auto q_states = random_tensor<4>(rng, {B, T, H, L + 1});
         auto wq = random_tensor<4>(rng, {B, T, H, D}), wk = random_tensor<4>(rng, {B, T, H, D});
-        run("macchiato", "causal",
-            double(B) * T * H * latte::bench::macchiato_token_flops(L, D, D, window), [&] {
-              macchiato.forward(latte::exec::cpu, q_states, k, wq, wk, v, out.view());
-            });
+        const double macchiato_flops =
+            double(B) * T * H * latte::bench::macchiato_token_flops(L, D, D, window);
+        run("macchiato", "causal", macchiato_flops, [&] {
+          macchiato.forward(latte::exec::cpu, q_states, k, wq, wk, v, out.view());
+        });
+        // Backward: 2x the forward's FLOPs, forward + backward 3x (as Latte's rows).
+        auto d_out = random_tensor<4>(rng, {B, T, H, D});
+        latte::Tensor<float, 4> dq({B, T, H, L + 1}), dk({B, T, H, L}), dwq({B, T, H, D}),
+            dwk({B, T, H, D}), dv({B, T, H, D});
+        const latte::MacchiatoGradients<float> gradients{dq.view(), dk.view(), dwq.view(),
+                                                         dwk.view(), dv.view()};
+        run("macchiato_backward", "causal", 2 * macchiato_flops, [&] {
+          macchiato.backward(latte::exec::cpu, q_states, k, wq, wk, v, d_out, gradients);
+        });
+        run("macchiato_forward_backward", "causal", 3 * macchiato_flops, [&] {
+          macchiato.forward(latte::exec::cpu, q_states, k, wq, wk, v, out.view());
+          macchiato.backward(latte::exec::cpu, q_states, k, wq, wk, v, d_out, gradients);
+        });
       }
       run("lavo", "causal",
           double(B) * H * latte::bench::lavo_forward_flops(T, D, L, lavo_window, true),

@@ -831,6 +831,38 @@ void macchiato(Fuzz& fuzz, const Sizes& s) {
               c.inputs[3].cview(), c.inputs[4].cview(), c.out.view());
   };
   drive_forward<T>(fuzz, f, s.batch, s.time, s.heads, "LatteMacchiato forward", forward);
+  if (!decode && fuzz.coin(3)) {
+    // backward(q, k, q', k', v, d_out, gradients): d_query_logits, d_key_logits and
+    // d_values fuzzed, the window's two gradients well-formed buffers of their own.
+    const auto sequence = input_extents<4>(f, s.batch, s.time, s.heads);
+    std::vector<std::array<index_t, 4>> inputs = sequence;
+    inputs.push_back(fuzz.coin(8) ? std::array<index_t, 4>{s.batch, s.time, s.heads, Dv + 1}
+                                  : sequence[4]);  // d_out
+    latte::Tensor<T, 2> d_angles({LatentPos::rotates_values && fuzz.coin(2) ? s.heads : 0, Dv / 2});
+    const bool cpu = fuzz.coin(2);
+    drive_backward<T>(
+        fuzz, inputs, {sequence[0], sequence[1], sequence[4]}, tame(options.scale) ? 1e2 : 0,
+        "LatteMacchiato backward", [&](auto& c, auto& second, auto& third) {
+          const auto& in = c.inputs;
+          latte::Tensor<T, 4> d_window_queries(in[2].layout.extents),
+              d_window_keys(in[3].layout.extents);
+          const latte::MacchiatoGradients<T> gradients{
+              c.out.view(), second.out.view(), d_window_queries.view(), d_window_keys.view(),
+              third.out.view(), d_angles.view()};
+          auto run = [&](auto exec) {
+            a.backward(exec, in[0].cview(), in[1].cview(), in[2].cview(), in[3].cview(),
+                       in[4].cview(), in[5].cview(), gradients);
+          };
+          if (cpu) run(latte::exec::cpu);
+          else run(latte::exec::reference);
+          if (in[5].layout.extents != in[4].layout.extents ||
+              c.out.layout.extents != in[0].layout.extents ||
+              second.out.layout.extents != in[1].layout.extents ||
+              third.out.layout.extents != in[4].layout.extents)
+            fail("LatteMacchiato backward: a gradient or d_out whose shape is not its input's "
+                 "was accepted");
+        });
+  }
   if constexpr (causal<Dir>) {
     if (!decode) return;
     const auto first = first_position(fuzz);

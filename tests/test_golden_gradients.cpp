@@ -10,7 +10,9 @@
 // LinearAttention::backward and cross_backward likewise for cosFormer (from the
 // official left_product), LeaPformer with LeaP modules (module weight gradients)
 // and with given proportions (their gradients), elu + 1 and RoPE linear
-// attention; causal, bidirectional and cross.
+// attention; causal, bidirectional and cross. LatteMacchiato::backward (both
+// directions, no positions, VAPOR with learned angles on the latent states with a
+// RoPE window, VAPOR on every state) likewise.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -51,10 +53,12 @@ Tensor<T, N> golden_tensor(const std::string& name) {
 }
 
 /// "LatteAttention<causal,running_max,vapor> cpu": the kind without its dtype, and the backend.
+std::string label(const std::string& kind, const char* exec) {
+  return kind.substr(0, kind.find('/')) + " " + exec;
+}
 template <class Attention, class T, class E>
 std::string label() {
-  const std::string kind = Attention::template kind<T>();
-  return kind.substr(0, kind.find('/')) + " " + E::name;
+  return label(Attention::template kind<T>(), E::name);
 }
 
 /// The forward's output against "<prefix>/out" (Tolerance<T>::relative), then
@@ -124,6 +128,50 @@ void softmax_case(E e, const std::string& name, Win window = {}) {
                        {{"d_queries", span_of(dq)}, {"d_keys", span_of(dk)}, {"d_values", span_of(dv)}});
 }
 
+template <class T, class Dir, class LatentPos, class WindowPos, class E>
+void macchiato_case(E e, const std::string& name, VaporScope scope = VaporScope::latent_states) {
+  const std::string prefix = "macchiato/" + name;
+  const auto q = golden_tensor<T, 4>(prefix + "/query_logits");
+  const auto k = golden_tensor<T, 4>(prefix + "/key_logits");
+  const auto wq = golden_tensor<T, 4>(prefix + "/window_queries");
+  const auto wk = golden_tensor<T, 4>(prefix + "/window_keys");
+  const auto v = golden_tensor<T, 4>(prefix + "/values");
+  const auto d_out = golden_tensor<T, 4>(prefix + "/d_out");
+  const index_t H = q.extent(2), Dv = v.extent(3);
+  typename LatentPos::Params latent{};
+  if constexpr (LatentPos::rotates_values) latent.angles = golden_tensor<double, 2>(prefix + "/angles");
+  using Attention = LatteMacchiato<Dir, RunningMax, LatentPos, WindowPos>;
+  const Attention attention({.heads = H, .latents = k.extent(3), .key_dim = wq.extent(3),
+                             .value_dim = Dv, .window = 3},
+                            {.scale = std::nullopt, .vapor_scope = scope}, latent);
+  Tensor<T, 4> out(v.extents()), dq(q.extents()), dk(k.extents()), dwq(wq.extents()),
+      dwk(wk.extents()), dv(v.extents());
+  Tensor<T, 2> d_angles({H, Dv / 2});  // accumulated into: starts at zero
+  attention.forward(e, q.cview(), k.cview(), wq.cview(), wk.cview(), v.cview(), out.view());
+  MacchiatoGradients<T> gradients{dq.view(), dk.view(), dwq.view(), dwk.view(), dv.view()};
+  if constexpr (LatentPos::rotates_values) gradients.d_angles = d_angles.view();
+  attention.backward(e, q.cview(), k.cview(), wq.cview(), wk.cview(), v.cview(), d_out.cview(),
+                     gradients);
+  std::vector<std::pair<std::string, std::span<const T>>> got{
+      {"d_query_logits", span_of(dq)},   {"d_key_logits", span_of(dk)},
+      {"d_window_queries", span_of(dwq)}, {"d_window_keys", span_of(dwk)},
+      {"d_values", span_of(dv)}};
+  if constexpr (LatentPos::rotates_values) got.emplace_back("d_angles", span_of(d_angles));
+  // Macchiato's kind() is not static: it names the VAPOR scope.
+  check_against_golden(label(attention.template kind<T>(), E::name), prefix, out, got);
+}
+
+template <class T, class E>
+void macchiato_cases(E e) {
+  macchiato_case<T, Causal, NoPositional, NoPositional>(e, "causal/plain");
+  macchiato_case<T, Causal, VAPOR, RoPE>(e, "causal/vapor_rope");
+  macchiato_case<T, Causal, VAPOR, NoPositional>(e, "causal/vapor_all_states", VaporScope::all_states);
+  macchiato_case<T, Bidirectional, NoPositional, NoPositional>(e, "bidirectional/plain");
+  macchiato_case<T, Bidirectional, VAPOR, RoPE>(e, "bidirectional/vapor_rope");
+  macchiato_case<T, Bidirectional, VAPOR, NoPositional>(e, "bidirectional/vapor_all_states",
+                                                        VaporScope::all_states);
+}
+
 template <class T, class E>
 void latte_cases(E e) {
   latte_case<T, Causal, RunningMax, NoPositional>(e, "causal/no_positional");
@@ -153,6 +201,13 @@ TEST_CASE("LatteAttention::backward reproduces PyTorch autograd's gradients") {
   latte_cases<float>(exec::reference);
   latte_cases<double>(exec::cpu);
   latte_cases<float>(exec::cpu);
+}
+
+TEST_CASE("LatteMacchiato::backward reproduces PyTorch autograd's gradients") {
+  macchiato_cases<double>(exec::reference);
+  macchiato_cases<float>(exec::reference);
+  macchiato_cases<double>(exec::cpu);
+  macchiato_cases<float>(exec::cpu);
 }
 
 TEST_CASE("SoftmaxAttention::backward reproduces PyTorch autograd's gradients") {

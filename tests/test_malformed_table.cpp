@@ -2,8 +2,8 @@
 // mechanism x every malformed case, in one place, checked the same way.
 //
 // Entry points: forward, forward with a state, make_state, step, State::restore,
-// backward (SoftmaxAttention, LatteAttention, LinearAttention and its
-// cross_backward, reference + cpu; malformed_backward.hpp),
+// backward (SoftmaxAttention, LatteAttention, LatteMacchiato, LinearAttention and
+// its cross_backward, reference + cpu; malformed_backward.hpp),
 // load_state and the constructors of LatteAttention (reference + cpu),
 // SoftmaxAttention (reference + cpu), LatteMacchiato, LinearAttention, CosFormer
 // and LeaPformer (reference + cpu), Lavo, ConvCompressedAttention, cross_forward where a
@@ -636,6 +636,35 @@ MultiOutputEntry<4> latte_backward_entry(E exec_tag) {
   return entry;
 }
 
+/// backward(q, k, q', k', v, d_out, {5 gradients}) of a Latte Macchiato: B and
+/// T come from query_logits and are reported on key_logits.
+template <class M, class E>
+MultiOutputEntry<4> macchiato_backward_entry(E exec_tag) {
+  auto attention = std::make_shared<const typename M::A>(M::make());
+  MultiOutputEntry<4> entry;
+  entry.entry = entry_name<M>("backward", E::name);
+  entry.inputs = sequence_args<M>();
+  entry.inputs.push_back({"d_out", {kB, kT, kH, kDv}});
+  entry.outputs = {{"gradients.d_query_logits", {kB, kT, kH, kL + 1}},
+                   {"gradients.d_key_logits", {kB, kT, kH, kL}},
+                   {"gradients.d_window_queries", {kB, kT, kH, kDk}},
+                   {"gradients.d_window_keys", {kB, kT, kH, kDk}},
+                   {"gradients.d_values", {kB, kT, kH, kDv}}};
+  entry.dim_names = kSequenceDims;
+  entry.invoke = [attention, exec_tag](const In4& in, const std::vector<Out4>& out) {
+    attention->backward(exec_tag, in[0], in[1], in[2], in[3], in[4], in[5],
+                        MacchiatoGradients<float>{out[0], out[1], out[2], out[3], out[4]});
+  };
+  entry.blame = [names = std::vector<std::string>{
+                     "query_logits", "key_logits", "window_queries", "window_keys", "values",
+                     "d_out", "gradients.d_query_logits", "gradients.d_key_logits",
+                     "gradients.d_window_queries", "gradients.d_window_keys",
+                     "gradients.d_values"}](std::size_t arg, std::size_t dim) {
+    return arg == 0 && dim < 2 ? names[1] : names[arg];
+  };
+  return entry;
+}
+
 /// backward(queries, keys, values, d_out, {d_queries, d_keys, d_values}) of a
 /// linear attention, or its cross_backward (keys and values over a source of
 /// S tokens): B comes from queries and is reported on keys; T from queries
@@ -839,6 +868,11 @@ Registry build_registry() {
   // ---- LatteMacchiato (reference)
   add_sequence_and_decode<Macchiato>(registry, exec::reference);
   add_sequence_and_decode<MacchiatoBidirectional>(registry, exec::reference);
+  for (auto backward : {macchiato_backward_entry<Macchiato>(exec::reference),
+                        macchiato_backward_entry<Macchiato>(exec::cpu),
+                        macchiato_backward_entry<MacchiatoBidirectional>(exec::reference),
+                        macchiato_backward_entry<MacchiatoBidirectional>(exec::cpu)})
+    registry.add(backward);
   add_make_state_batch_rows<Macchiato>(registry);
   add_call_row(rows, entry_name<Macchiato>("make_state", "-"), "first_position -1",
                "first_position", [] { (void)Macchiato::make().make_state<float>(kB, -1); });

@@ -38,6 +38,12 @@ Transcribed:
       - RoPE linear attention: the same with the numerator's features rotated,
         (R^t phi(q_t)) . (R^s phi(k_s)), theta_i = 10000^(-2i/Dk), and the un-rotated
         denominator (RoFormer eq. 19, latte's default); additive 1e-6.
+  * Latte Macchiato (paper 000 §2.3 eqs. 13-16, DESIGN §3.2): p(l|t) = softmax over
+    the L + 1 query logits; o_t = sum_s [p(0|t) p0(s|t) R0^{t-s} + sum_{l>=1} p(l|t)
+    p(s|l,t) R^{t-s}] v_s with p0 the softmax of (R^t q'_t) . (R^s k'_s) / sqrt(Dk)
+    over the window t - w <= s <= t (causal) or |t - s| <= w, RoPE's angles
+    10000^(-2i/Dk) (fixed), VAPOR's R with learned angles [H, Dv/2], R0 = R when
+    VAPOR acts on every state and I otherwise. B=2, T=9, H=2, L=4, Dk=4, Dv=6, w=3.
 
 Arrays (each 4-D [B, T, H, D] unless noted; `out` is the forward's output):
   latte/<case>/{query_logits, key_logits, values, d_out, out,
@@ -61,6 +67,13 @@ Arrays (each 4-D [B, T, H, D] unless noted; `out` is the forward's output):
       leap_proportions: inputs linear/leap_proportions/{query, key} [B, T, H] and
             linear/leap_proportions/<dir>/{d_query_proportions, d_key_proportions}.
 
+  macchiato/<case>/{query_logits [.., L+1], key_logits, window_queries, window_keys,
+                   values, d_out, out, d_query_logits, d_key_logits, d_window_queries,
+                   d_window_keys, d_values} (+ angles, d_angles [H, Dv/2] with VAPOR)
+      case: causal/plain, causal/vapor_rope (VAPOR on the latent states, RoPE
+            window), causal/vapor_all_states, bidirectional/plain,
+            bidirectional/vapor_rope, bidirectional/vapor_all_states.
+
 Usage: .venv-peers/bin/python tests/golden/make_gradient_golden.py
        (needs torch and numpy: bench/peers/setup_peers.sh makes that environment)
 """
@@ -80,6 +93,7 @@ torch.set_default_dtype(torch.float64)
 LATTE = dict(B=2, T=9, H=2, L=5, Dv=6)
 SOFTMAX = dict(B=2, T=7, H=2, Dk=5, Dv=6)
 LINEAR = dict(B=2, T=6, T_CROSS=5, S_CROSS=9, H=2, Dk=8, Dv=6, LEAP_FACTOR=4)
+MACCHIATO = dict(B=2, T=9, H=2, L=4, Dk=4, Dv=6, window=3)
 SPREAD = 1000.0
 
 
@@ -123,6 +137,35 @@ def latte(q, k, v, causal, angles=None):
     turned = rotate_pairs(v[:, None].expand(b, t, t, h, v.shape[-1]),
                           distance[None, :, :, None, None] * angles[None, None, None])
     return torch.einsum("btsh,btshd->bthd", weights, turned)
+
+
+# ----------------------------------------------------------------- Macchiato --
+
+def macchiato(q, k, wq, wk, v, causal, window, angles=None, rope=False, vapor_on_window=False):
+    """o_t = sum_s [p(0|t) p0(s|t) R0^{t-s} + sum_{l>=1} p(l|t) p(s|l,t) R^{t-s}] v_s."""
+    b, t, h, latents = k.shape
+    p_all = torch.softmax(q, dim=-1)                                     # p(l|t), l = 0..L
+    logits = k[:, None].expand(b, t, t, h, latents)                      # [b, t, s, h, l]
+    mask = allowed(t, t, causal)[None, :, :, None, None]
+    p_token = torch.softmax(logits.masked_fill(~mask, -math.inf), dim=2)  # p(s|l,t)
+    latent = torch.einsum("bthl,btshl->btsh", p_all[..., 1:], p_token)
+    if rope:
+        key_dim = wq.shape[-1]
+        theta = 10000.0 ** (-2.0 * torch.arange(key_dim // 2) / key_dim)
+        turn = torch.arange(t).to(wq.dtype)[None, :, None, None] * theta
+        wq, wk = rotate_pairs(wq, turn), rotate_pairs(wk, turn)
+    scores = torch.einsum("bthd,bshd->btsh", wq, wk) / math.sqrt(wq.shape[-1])
+    window_mask = allowed(t, t, causal, window, 0 if causal else window)[None, :, :, None]
+    local = p_all[..., 0][:, :, None] * torch.softmax(scores.masked_fill(~window_mask, -math.inf), 2)
+
+    def read(weights, rotated):
+        if not rotated:
+            return torch.einsum("btsh,bshd->bthd", weights, v)
+        distance = (torch.arange(t)[:, None] - torch.arange(t)[None, :]).to(v.dtype)  # t - s
+        turned = rotate_pairs(v[:, None].expand(b, t, t, h, v.shape[-1]),
+                              distance[None, :, :, None, None] * angles[None, None, None])
+        return torch.einsum("btsh,btshd->bthd", weights, turned)
+    return read(latent, angles is not None) + read(local, angles is not None and vapor_on_window)
 
 
 # ------------------------------------------------------------------- softmax --
@@ -322,12 +365,39 @@ def main():
             add(f"linear/{name}", d_query_proportions=grads[3], d_key_proportions=grads[4])
 
     check_against_numpy(inputs, modules, outputs)
+
+    # Latte Macchiato (drawn last: the arrays above keep their values).
+    B, T, H, L, Dk, Dv, window = (MACCHIATO[x] for x in ("B", "T", "H", "L", "Dk", "Dv", "window"))
+    for name, causal, vapor, rope, vapor_on_window in (
+            ("causal/plain", True, False, False, False),
+            ("causal/vapor_rope", True, True, True, False),
+            ("causal/vapor_all_states", True, True, False, True),
+            ("bidirectional/plain", False, False, False, False),
+            ("bidirectional/vapor_rope", False, True, True, False),
+            ("bidirectional/vapor_all_states", False, True, False, True)):
+        q, k = normal(B, T, H, L + 1, scale=2.0), normal(B, T, H, L, scale=2.0)
+        wq, wk = normal(B, T, H, Dk, scale=1.5), normal(B, T, H, Dk, scale=1.5)
+        v, d_out = uniform(-1, 1, B, T, H, Dv), normal(B, T, H, Dv)
+        inputs = [q, k, wq, wk, v]
+        if vapor:
+            inputs.append(uniform(0.0, math.pi, H, Dv // 2))
+        out, grads = gradients(
+            lambda *x, c=causal, r=rope, a=vapor_on_window: macchiato(*x[:5], c, window, *x[5:], rope=r,
+                                                                     vapor_on_window=a),
+            d_out, inputs)
+        add(f"macchiato/{name}", query_logits=q, key_logits=k, window_queries=wq, window_keys=wk,
+            values=v, d_out=d_out, out=out, d_query_logits=grads[0], d_key_logits=grads[1],
+            d_window_queries=grads[2], d_window_keys=grads[3], d_values=grads[4])
+        if vapor:
+            add(f"macchiato/{name}", angles=inputs[5], d_angles=grads[5])
+
     linear_golden.write_header(
         arrays, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gradient_golden.hpp"),
         generated_by=["// Generated by tests/golden/make_gradient_golden.py (PyTorch autograd, float64,",
                       "// over plain torch transcriptions of each definition; see that script). Do not edit."],
         namespace="latte::test::gradient_golden",
-        constants=[f"// Latte: {LATTE}", f"// Softmax: {SOFTMAX}", f"// Linear: {LINEAR}"])
+        constants=[f"// Latte: {LATTE}", f"// Softmax: {SOFTMAX}", f"// Linear: {LINEAR}",
+                   f"// Macchiato: {MACCHIATO}"])
 
 
 def check_against_numpy(inputs, modules, outputs):

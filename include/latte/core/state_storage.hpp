@@ -174,6 +174,8 @@ class StateStorage {
 
   [[nodiscard]] T* field(std::size_t index) noexcept { return data_[index].data(); }
   [[nodiscard]] const T* field(std::size_t index) const noexcept { return data_[index].data(); }
+  /// Elements of field `index`.
+  [[nodiscard]] std::size_t field_size(std::size_t index) const noexcept { return data_[index].size(); }
 
   /// Throws latte::Error("state") unless this state has `kind` and `sizes`.
   void require_matches(std::string_view kind, const std::vector<StateSize>& sizes) const {

@@ -33,6 +33,7 @@
 #include "latte/core/state_storage.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
+#include "latte/mechanisms/latte_carry_gradients.hpp"
 #include "latte/mechanisms/latte_gradients.hpp"
 #include "latte/mechanisms/latte_state.hpp"
 #include "latte/policies/direction.hpp"
@@ -319,50 +320,19 @@ class LatteAttention {
     if (Tn > 0 && B > 0) {
       if constexpr (Dir::is_causal) {
         const LatteState<T>* initial = states ? states->initial : nullptr;
-        const LatteState<T>* d_final = states ? states->d_final : nullptr;
         const std::int64_t first_position = initial ? initial->position() : 0;
-        auto initial_of = [&](index_t b, index_t h, reference::LatteCarry<T> carry) {
-          if (!initial) return reference::latte_reset<Stab>(carry, L, Dv);
-          const index_t head = b * H + h;
-          std::copy_n(initial->field(0) + head * L, L, carry.running_max);
-          std::copy_n(initial->field(1) + head * L, L, carry.normaliser);
-          std::copy_n(initial->field(2) + head * L * Dv, L * Dv, carry.memory);
-        };
-        // The final state's gradient, re-expressed against the recomputed
-        // running maximum m_T where it differs from d_final's (factor
-        // exp(m_T - m_F): the stored memory is the sum times exp(-m)).
-        std::vector<T> rescaled;  // per (batch, head): L + L * Dv, only where m_F != m_T
-        if (d_final) rescaled.resize(static_cast<std::size_t>(
-                         detail::checked_count<T>("states.d_final", {B, H, carry_size()})));
-        auto final_gradient_of = [&](index_t b, index_t h, const T* m_T) {
-          if (!d_final) return reference::LatteCarryGradient<const T>{nullptr, nullptr};
-          const index_t head = b * H + h;
-          const T* m_F = d_final->field(0) + head * L;
-          const T* normaliser = d_final->field(1) + head * L;
-          const T* memory = d_final->field(2) + head * L * Dv;
-          if (std::equal(m_F, m_F + L, m_T)) return reference::LatteCarryGradient<const T>{normaliser, memory};
-          T* scaled = rescaled.data() + head * carry_size();
-          for (index_t l = 0; l < L; ++l) {
-            detail::require(m_F[l] > -std::numeric_limits<T>::infinity() ||
-                                m_T[l] == -std::numeric_limits<T>::infinity(),
-                            "states.d_final",
-                            "running_max must be the final state's (copy the state the forward "
-                            "left, then fill normaliser and memory): latent " + std::to_string(l) +
-                                " of (batch " + std::to_string(b) + ", head " + std::to_string(h) +
-                                ") has -inf where the final state's is finite");
-            const T factor = m_F[l] == m_T[l] ? T(1) : std::exp(m_T[l] - m_F[l]);
-            scaled[l] = normaliser[l] * factor;
-            for (index_t d = 0; d < Dv; ++d) scaled[L + l * Dv + d] = memory[l * Dv + d] * factor;
-          }
-          return reference::LatteCarryGradient<const T>{scaled, scaled + L};
-        };
         LatteState<T>* d_initial = states ? states->d_initial : nullptr;
         if (d_initial) *d_initial = initial ? *initial : make_state<T>(B);
+        detail::LatteCarryHooks<Stab, T, LatteState<T>> hooks(
+            initial, states ? states->d_final : nullptr, d_initial, B, H, L, Dv);
+        auto initial_of = [&](index_t b, index_t h, reference::LatteCarry<T> carry) {
+          hooks.initial_of(b, h, carry);
+        };
+        auto final_gradient_of = [&](index_t b, index_t h, const T* m_T) {
+          return hooks.final_gradient_of(b, h, m_T);
+        };
         auto initial_gradient_of = [&](index_t b, index_t h) {
-          if (!d_initial) return reference::LatteCarryGradient<T>{nullptr, nullptr};
-          const index_t head = b * H + h;
-          return reference::LatteCarryGradient<T>{d_initial->field(1) + head * L,
-                                                  d_initial->field(2) + head * L * Dv};
+          return hooks.initial_gradient_of(b, h);
         };
         if constexpr (std::is_same_v<E, exec::cpu_t>)
           cpu::latte_causal_backward<Stab, Pos>(

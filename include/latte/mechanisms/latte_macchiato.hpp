@@ -49,6 +49,7 @@
 #include "latte/core/state_storage.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
+#include "latte/mechanisms/latte_carry_gradients.hpp"
 #include "latte/mechanisms/macchiato_gradients.hpp"
 #include "latte/mechanisms/macchiato_state.hpp"
 #include "latte/policies/direction.hpp"
@@ -330,32 +331,25 @@ class LatteMacchiato {
   /// the window's backwards, mixed as docs/backward.md derives); extra memory
   /// O(B * T * H * (Dk + Dv)).
   template <exec::Policy E, Real T>
-  void backward(E, InputView<T> query_logits, InputView<T> key_logits,
+  void backward(E e, InputView<T> query_logits, InputView<T> key_logits,
                 InputView<T> window_queries, InputView<T> window_keys, InputView<T> values,
                 InputView<T> d_out, const MacchiatoGradients<T>& gradients) const {
-    static_assert(!std::is_same_v<E, exec::cuda_t> && !exec::cuda_unavailable<E>,
-                  "LatteMacchiato::backward runs on exec::reference and exec::cpu (no CUDA "
-                  "backward yet)");
-    static_assert(exec::implemented<E>, "this execution backend is not implemented yet");
-    validate_backward(query_logits, key_logits, window_queries, window_keys, values, d_out,
-                      gradients);
-    const index_t H = dims_.heads, pairs = dims_.value_dim / 2;
-    std::vector<double> d_angles;  // summed in double: terms grow with the position
-    if (!gradients.d_angles.empty()) d_angles.assign(static_cast<std::size_t>(H * pairs), 0.0);
-    const reference::MacchiatoGradientViews<T> views{
-        gradients.d_query_logits, gradients.d_key_logits, gradients.d_window_queries,
-        gradients.d_window_keys, gradients.d_values};
-    const reference::MacchiatoBackwardSpec spec{dims_.window, scale_, &latent_angles_,
-                                                &key_angles_,
-                                                options_.vapor_scope == VaporScope::all_states};
-    using Parts = std::conditional_t<std::is_same_v<E, exec::cpu_t>, cpu::MacchiatoParts,
-                                     reference::ReferenceMacchiatoParts>;
-    reference::macchiato_backward<Dir::is_causal, Stab, LatentPos, WindowPos, Parts>(
-        query_logits, key_logits, window_queries, window_keys, values, d_out, views, spec,
-        d_angles.empty() ? nullptr : d_angles.data());
-    for (index_t h = 0; h < H && !d_angles.empty(); ++h)
-      for (index_t i = 0; i < pairs; ++i)
-        gradients.d_angles(h, i) += static_cast<T>(d_angles[static_cast<std::size_t>(h * pairs + i)]);
+    run_backward(e, query_logits, key_logits, window_queries, window_keys, values, d_out,
+                 gradients, static_cast<const MacchiatoStateGradients<T>*>(nullptr));
+  }
+
+  /// Causal backward of a forward that continued from `states.initial`, with
+  /// the gradient of the state it left (`states.d_final`); writes the gradient
+  /// of the initial state into `states.d_initial`. Backward over chunks chained
+  /// through these equals the backward over the whole sequence.
+  template <exec::Policy E, Real T>
+    requires(Dir::is_causal)
+  void backward(E e, InputView<T> query_logits, InputView<T> key_logits,
+                InputView<T> window_queries, InputView<T> window_keys, InputView<T> values,
+                InputView<T> d_out, const MacchiatoGradients<T>& gradients,
+                const MacchiatoStateGradients<T>& states) const {
+    run_backward(e, query_logits, key_logits, window_queries, window_keys, values, d_out,
+                 gradients, &states);
   }
 
   // The same calls without an execution tag run on exec::default_t (exec::cpu).
@@ -371,12 +365,125 @@ class LatteMacchiato {
     backward(exec::default_t{}, query_logits, key_logits, window_queries, window_keys, values,
              d_out, gradients);
   }
+  template <Real T>
+    requires(Dir::is_causal)
+  void backward(InputView<T> query_logits, InputView<T> key_logits, InputView<T> window_queries,
+                InputView<T> window_keys, InputView<T> values, InputView<T> d_out,
+                const MacchiatoGradients<T>& gradients,
+                const MacchiatoStateGradients<T>& states) const {
+    backward(exec::default_t{}, query_logits, key_logits, window_queries, window_keys, values,
+             d_out, gradients, states);
+  }
 
  private:
   template <exec::Policy E>
   static void require_host_backend() {
     static_assert(!std::is_same_v<E, exec::cuda_t>,
                   "LatteMacchiato has no exec::cuda kernel yet; use exec::cpu or exec::reference");
+  }
+
+  /// The states a causal backward continues from and gives back (the hooks of
+  /// reference::macchiato_backward, see FreshMacchiatoStates).
+  template <Real T>
+  struct StatesOf {
+    detail::LatteCarryHooks<Stab, T, State<T>> carry;
+    const State<T>* initial;
+    const State<T>* d_final;
+    State<T>* d_initial;
+    std::int64_t first_position;
+    index_t fill;
+    void initial_of(index_t b, index_t h, reference::LatteCarry<T> c) const { carry.initial_of(b, h, c); }
+    reference::LatteCarryGradient<const T> final_gradient_of(index_t b, index_t h, const T* m_T) {
+      return carry.final_gradient_of(b, h, m_T);
+    }
+    reference::LatteCarryGradient<T> initial_gradient_of(index_t b, index_t h) const {
+      return carry.initial_gradient_of(b, h);
+    }
+    reference::RingRows<const T> ring_of(index_t b, index_t h) const { return initial->ring(b, h); }
+    reference::RingRows<const T> final_ring_gradient_of(index_t b, index_t h) const {
+      if (!d_final) return {nullptr, nullptr};
+      return d_final->ring(b, h);
+    }
+    reference::RingRows<T> initial_ring_gradient_of(index_t b, index_t h) const {
+      if (!d_initial) return {nullptr, nullptr};
+      const reference::KVSlots<T> ring = d_initial->ring(b, h);
+      return {ring.keys, ring.values};
+    }
+  };
+
+  template <exec::Policy E, Real T>
+  void run_backward(E, const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
+                    const TensorView<const T, 4>& wq, const TensorView<const T, 4>& wk,
+                    const TensorView<const T, 4>& v, const TensorView<const T, 4>& d_out,
+                    const MacchiatoGradients<T>& gradients,
+                    const MacchiatoStateGradients<T>* states) const {
+    static_assert(!std::is_same_v<E, exec::cuda_t> && !exec::cuda_unavailable<E>,
+                  "LatteMacchiato::backward runs on exec::reference and exec::cpu (no CUDA "
+                  "backward yet)");
+    static_assert(exec::implemented<E>, "this execution backend is not implemented yet");
+    validate_backward(q, k, wq, wk, v, d_out, gradients);
+    const index_t B = q.extent(0), Tn = q.extent(1), H = dims_.heads, L = dims_.latents;
+    const index_t Dv = dims_.value_dim, pairs = Dv / 2;
+    if (states) validate_state_gradients(*states, B, Tn);
+    const State<T>* initial = states ? states->initial : nullptr;
+    const State<T>* d_final = states ? states->d_final : nullptr;
+    State<T>* d_initial = states ? states->d_initial : nullptr;
+    if constexpr (Dir::is_causal) {
+      if (d_initial) {  // the initial state's fields, then its gradient fields zeroed or filled
+        *d_initial = initial ? *initial : make_state<T>(B);
+        for (int field : {1, 2, 3, 4})
+          std::fill_n(d_initial->field(field), d_initial->field_size(field), T(0));
+      }
+    }
+    std::vector<double> d_angles;  // summed in double: terms grow with the position
+    if (!gradients.d_angles.empty()) d_angles.assign(static_cast<std::size_t>(H * pairs), 0.0);
+    const reference::MacchiatoGradientViews<T> views{
+        gradients.d_query_logits, gradients.d_key_logits, gradients.d_window_queries,
+        gradients.d_window_keys, gradients.d_values};
+    const reference::MacchiatoBackwardSpec spec{
+        dims_.window, dims_.window + 1, scale_, &latent_angles_, &key_angles_,
+        options_.vapor_scope == VaporScope::all_states};
+    using Parts = std::conditional_t<std::is_same_v<E, exec::cpu_t>, cpu::MacchiatoParts,
+                                     reference::ReferenceMacchiatoParts>;
+    double* angles_out = d_angles.empty() ? nullptr : d_angles.data();
+    if (B > 0 && Tn > 0) {
+      if constexpr (Dir::is_causal) {
+        StatesOf<T> hooks{{initial, d_final, d_initial, B, H, L, Dv},
+                          initial, d_final, d_initial,
+                          initial ? initial->position() : 0, initial ? initial->window_fill() : 0};
+        reference::macchiato_backward<true, Stab, LatentPos, WindowPos, Parts>(
+            q, k, wq, wk, v, d_out, views, spec, angles_out, hooks);
+      } else {
+        reference::FreshMacchiatoStates<Stab, T> fresh{L, Dv, dims_.window + 1};
+        reference::macchiato_backward<false, Stab, LatentPos, WindowPos, Parts>(
+            q, k, wq, wk, v, d_out, views, spec, angles_out, fresh);
+      }
+    } else if (d_initial && d_final) {  // no token: the initial state's gradient is d_final's
+      for (int field : {1, 2, 3, 4})
+        std::copy_n(d_final->field(field), d_final->field_size(field), d_initial->field(field));
+    }
+    for (index_t h = 0; h < H && !d_angles.empty(); ++h)
+      for (index_t i = 0; i < pairs; ++i)
+        gradients.d_angles(h, i) += static_cast<T>(d_angles[static_cast<std::size_t>(h * pairs + i)]);
+  }
+
+  template <Real T>
+  void validate_state_gradients(const MacchiatoStateGradients<T>& states, index_t batch,
+                                index_t tokens) const {
+    const MacchiatoDims& d = dims_;
+    const auto sizes = State<T>::sizes_for(batch, d.heads, d.latents, d.key_dim, d.value_dim, d.window);
+    auto check = [&](const State<T>* state, const char* name) {
+      if (state) state->require_kind_and_sizes(kind<T>(), sizes, name);
+    };
+    check(states.initial, "states.initial");
+    check(states.d_final, "states.d_final");
+    if (states.initial) {
+      states.initial->require_room(tokens);
+      validate_state(*states.initial, batch, tokens);
+    }
+    detail::require(states.d_initial == nullptr ||
+                        (states.d_initial != states.initial && states.d_initial != states.d_final),
+                    "states.d_initial", "must be a state of its own (not initial nor d_final)");
   }
 
   [[nodiscard]] cpu::MacchiatoWindowSpec window_spec() const noexcept {

@@ -83,6 +83,11 @@ class MacchiatoState final : public StateStorage<T> {
     return {this->field(3) + head * capacity() * key_dim(),
             this->field(4) + head * capacity() * value_dim()};
   }
+  [[nodiscard]] reference::RingRows<const T> ring(index_t b, index_t h) const noexcept {
+    const index_t head = b * heads() + h;
+    return {this->field(3) + head * capacity() * key_dim(),
+            this->field(4) + head * capacity() * value_dim()};
+  }
 
   /// Ring slots holding tokens (0..w + 1, at most the position), or -1 when
   /// the stored count is not such an integer (a state corrupted through

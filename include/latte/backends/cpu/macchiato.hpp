@@ -297,22 +297,28 @@ struct MacchiatoParts {
   static void for_heads(index_t count, Body&& body) {
     parallel_for(count, thread_count(), [&](index_t i, int) { body(i); });
   }
-  template <bool Causal, Stabilizer Stab, Positional Pos, Real T>
+  /// Row t (`stride` apart, t < count) turned by R^{first + t} (`forward`) or
+  /// R^{-(first + t)}, the angles stepped from `first` (rotation.hpp).
+  template <Positional, Real T>
+  static void rotate_rows(T* row, index_t stride, index_t count, index_t D, const double* theta,
+                          bool forward, std::int64_t first) {
+    RotationStepper<T> rotation(D / 2);
+    rotation.seek(theta, first);
+    for (index_t t = 0; t < count; ++t, rotation.next()) rotation.rotate(row + t * stride, forward);
+  }
+  template <bool Causal, Stabilizer Stab, Positional Pos, Real T, class States>
   static void latte_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
                              TensorView<const T, 4> v, TensorView<const T, 4> g,
                              TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,
                              const std::vector<double>& angles, double* d_angles,
-                             TensorView<T, 3> read_dots) {
+                             TensorView<T, 3> read_dots, States& states) {
     using reference::LatteCarry;
-    using reference::LatteCarryGradient;
     if constexpr (Causal)
       latte_causal_backward<Stab, Pos>(
-          q, k, v, g, dq, dk, dv, angles, 0,
-          [&](index_t, index_t, LatteCarry<T> carry) {
-            reference::latte_reset<Stab>(carry, k.extent(3), v.extent(3));
-          },
-          [](index_t, index_t, const T*) { return LatteCarryGradient<const T>{nullptr, nullptr}; },
-          [](index_t, index_t) { return LatteCarryGradient<T>{nullptr, nullptr}; }, d_angles,
+          q, k, v, g, dq, dk, dv, angles, states.first_position,
+          [&](index_t b, index_t h, LatteCarry<T> carry) { states.initial_of(b, h, carry); },
+          [&](index_t b, index_t h, const T* m_T) { return states.final_gradient_of(b, h, m_T); },
+          [&](index_t b, index_t h) { return states.initial_gradient_of(b, h); }, d_angles,
           read_dots);
     else
       latte_bidirectional_backward<Stab, Pos>(q, k, v, g, dq, dk, dv, angles, d_angles, read_dots);

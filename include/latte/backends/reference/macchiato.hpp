@@ -241,6 +241,7 @@ struct MacchiatoGradientViews {
 /// What a Macchiato backward needs besides the tensors.
 struct MacchiatoBackwardSpec {
   index_t window;                            ///< w
+  index_t window_slots;                      ///< w + 1: a state's ring slots
   double scale;                              ///< of q' . k'
   const std::vector<double>* latent_angles;  ///< VAPOR [H * Dv/2] (empty: none)
   const std::vector<double>* key_angles;     ///< RoPE [H * Dk/2] (empty: none)
@@ -271,138 +272,239 @@ void macchiato_query_gradient(const T* q, index_t L, T X, T Y, T* dq) noexcept {
     dq[l] += std::exp(q[l] - latent_max) / latent_sum * X - std::exp(q[l] - all_max) / all_sum * total;
 }
 
-/// Latte Macchiato's backward over a whole [B, T, H, *] sequence from a fresh
-/// state (see above). `d_angles` [H * (Dv/2)] doubles, accumulated, or null.
+/// One (batch, head)'s window ring in a backward: keys [w + 1, Dk], values
+/// [w + 1, Dv], token s in slot s % (w + 1), as the window reads them.
+template <class T>
+struct RingRows {
+  T* keys;
+  T* values;
+};
+
+/// What a causal Macchiato backward continues from and gives back of the
+/// states. This one is a fresh start at position 0 with nothing asked for;
+/// LatteMacchiato::backward passes its own for MacchiatoStateGradients. The
+/// carry hooks are latte_causal_backward's; `fill` ring slots before
+/// `first_position` hold tokens (ring_of), `final_ring_gradient_of` gives the
+/// gradient of the final state's ring (null: zero) and
+/// `initial_ring_gradient_of` where the initial ring's goes (null: not asked;
+/// the caller zeroed it).
+template <Stabilizer Stab, Real T>
+struct FreshMacchiatoStates {
+  index_t latents, value_dim, capacity;
+  std::int64_t first_position = 0;
+  index_t fill = 0;
+  void initial_of(index_t, index_t, LatteCarry<T> carry) const {
+    latte_reset<Stab>(carry, latents, value_dim);
+  }
+  LatteCarryGradient<const T> final_gradient_of(index_t, index_t, const T*) const {
+    return {nullptr, nullptr};
+  }
+  LatteCarryGradient<T> initial_gradient_of(index_t, index_t) const { return {nullptr, nullptr}; }
+  RingRows<const T> ring_of(index_t, index_t) const { return {nullptr, nullptr}; }
+  RingRows<const T> final_ring_gradient_of(index_t, index_t) const { return {nullptr, nullptr}; }
+  RingRows<T> initial_ring_gradient_of(index_t, index_t) const { return {nullptr, nullptr}; }
+};
+
+/// Latte Macchiato's backward over a [B, T, H, *] sequence (see above); the
+/// causal one continues from `states` (the window part then runs over the
+/// ring's last min(fill, w) tokens and the sequence, the ring's rows taking
+/// no query). `d_angles` [H * (Dv/2)] doubles, accumulated, or null.
 template <bool Causal, Stabilizer Stab, Positional LatentPos, Positional WindowPos, class Parts,
-          Real T>
+          Real T, class States>
 void macchiato_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
                         TensorView<const T, 4> wq, TensorView<const T, 4> wk,
                         TensorView<const T, 4> v, TensorView<const T, 4> g,
                         const MacchiatoGradientViews<T>& gradients,
-                        const MacchiatoBackwardSpec& spec, double* d_angles) {
+                        const MacchiatoBackwardSpec& spec, double* d_angles, States& states) {
   const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), L = k.extent(3);
   const index_t Dk = wq.extent(3), Dv = v.extent(3), heads = B * H;
   if (B == 0 || Tn == 0 || H == 0) return;
   constexpr bool rope = WindowPos::rotates_queries_keys;
   const bool vapor_window = LatentPos::rotates_values && spec.rotate_window_values;
+  const std::int64_t P = Causal ? states.first_position : 0;
+  // The ring tokens the sequence's windows reach: positions P - pre .. P - 1.
+  const index_t pre = Causal ? std::min(states.fill, spec.window) : 0;
+  const index_t Tx = detail::checked_sum("query_logits", {pre, Tn});  // the window part's rows
   const auto size = [](index_t count) { return static_cast<std::size_t>(count); };
   const index_t tokens = detail::checked_count<T>("query_logits", {B, Tn, H});
-  const index_t value_rows = detail::checked_count<T>("values", {tokens, Dv});
-  // Per token a_t, s_t, X_t, Y_t; the parts' d_out; the window's value gradient.
-  std::vector<T> shares(size(2 * tokens)), dots(size(2 * tokens));
+  const index_t rows = detail::checked_count<T>("query_logits", {B, Tx, H});
+  const index_t value_rows = detail::checked_count<T>("values", {rows, Dv});
+  // Per token a_t, s_t, X_t, Y_t (Y over the window part's rows); the parts' d_out.
+  std::vector<T> shares(size(2 * tokens)), dots(size(tokens + rows));
   std::vector<T> upstream(size(value_rows)), window_d_values(size(value_rows));
-  auto dense = [&](T* data, index_t D) { return TensorView<T, 4>(data, {B, Tn, H, D}); };
-  auto token = [&](index_t b, index_t t, index_t h) { return (b * Tn + t) * H + h; };
+  auto dense = [&](T* data, index_t count, index_t D) {
+    return TensorView<T, 4>(data, {B, count, H, D});
+  };
   const TensorView<T, 3> latent_dots(dots.data(), {B, Tn, H});
-  const TensorView<T, 3> window_dots(dots.data() + tokens, {B, Tn, H});
+  const TensorView<T, 3> window_dots(dots.data() + tokens, {B, Tx, H});
   auto theta_of = [&](const std::vector<double>* angles, index_t h, index_t D) {
     return angles->empty() ? nullptr : angles->data() + h * (D / 2);
   };
 
   // The latent part: Latte on the logits 1..L with d_out s_t g_t.
+  const TensorView<T, 4> latent_upstream = dense(upstream.data(), Tn, Dv);
   Parts::for_heads(heads, [&](index_t i) {
     const index_t b = i / H, h = i % H;
     for (index_t t = 0; t < Tn; ++t) {
       const MixtureShares<T> share = macchiato_shares(q.row(b, t, h), L);
-      shares[size(2 * token(b, t, h))] = share.local;
-      shares[size(2 * token(b, t, h) + 1)] = share.latent;
+      const index_t at = (b * Tn + t) * H + h;
+      shares[size(2 * at)] = share.local;
+      shares[size(2 * at + 1)] = share.latent;
       const T* gt = g.row(b, t, h);
-      T* out = upstream.data() + token(b, t, h) * Dv;
+      T* out = latent_upstream.row(b, t, h);
       for (index_t d = 0; d < Dv; ++d) out[d] = share.latent * gt[d];
     }
   });
+  auto share_of = [&](index_t b, index_t t, index_t h) { return shares[size(2 * ((b * Tn + t) * H + h))]; };
   Parts::template latte_backward<Causal, Stab, LatentPos>(
-      latent_logits(q), k, v, TensorView<const T, 4>(dense(upstream.data(), Dv)),
+      latent_logits(q), k, v, TensorView<const T, 4>(latent_upstream),
       latent_logits(gradients.d_query_logits), gradients.d_key_logits, gradients.d_values,
-      *spec.latent_angles, d_angles, latent_dots);
+      *spec.latent_angles, d_angles, latent_dots, states);
 
-  // The window part: softmax over W(t) with d_out a_t g_t, on rotated copies
-  // where the window rotates (R^t q'_t, R^s k'_s; R^{-s} v_s and R^{-t} g_t).
-  std::vector<T> rotated_queries(rope ? size(tokens * Dk) : 0), rotated_keys(rotated_queries.size());
-  std::vector<T> rotated_values(vapor_window ? size(value_rows) : 0);
+  // The window part: softmax over W(t) with d_out a_t g_t, over Tx rows (the
+  // ring's last `pre` tokens, which take no query, then the sequence), on
+  // copies where the window rotates (R^t q'_t, R^s k'_s; R^{-s} v_s and R^{-t} g_t)
+  // or a ring comes first; else on the inputs and into the gradients themselves.
+  const bool copy_keys = rope || pre > 0, copy_values = vapor_window || pre > 0;
+  const index_t key_rows = detail::checked_count<T>("window_keys", {rows, Dk});
+  std::vector<T> key_buffers(copy_keys ? size(4 * key_rows) : 0);
+  std::vector<T> value_buffer(copy_values ? size(value_rows) : 0);
+  const TensorView<T, 4> Xq = copy_keys ? dense(key_buffers.data(), Tx, Dk) : TensorView<T, 4>{};
+  const TensorView<T, 4> Xk = copy_keys ? dense(key_buffers.data() + key_rows, Tx, Dk) : TensorView<T, 4>{};
+  const TensorView<T, 4> dXq = copy_keys ? dense(key_buffers.data() + 2 * key_rows, Tx, Dk)
+                                         : gradients.d_window_queries;
+  const TensorView<T, 4> dXk = copy_keys ? dense(key_buffers.data() + 3 * key_rows, Tx, Dk)
+                                         : gradients.d_window_keys;
+  const TensorView<T, 4> Xv = copy_values ? dense(value_buffer.data(), Tx, Dv) : TensorView<T, 4>{};
+  const TensorView<T, 4> Xg = dense(upstream.data(), Tx, Dv);
+  const TensorView<T, 4> dXv = dense(window_d_values.data(), Tx, Dv);
   Parts::for_heads(heads, [&](index_t i) {
     const index_t b = i / H, h = i % H;
-    const double* key_theta = theta_of(spec.key_angles, h, Dk);
-    const double* value_theta = theta_of(spec.latent_angles, h, Dv);
-    for (index_t t = 0; t < Tn; ++t) {
-      const index_t at = token(b, t, h);
-      const std::int64_t position = t;
-      if constexpr (rope) {
-        std::copy_n(wq.row(b, t, h), Dk, rotated_queries.data() + at * Dk);
-        std::copy_n(wk.row(b, t, h), Dk, rotated_keys.data() + at * Dk);
-        WindowPos::rotate(rotated_queries.data() + at * Dk, Dk, key_theta, position);
-        WindowPos::rotate(rotated_keys.data() + at * Dk, Dk, key_theta, position);
-      }
-      T* out = upstream.data() + at * Dv;
+    const RingRows<const T> ring = pre > 0 ? states.ring_of(b, h) : RingRows<const T>{nullptr, nullptr};
+    for (index_t j = 0; j < pre; ++j) {  // ring token P - pre + j, as stored; no query, no d_out
+      const index_t slot = static_cast<index_t>((P - pre + j) % spec.window_slots);
+      std::copy_n(ring.keys + slot * Dk, Dk, Xk.row(b, j, h));
+      std::copy_n(ring.values + slot * Dv, Dv, Xv.row(b, j, h));
+      std::fill_n(Xq.row(b, j, h), Dk, T(0));
+      std::fill_n(Xg.row(b, j, h), Dv, T(0));
+    }
+    for (index_t t = 0; t < Tn; ++t) {  // Xg reuses latent_upstream's buffer: Latte is done
       const T* gt = g.row(b, t, h);
-      const T local = shares[size(2 * at)];
+      T* out = Xg.row(b, pre + t, h);
+      const T local = share_of(b, t, h);
       for (index_t d = 0; d < Dv; ++d) out[d] = local * gt[d];
-      if constexpr (LatentPos::rotates_values) {
-        if (vapor_window) {
-          LatentPos::rotate(out, Dv, value_theta, -position);
-          std::copy_n(v.row(b, t, h), Dv, rotated_values.data() + at * Dv);
-          LatentPos::rotate(rotated_values.data() + at * Dv, Dv, value_theta, -position);
-        }
-      } else {
-        (void)value_theta;
+      if (copy_keys) {
+        std::copy_n(wq.row(b, t, h), Dk, Xq.row(b, pre + t, h));
+        std::copy_n(wk.row(b, t, h), Dk, Xk.row(b, pre + t, h));
+      }
+      if (copy_values) std::copy_n(v.row(b, t, h), Dv, Xv.row(b, pre + t, h));
+    }
+    if constexpr (rope) {  // R^t q'_t, R^s k'_s at absolute positions
+      const double* key_theta = theta_of(spec.key_angles, h, Dk);
+      for (const TensorView<T, 4>& x : {Xq, Xk})
+        Parts::template rotate_rows<WindowPos>(x.row(b, pre, h), x.stride(1), Tn, Dk, key_theta,
+                                               true, P);
+    }
+    if constexpr (LatentPos::rotates_values) {
+      if (vapor_window) {  // R^{-t} (a_t g_t), R^{-s} v_s
+        const double* value_theta = theta_of(spec.latent_angles, h, Dv);
+        for (const TensorView<T, 4>& x : {Xg, Xv})
+          Parts::template rotate_rows<LatentPos>(x.row(b, pre, h), x.stride(1), Tn, Dv,
+                                                 value_theta, false, P);
       }
     }
   });
-  const TensorView<const T, 4> window_queries =
-      rope ? TensorView<const T, 4>(dense(rotated_queries.data(), Dk)) : wq;
-  const TensorView<const T, 4> window_keys =
-      rope ? TensorView<const T, 4>(dense(rotated_keys.data(), Dk)) : wk;
-  const TensorView<const T, 4> window_values =
-      vapor_window ? TensorView<const T, 4>(dense(rotated_values.data(), Dv)) : v;
+  const TensorView<const T, 4> window_queries = copy_keys ? TensorView<const T, 4>(Xq) : wq;
+  const TensorView<const T, 4> window_keys = copy_keys ? TensorView<const T, 4>(Xk) : wk;
+  const TensorView<const T, 4> window_values = copy_values ? TensorView<const T, 4>(Xv) : v;
   const SlidingWindow band{spec.window, Causal ? 0 : spec.window};
   const T scale = static_cast<T>(spec.scale);
-  Parts::template softmax_backward<Causal>(
-      window_queries, window_keys, window_values, TensorView<const T, 4>(dense(upstream.data(), Dv)),
-      gradients.d_window_queries, gradients.d_window_keys, dense(window_d_values.data(), Dv), scale,
-      band, window_dots);
+  Parts::template softmax_backward<Causal>(window_queries, window_keys, window_values,
+                                           TensorView<const T, 4>(Xg), dXq, dXk, dXv, scale, band,
+                                           window_dots);
+  const index_t final_count = std::min(Tx, spec.window_slots);  // the final ring's tokens
   if constexpr (LatentPos::rotates_values) {
     if (vapor_window && d_angles) {
-      // The window part's angle terms (DESIGN §3.6, VAPOR): with w~_t the
-      // unrotated window read, sum_t t <a_t g~_t, J w~_t> - sum_s s <dv~_s, J v~_s>.
+      // The window part's angle terms (DESIGN §3.6, VAPOR), positions counted
+      // from the first token as in Latte's backward (fp32 at 1e7 keeps its
+      // digits): with w~_t the unrotated window read, sum_t t <a_t g~_t, J w~_t>
+      // - sum_s s <dv~_s, J v~_s> over the sequence; moving the origin to P adds
+      // P <dv~_j, J v~_j> for the ring's rows and -P <dv~_s, J v~_s> for the
+      // final ring's gradient (the previous call's tokens are its own).
       std::vector<T> reads(size(value_rows));
-      Parts::template softmax_forward<Causal>(window_queries, window_keys, window_values,
-                                              dense(reads.data(), Dv), scale, band);
+      const TensorView<T, 4> read = dense(reads.data(), Tx, Dv);
+      Parts::template softmax_forward<Causal>(window_queries, window_keys, window_values, read,
+                                              scale, band);
       for (index_t b = 0; b < B; ++b)
-        for (index_t h = 0; h < H; ++h)
+        for (index_t h = 0; h < H; ++h) {
+          double* d_theta = d_angles + h * (Dv / 2);
           for (index_t t = 0; t < Tn; ++t) {
-            const index_t at = token(b, t, h);
-            double* d_theta = d_angles + h * (Dv / 2);
-            accumulate_angle_gradient(d_theta, Dv, upstream.data() + at * Dv,
-                                      reads.data() + at * Dv, t);
-            accumulate_angle_gradient(d_theta, Dv, window_d_values.data() + at * Dv,
-                                      rotated_values.data() + at * Dv, -t);
+            accumulate_angle_gradient(d_theta, Dv, Xg.row(b, pre + t, h), read.row(b, pre + t, h), t);
+            accumulate_angle_gradient(d_theta, Dv, dXv.row(b, pre + t, h),
+                                      window_values.row(b, pre + t, h), -t);
           }
+          if constexpr (Causal) {
+            for (index_t j = 0; j < pre; ++j)
+              accumulate_angle_gradient(d_theta, Dv, dXv.row(b, j, h), window_values.row(b, j, h), P);
+            const RingRows<const T> d_ring = states.final_ring_gradient_of(b, h);
+            if (d_ring.values != nullptr)
+              for (index_t j = std::max(pre, Tx - final_count); j < Tx; ++j) {
+                const index_t slot = static_cast<index_t>((P - pre + j) % spec.window_slots);
+                accumulate_angle_gradient(d_theta, Dv, d_ring.values + slot * Dv,
+                                          window_values.row(b, j, h), -(P + j - pre));
+              }
+          }
+        }
     }
   }
-
-  // Everything back to the inputs' frames, and the query logits' gradient.
+  // The final ring's gradient: its min(fill + T, w + 1) tokens, in the window's frame.
+  if constexpr (Causal) {
+    Parts::for_heads(heads, [&](index_t i) {
+      const index_t b = i / H, h = i % H;
+      const RingRows<const T> d_ring = states.final_ring_gradient_of(b, h);
+      if (d_ring.keys == nullptr) return;
+      for (index_t j = Tx - final_count; j < Tx; ++j) {
+        const index_t slot = static_cast<index_t>((P - pre + j) % spec.window_slots);
+        T* dk = dXk.row(b, j, h);
+        T* dv = dXv.row(b, j, h);
+        for (index_t d = 0; d < Dk; ++d) dk[d] += d_ring.keys[slot * Dk + d];
+        for (index_t d = 0; d < Dv; ++d) dv[d] += d_ring.values[slot * Dv + d];
+      }
+    });
+  }
+  // Everything back to the inputs' frames, the ring's rows to the initial
+  // state's gradient, and the query logits' gradient.
   Parts::for_heads(heads, [&](index_t i) {
     const index_t b = i / H, h = i % H;
-    const double* key_theta = theta_of(spec.key_angles, h, Dk);
-    const double* value_theta = theta_of(spec.latent_angles, h, Dv);
+    if constexpr (Causal) {
+      const RingRows<T> d_ring = states.initial_ring_gradient_of(b, h);
+      if (d_ring.keys != nullptr)
+        for (index_t j = 0; j < pre; ++j) {
+          const index_t slot = static_cast<index_t>((P - pre + j) % spec.window_slots);
+          std::copy_n(dXk.row(b, j, h), Dk, d_ring.keys + slot * Dk);
+          std::copy_n(dXv.row(b, j, h), Dv, d_ring.values + slot * Dv);
+        }
+    }
+    if (copy_keys)
+      for (index_t t = 0; t < Tn; ++t) {
+        std::copy_n(dXq.row(b, pre + t, h), Dk, gradients.d_window_queries.row(b, t, h));
+        std::copy_n(dXk.row(b, pre + t, h), Dk, gradients.d_window_keys.row(b, t, h));
+      }
+    if constexpr (rope) {  // dq' = R^{-t} d(R^t q'), dk' likewise
+      const double* key_theta = theta_of(spec.key_angles, h, Dk);
+      for (const TensorView<T, 4>& d : {gradients.d_window_queries, gradients.d_window_keys})
+        Parts::template rotate_rows<WindowPos>(d.row(b, 0, h), d.stride(1), Tn, Dk, key_theta,
+                                               false, P);
+    }
+    if constexpr (LatentPos::rotates_values)
+      if (vapor_window)  // R^s dv~
+        Parts::template rotate_rows<LatentPos>(dXv.row(b, pre, h), dXv.stride(1), Tn, Dv,
+                                               theta_of(spec.latent_angles, h, Dv), true, P);
     for (index_t t = 0; t < Tn; ++t) {
-      const index_t at = token(b, t, h);
-      const std::int64_t position = t;
-      if constexpr (rope) {  // dq' = R^{-t} d(R^t q'), dk' likewise
-        WindowPos::rotate(gradients.d_window_queries.row(b, t, h), Dk, key_theta, -position);
-        WindowPos::rotate(gradients.d_window_keys.row(b, t, h), Dk, key_theta, -position);
-      } else {
-        (void)key_theta;
-      }
-      T* window_dv = window_d_values.data() + at * Dv;
-      if constexpr (LatentPos::rotates_values) {
-        if (vapor_window) LatentPos::rotate(window_dv, Dv, value_theta, position);  // R^s dv~
-      } else {
-        (void)value_theta;
-      }
+      const T* window_dv = dXv.row(b, pre + t, h);
       T* dv = gradients.d_values.row(b, t, h);
       for (index_t d = 0; d < Dv; ++d) dv[d] += window_dv[d];
-      macchiato_query_gradient(q.row(b, t, h), L, latent_dots(b, t, h), window_dots(b, t, h),
+      macchiato_query_gradient(q.row(b, t, h), L, latent_dots(b, t, h), window_dots(b, pre + t, h),
                                gradients.d_query_logits.row(b, t, h));
     }
   });
@@ -414,18 +516,26 @@ struct ReferenceMacchiatoParts {
   static void for_heads(index_t count, Body&& body) {
     for (index_t i = 0; i < count; ++i) body(i);
   }
-  template <bool Causal, Stabilizer Stab, Positional Pos, Real T>
+  /// Row t (`stride` apart, t < count) turned by R^{first + t} (`forward`) or
+  /// R^{-(first + t)}.
+  template <Positional Pos, Real T>
+  static void rotate_rows(T* row, index_t stride, index_t count, index_t D, const double* theta,
+                          bool forward, std::int64_t first) {
+    for (index_t t = 0; t < count; ++t)
+      Pos::rotate(row + t * stride, D, theta, forward ? first + t : -(first + t));
+  }
+  template <bool Causal, Stabilizer Stab, Positional Pos, Real T, class States>
   static void latte_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
                              TensorView<const T, 4> v, TensorView<const T, 4> g,
                              TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,
                              const std::vector<double>& angles, double* d_angles,
-                             TensorView<T, 3> read_dots) {
+                             TensorView<T, 3> read_dots, States& states) {
     if constexpr (Causal)
       latte_causal_backward<Stab, Pos>(
-          q, k, v, g, dq, dk, dv, angles, 0,
-          [&](index_t, index_t, LatteCarry<T> carry) { latte_reset<Stab>(carry, k.extent(3), v.extent(3)); },
-          [](index_t, index_t, const T*) { return LatteCarryGradient<const T>{nullptr, nullptr}; },
-          [](index_t, index_t) { return LatteCarryGradient<T>{nullptr, nullptr}; }, d_angles,
+          q, k, v, g, dq, dk, dv, angles, states.first_position,
+          [&](index_t b, index_t h, LatteCarry<T> carry) { states.initial_of(b, h, carry); },
+          [&](index_t b, index_t h, const T* m_T) { return states.final_gradient_of(b, h, m_T); },
+          [&](index_t b, index_t h) { return states.initial_gradient_of(b, h); }, d_angles,
           read_dots);
     else
       latte_bidirectional_backward<Stab, Pos>(q, k, v, g, dq, dk, dv, angles, d_angles, read_dots);
