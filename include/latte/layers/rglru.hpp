@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -79,13 +80,7 @@ struct RGLRU {
 
   template <Real T>
   static void validate(const Weights<T>& weights, index_t channels) {
-    detail::check_shape(weights.recurrence_gate.view(), "mixer.recurrence_gate",
-                        {channels, channels}, "[C, C]");
-    detail::check_shape(weights.recurrence_bias.view(), "mixer.recurrence_bias", {channels}, "[C]");
-    detail::check_shape(weights.input_gate.view(), "mixer.input_gate", {channels, channels},
-                        "[C, C]");
-    detail::check_shape(weights.input_bias.view(), "mixer.input_bias", {channels}, "[C]");
-    detail::check_shape(weights.lambda.view(), "mixer.lambda", {channels}, "[C]");
+    validate_named(weights, channels, "mixer");
     detail::require(std::isfinite(weights.c) && weights.c > 0, "mixer.c",
                     detail::expected_given("c", "finite and > 0", weights.c));
   }
@@ -119,6 +114,76 @@ struct RGLRU {
     }
   }
 
+  /// Gradients of a loss whose gradient with respect to y = forward(x) (from
+  /// h_{-1} = 0) is d_y [B, T, C]: d_x overwritten, and when `d_weights` is given
+  /// its gate weights, biases and lambda accumulated (+=; c is a constant). The
+  /// forward is recomputed (h_t kept, T x C per sequence), then the reverse scan
+  /// with g_t = d_y_t + a_{t+1} g_{t+1}:
+  ///   dlog a_t = g_t (a_t h_{t-1} - a_t^2 (i_t x_t) / sqrt(1 - a_t^2)),
+  ///   d(i_t x_t) = g_t sqrt(1 - a_t^2),  dr_t = -c softplus(Lambda) dlog a_t,
+  ///   dLambda += -c r_t sigmoid(Lambda) dlog a_t, and the gates' pre-activations
+  ///   through sigmoid' = s (1 - s) into x, W and b (GEMMs).
+  /// At a_t = 1 (r_t softplus(Lambda) = 0) sqrt(1 - a^2) has no derivative; a
+  /// finite input never gets there.
+  template <Real T>
+  static void backward(const Weights<T>& weights, TensorView<const T, 3> x,
+                       TensorView<const T, 3> d_y, TensorView<T, 3> d_x,
+                       std::type_identity_t<Weights<T>>* d_weights) {
+    const index_t B = x.extent(0), Tn = x.extent(1), C = x.extent(2);
+    detail::check_shape(d_y, "d_y", x.extents(), "[B, T, C]");
+    detail::check_shape(d_x, "d_x", x.extents(), "[B, T, C]");
+    detail::check_output(d_x, "d_x", detail::named(x, "x"), detail::named(d_y, "d_y"));
+    if (d_weights) validate_named(*d_weights, C, "d_mixer");
+    if (B == 0 || Tn == 0) return;
+    Matrix<T> gate_r(Tn, C), gate_i(Tn, C), hidden(Tn, C),
+        d_gate_r(Tn, C), d_gate_i(Tn, C);  // the gates' pre-activation gradients
+    std::vector<T> carry(static_cast<std::size_t>(C)), h(static_cast<std::size_t>(C));
+    const T c_const = static_cast<T>(weights.c);
+    const ConstWeight<T> W_a(weights.recurrence_gate.data(), C, C);
+    const ConstWeight<T> W_x(weights.input_gate.data(), C, C);
+    for (index_t b = 0; b < B; ++b) {
+      const ConstRows<T> X(x.row(b, index_t{0}), Tn, C, Eigen::OuterStride<>(x.stride(1)));
+      gates(weights, X, gate_r, gate_i);
+      std::fill(h.begin(), h.end(), T(0));
+      for (index_t t = 0; t < Tn; ++t)
+        recur(weights, &gate_r(t, 0), &gate_i(t, 0), x.row(b, t), h.data(), &hidden(t, 0), C);
+      std::fill(carry.begin(), carry.end(), T(0));
+      for (index_t t = Tn; t-- > 0;) {
+        const T* xt = x.row(b, t);
+        const T* gy = d_y.row(b, t);
+        T* dx = d_x.row(b, t);
+        for (index_t c = 0; c < C; ++c) {
+          const T r = sigmoid(gate_r(t, c)), i = sigmoid(gate_i(t, c));
+          const T softplus_lambda = softplus(weights.lambda(c));
+          const T log_a = -c_const * r * softplus_lambda;
+          const T a = std::exp(log_a);
+          const T multiplier = std::sqrt(-std::expm1(T(2) * log_a));
+          const T g = gy[c] + carry[static_cast<std::size_t>(c)];
+          const T h_before = t > 0 ? hidden(t - 1, c) : T(0);
+          const T input = i * xt[c];
+          const T d_log_a = g * (a * h_before - a * a * input / multiplier);
+          const T d_input = g * multiplier;
+          dx[c] = d_input * i;
+          d_gate_i(t, c) = d_input * xt[c] * i * (T(1) - i);
+          d_gate_r(t, c) = -c_const * softplus_lambda * d_log_a * r * (T(1) - r);
+          if (d_weights)
+            d_weights->lambda(c) += -c_const * r * sigmoid(weights.lambda(c)) * d_log_a;
+          carry[static_cast<std::size_t>(c)] = a * g;
+        }
+      }
+      Rows<T> DX(d_x.row(b, index_t{0}), Tn, C, Eigen::OuterStride<>(d_x.stride(1)));
+      DX.noalias() += d_gate_r * W_a.transpose();
+      DX.noalias() += d_gate_i * W_x.transpose();
+      if (!d_weights) continue;
+      Eigen::Map<Matrix<T>>(d_weights->recurrence_gate.data(), C, C).noalias() += X.transpose() * d_gate_r;
+      Eigen::Map<Matrix<T>>(d_weights->input_gate.data(), C, C).noalias() += X.transpose() * d_gate_i;
+      Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>>(d_weights->recurrence_bias.data(), C) +=
+          d_gate_r.colwise().sum();
+      Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>>(d_weights->input_bias.data(), C) +=
+          d_gate_i.colwise().sum();
+    }
+  }
+
   /// One token per sequence: x_t, y_t [B, C].
   template <Real T>
   static void step(const Weights<T>& weights, State<T>& state, TensorView<const T, 2> x_t,
@@ -143,6 +208,18 @@ struct RGLRU {
   using ConstRows = Eigen::Map<const Matrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
   template <class T>
   using ConstWeight = Eigen::Map<const Matrix<T>>;
+
+  /// The weights' shapes, named "<prefix>.recurrence_gate", ...
+  template <Real T>
+  static void validate_named(const Weights<T>& weights, index_t channels, const std::string& prefix) {
+    detail::check_shape(weights.recurrence_gate.view(), prefix + ".recurrence_gate",
+                        {channels, channels}, "[C, C]");
+    detail::check_shape(weights.recurrence_bias.view(), prefix + ".recurrence_bias", {channels}, "[C]");
+    detail::check_shape(weights.input_gate.view(), prefix + ".input_gate", {channels, channels},
+                        "[C, C]");
+    detail::check_shape(weights.input_bias.view(), prefix + ".input_bias", {channels}, "[C]");
+    detail::check_shape(weights.lambda.view(), prefix + ".lambda", {channels}, "[C]");
+  }
 
   /// gate_r = x W_a + b_a, gate_i = x W_x + b_x (pre-activation), one GEMM each.
   template <Real T, class In, class Out>

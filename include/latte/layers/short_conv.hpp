@@ -90,6 +90,44 @@ struct ShortConv {
     }
   }
 
+  /// Gradients of a loss whose gradient with respect to y = forward(x) (from a
+  /// zero history) is d_y [B, T, C]: d_x overwritten, and when `d_weights` is
+  /// given its kernel [K, C] and bias [C] accumulated (+=):
+  ///   d_x_{s,c} = sum_i w_{i,c} d_y_{s+i,c},  d_w_{i,c} += sum_t d_y_{t,c} x_{t-i,c},
+  ///   d_b_c += sum_t d_y_{t,c}.
+  template <Real T>
+  static void backward(const Weights<T>& weights, TensorView<const T, 3> x,
+                       TensorView<const T, 3> d_y, TensorView<T, 3> d_x,
+                       std::type_identity_t<Weights<T>>* d_weights) {
+    const index_t B = x.extent(0), Tn = x.extent(1), C = x.extent(2);
+    detail::check_shape(d_y, "d_y", x.extents(), "[B, T, C]");
+    detail::check_shape(d_x, "d_x", x.extents(), "[B, T, C]");
+    detail::check_output(d_x, "d_x", detail::named(x, "x"), detail::named(d_y, "d_y"));
+    if (d_weights) {
+      detail::check_shape(d_weights->kernel.view(), "d_mixer.kernel", {K, C}, "[K, C]");
+      detail::check_shape(d_weights->bias.view(), "d_mixer.bias", {C}, "[C]");
+    }
+    for (index_t b = 0; b < B; ++b)
+      for (index_t s = 0; s < Tn; ++s) {
+        T* out = d_x.row(b, s);
+        std::fill_n(out, C, T(0));
+        for (index_t i = 0; i < K && s + i < Tn; ++i) {
+          const T* g = d_y.row(b, s + i);
+          for (index_t c = 0; c < C; ++c) out[c] += weights.kernel(i, c) * g[c];
+        }
+      }
+    if (!d_weights) return;
+    for (index_t b = 0; b < B; ++b)
+      for (index_t t = 0; t < Tn; ++t) {
+        const T* g = d_y.row(b, t);
+        for (index_t c = 0; c < C; ++c) d_weights->bias(c) += g[c];
+        for (index_t i = 0; i < K && i <= t; ++i) {
+          const T* source = x.row(b, t - i);
+          for (index_t c = 0; c < C; ++c) d_weights->kernel(i, c) += g[c] * source[c];
+        }
+      }
+  }
+
   /// One token: y_t = conv over (history, x_t); the history shifts by one.
   template <Real T>
   static void step(const Weights<T>& weights, State<T>& state, TensorView<const T, 2> x_t,

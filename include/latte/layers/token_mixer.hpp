@@ -9,6 +9,10 @@
 //   forward(weights, x, y, state*)  x, y: [B, T, C]; with a state, starts from its
 //                                   history and leaves it after the last token
 //   step(weights, state, x_t, y_t)  x_t, y_t: [B, C]; O(C) per token
+//   backward(weights, x, d_y, d_x, d_weights*)  (optional, for training) the
+//                                   gradients of y = forward(x) from a zero
+//                                   history: d_x overwritten, d_weights (shaped
+//                                   like Weights) accumulated when not null
 // Mixers are causal: y_t depends on x_s for s <= t only (also under Bidirectional
 // attention, as in the papers' bidirectional models).
 #include <concepts>
@@ -54,6 +58,9 @@ struct NoMixer {
   static void forward(const Weights<T>&, TensorView<const T, 3>, TensorView<T, 3>, State<T>*) {}
   template <Real T>
   static void step(const Weights<T>&, State<T>&, TensorView<const T, 2>, TensorView<T, 2>) {}
+  template <Real T>
+  static void backward(const Weights<T>&, TensorView<const T, 3>, TensorView<const T, 3>,
+                       TensorView<T, 3>, Weights<T>*) {}
 };
 
 }  // namespace latte
