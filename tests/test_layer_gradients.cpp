@@ -1,12 +1,15 @@
-// The token mixers' backward (ShortConv<K>, RGLRU) against the long-double
-// transcriptions of tests/oracles/layer_oracle.hpp: every element of d_x and of
-// every weight gradient by central differences of <d_y, oracle(x, weights)> on
-// small shapes, random directions on larger ones, fp32 and fp64, with weights
-// accumulated (+=) rather than overwritten; bad buffers refused by name.
+// The token mixers' backward (ShortConv<K>, RGLRU) and AttentionLayer::backward
+// against the long-double transcriptions of tests/oracles/layer_oracle.hpp (the
+// layer: mixer, projections, the mechanism's explicit T x T oracle, output
+// projection): every element of d_x and of every weight gradient by central
+// differences of <d_out, oracle(x, weights)> on small shapes, random directions
+// on larger ones, fp32 and fp64, with weights accumulated (+=) rather than
+// overwritten; bad buffers refused by name.
 #include <doctest/doctest.h>
 
 #include <cmath>
 #include <numbers>
+#include <optional>
 #include <random>
 #include <span>
 #include <string>
@@ -14,9 +17,14 @@
 
 #include "expect_error.hpp"
 #include "gradient_check.hpp"
+#include "latte/layers/named_layers.hpp"
 #include "latte/layers/rglru.hpp"
 #include "latte/layers/short_conv.hpp"
+#include "oracles/latte_oracle.hpp"
 #include "oracles/layer_oracle.hpp"
+#include "oracles/linear_oracle.hpp"
+#include "oracles/macchiato_oracle.hpp"
+#include "oracles/softmax_oracle.hpp"
 #include "support.hpp"
 
 namespace {
@@ -184,6 +192,223 @@ void rglru_cases(std::uint64_t seed) {
   }
 }
 
+// ------------------------------------------------------------ AttentionLayer --
+
+struct LayerShape {
+  index_t batch, time, heads, latents, key_dim, value_dim, model_dim, window;
+};
+
+using MatrixLD = Eigen::Matrix<long double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+/// a[b, t, h, d] = sum_j x[b, t, j] W(j, h * width + d), in long double.
+TensorLD<4> project_ld(const TensorLD<3>& x, const MatrixLD& W, index_t heads, index_t width) {
+  const index_t B = x.extent(0), Tn = x.extent(1), C = x.extent(2);
+  TensorLD<4> a({B, Tn, heads, width});
+  for (index_t b = 0; b < B; ++b)
+    for (index_t t = 0; t < Tn; ++t)
+      for (index_t h = 0; h < heads; ++h)
+        for (index_t d = 0; d < width; ++d) {
+          long double sum = 0;
+          for (index_t j = 0; j < C; ++j) sum += x(b, t, j) * W(j, h * width + d);
+          a(b, t, h, d) = sum;
+        }
+  return a;
+}
+
+/// The mechanisms a layer test runs: each builds its attention and evaluates
+/// its explicit oracle on long-double projections.
+template <class Dir>
+struct LatteMechanism {
+  using Attention = LatteAttention<Dir>;
+  static Attention make(const LayerShape& s) { return Attention({s.heads, s.latents, s.value_dim}); }
+  static TensorLD<4> oracle(const LayerShape&, const std::vector<TensorLD<4>>& a) {
+    return latte_oracle(Dir::is_causal, a[0], a[1], a[2]);
+  }
+};
+template <class Dir>
+struct MacchiatoMechanism {
+  using Attention = LatteMacchiato<Dir, RunningMax, NoPositional, RoPE>;
+  static Attention make(const LayerShape& s) {
+    return Attention({s.heads, s.latents, s.key_dim, s.value_dim, s.window});
+  }
+  static TensorLD<4> oracle(const LayerShape& s, const std::vector<TensorLD<4>>& a) {
+    std::vector<long double> key_angles;  // the RoPE schedule base^(-2i/Dk), from its definition
+    for (index_t h = 0; h < s.heads; ++h)
+      for (index_t i = 0; i < s.key_dim / 2; ++i)
+        key_angles.push_back(std::pow(10000.0L, -2.0L * i / (long double)s.key_dim));
+    const MacchiatoSpec spec{.causal = Dir::is_causal, .window = s.window,
+                             .scale = 1.0L / std::sqrt((long double)s.key_dim)};
+    return macchiato_oracle(spec, a[0], a[1], a[2], a[3], a[4], {}, key_angles);
+  }
+};
+template <class Dir>
+struct SoftmaxMechanism {
+  using Attention = SoftmaxAttention<Dir>;
+  static Attention make(const LayerShape& s) { return Attention({s.heads, s.key_dim, s.value_dim}); }
+  static TensorLD<4> oracle(const LayerShape& s, const std::vector<TensorLD<4>>& a) {
+    return softmax_oracle(MaskSpec{.causal = Dir::is_causal}, 1.0L / std::sqrt((long double)s.key_dim),
+                          a[0], a[1], a[2]);
+  }
+};
+template <class Dir>
+struct LinearMechanism {
+  using Attention = LinearAttention<Dir, EluPlusOne>;
+  static Attention make(const LayerShape& s) { return Attention({s.heads, s.key_dim, s.value_dim}); }
+  static TensorLD<4> oracle(const LayerShape&, const std::vector<TensorLD<4>>& a) {
+    return linear_oracle(LinearOracleSpec{.causal = Dir::is_causal, .feature = oracle_elu_plus_one},
+                         a[0], a[1], a[2]);
+  }
+};
+
+template <class T, class Mixer>
+typename Mixer::template Weights<T> random_mixer(Rng& rng, index_t C) {
+  if constexpr (std::is_same_v<Mixer, NoMixer>) {
+    return {};
+  } else if constexpr (std::is_same_v<Mixer, RGLRU>) {
+    return {random_tensor<T, 2>(rng, {C, C}, 1.0 / std::sqrt(double(C))), random_tensor<T, 1>(rng, {C}, 0.5),
+            random_tensor<T, 2>(rng, {C, C}, 1.0 / std::sqrt(double(C))), random_tensor<T, 1>(rng, {C}, 0.5),
+            uniform_tensor<T, 1>(rng, {C}, -4.0, 2.0)};
+  } else {
+    return {random_tensor<T, 2>(rng, {Mixer::taps, C}, 0.6), random_tensor<T, 1>(rng, {C}, 0.1)};
+  }
+}
+
+/// The mixer's weights as long-double vectors, in the order of its gradients.
+template <class Mixer, class T>
+std::vector<std::vector<long double>> mixer_parameters(const typename Mixer::template Weights<T>& w) {
+  if constexpr (std::is_same_v<Mixer, NoMixer>)
+    return {};
+  else if constexpr (std::is_same_v<Mixer, RGLRU>)
+    return {long_doubles(w.recurrence_gate), long_doubles(w.recurrence_bias), long_doubles(w.input_gate),
+            long_doubles(w.input_bias), long_doubles(w.lambda)};
+  else
+    return {long_doubles(w.kernel), long_doubles(w.bias)};
+}
+template <class Mixer, class T>
+std::vector<std::span<const T>> mixer_gradients(const typename Mixer::template Weights<T>& w) {
+  if constexpr (std::is_same_v<Mixer, NoMixer>)
+    return {};
+  else if constexpr (std::is_same_v<Mixer, RGLRU>)
+    return {span_of(w.recurrence_gate), span_of(w.recurrence_bias), span_of(w.input_gate),
+            span_of(w.input_bias), span_of(w.lambda)};
+  else
+    return {span_of(w.kernel), span_of(w.bias)};
+}
+
+template <class T, class Mechanism, class Mixer>
+struct LayerProblem {
+  using Layer = AttentionLayer<typename Mechanism::Attention, Mixer, T>;
+  LayerShape shape;
+  std::optional<Layer> layer;
+  Tensor<T, 3> x, d_out, d_x;
+  typename Layer::Weights d_weights;
+
+  LayerProblem(Rng& rng, const LayerShape& s) : shape(s) {
+    const auto attention = Mechanism::make(s);
+    layer.emplace(attention, s.model_dim,
+                  Layer::random_weights(attention, s.model_dim, rng(), random_mixer<T, Mixer>(rng, s.model_dim)));
+    x = random_tensor<T, 3>(rng, {s.batch, s.time, s.model_dim}, 1.0);
+    d_out = random_tensor<T, 3>(rng, {s.batch, s.time, s.model_dim}, 1.0);
+  }
+  template <class E>
+  void run(E e) {
+    d_x = Tensor<T, 3>(x.extents());
+    d_weights = layer->zero_weights();
+    layer->backward(e, x.cview(), d_out.cview(), d_x.view(), &d_weights);
+  }
+  struct Loss {
+    LayerShape shape;
+    TensorLD<3> x, d_out;
+    std::vector<MatrixLD> projections;
+    MatrixLD output;
+    std::vector<std::vector<long double>> mixer;  // the mixer's weights, as mixer_parameters
+    std::vector<LayerInput> layer_inputs;
+    long double c = 8;
+    long double operator()() const {
+      TensorLD<3> y = x;
+      if constexpr (std::is_same_v<Mixer, RGLRU>)
+        y = rglru_oracle({mixer[0], mixer[1], mixer[2], mixer[3], mixer[4], c}, x);
+      else if constexpr (!std::is_same_v<Mixer, NoMixer>) {
+        Tensor<long double, 2> kernel({Mixer::taps, shape.model_dim});
+        Tensor<long double, 1> bias({shape.model_dim});
+        std::copy(mixer[0].begin(), mixer[0].end(), kernel.data());
+        std::copy(mixer[1].begin(), mixer[1].end(), bias.data());
+        y = short_conv_oracle(kernel, bias, x);
+      }
+      std::vector<TensorLD<4>> a;
+      for (std::size_t i = 0; i < layer_inputs.size(); ++i)
+        a.push_back(project_ld(layer_inputs[i].from_mixer && Mixer::mixes ? y : x, projections[i],
+                               shape.heads, layer_inputs[i].width));
+      const TensorLD<3> out = output_oracle(Mechanism::oracle(shape, a), output);
+      long double total = 0;
+      for (index_t i = 0; i < out.size(); ++i) total += d_out.data()[i] * out.data()[i];
+      return total;
+    }
+    GradientInputs inputs() {
+      GradientInputs in{as_input(x)};
+      for (MatrixLD& m : projections) in.emplace_back(m.data(), static_cast<std::size_t>(m.size()));
+      in.emplace_back(output.data(), static_cast<std::size_t>(output.size()));
+      for (auto& w : mixer) in.emplace_back(w);
+      return in;
+    }
+  };
+  Loss loss() const {
+    Loss l{shape, to_long_double(x), to_long_double(d_out), {}, {}, {}, {}, 8};
+    for (const auto& W : layer->weights().projections) l.projections.push_back(W.template cast<long double>());
+    l.output = layer->weights().output.template cast<long double>();
+    l.mixer = mixer_parameters<Mixer, T>(layer->weights().mixer);
+    if constexpr (std::is_same_v<Mixer, RGLRU>) l.c = layer->weights().mixer.c;
+    for (const LayerInput& input : layer->inputs()) l.layer_inputs.push_back(input);
+    return l;
+  }
+  std::vector<std::span<const T>> gradients() const {
+    std::vector<std::span<const T>> out{span_of(d_x)};
+    for (const auto& W : d_weights.projections) out.emplace_back(W.data(), static_cast<std::size_t>(W.size()));
+    out.emplace_back(d_weights.output.data(), static_cast<std::size_t>(d_weights.output.size()));
+    for (const auto& g : mixer_gradients<Mixer, T>(d_weights.mixer)) out.push_back(g);
+    return out;
+  }
+  /// "d_x", "d_weights.projections[<input>]", ..., "d_weights.output", the mixer's.
+  std::vector<std::string> names() const {
+    std::vector<std::string> out{"d_x"};
+    for (const LayerInput& input : layer->inputs())
+      out.push_back("d_weights.projections[" + std::string(input.name) + "]");
+    out.push_back("d_weights.output");
+    for (std::size_t i = 0; i < mixer_gradients<Mixer, T>(d_weights.mixer).size(); ++i)
+      out.push_back("d_weights.mixer[" + std::to_string(i) + "]");
+    return out;
+  }
+};
+
+template <class T, class P>
+void check_layer_every_element(P& problem) {
+  const std::vector<std::string> names = problem.names();
+  std::vector<const char*> pointers;
+  for (const std::string& name : names) pointers.push_back(name.c_str());
+  check_every_element<T>(problem, pointers.data());
+}
+
+template <class T, class Mechanism, class Mixer>
+void layer_cases(std::uint64_t seed) {
+  Rng rng(seed);
+  // B, T, H, L, Dk, Dv, model_dim, w: every weight element is a loss evaluation pair.
+  for (const LayerShape& s : {LayerShape{1, 5, 2, 2, 2, 2, 3, 2}, LayerShape{2, 7, 1, 3, 2, 3, 4, 3}}) {
+    CAPTURE(s.time);
+    LayerProblem<T, Mechanism, Mixer> problem(rng, s);
+    problem.run(exec::reference);
+    check_layer_every_element<T>(problem);
+    problem.run(exec::cpu);
+    check_layer_every_element<T>(problem);
+  }
+  for (int c = 0; c < case_count(3); ++c) {
+    const LayerShape s{2, std::uniform_int_distribution<index_t>(1, 60)(rng), 2, 5, 4, 6, 8, 9};
+    CAPTURE(s.time);
+    LayerProblem<T, Mechanism, Mixer> problem(rng, s);
+    problem.run(exec::cpu);
+    check_direction<T>(problem, rng);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("ShortConv backward matches the oracle's gradients") {
@@ -221,4 +446,50 @@ TEST_CASE("token mixer backward: bad buffers are refused by name") {
   bad_rglru.lambda = Tensor<float, 1>({C + 1});
   expect_error([&] { RGLRU::backward(rglru, x.cview(), d_y.cview(), d_x.view(), &bad_rglru); },
                "d_mixer.lambda", "");
+}
+
+TEST_CASE("AttentionLayer backward matches the layer oracle's gradients") {
+  SUBCASE("Latte + RG-LRU, causal") {
+    layer_cases<double, LatteMechanism<Causal>, RGLRU>(600);
+    layer_cases<float, LatteMechanism<Causal>, RGLRU>(601);
+  }
+  SUBCASE("Latte + ShortConv, bidirectional") {
+    layer_cases<double, LatteMechanism<Bidirectional>, ShortConv<3>>(602);
+    layer_cases<float, LatteMechanism<Bidirectional>, ShortConv<3>>(603);
+  }
+  SUBCASE("Macchiato (RoPE window) + RG-LRU, causal") {
+    layer_cases<double, MacchiatoMechanism<Causal>, RGLRU>(604);
+    layer_cases<float, MacchiatoMechanism<Causal>, RGLRU>(605);
+  }
+  SUBCASE("Macchiato + ShortConv, bidirectional") {
+    layer_cases<double, MacchiatoMechanism<Bidirectional>, ShortConv<3>>(606);
+  }
+  SUBCASE("softmax, causal") { layer_cases<double, SoftmaxMechanism<Causal>, NoMixer>(607); }
+  SUBCASE("linear elu + 1, causal") { layer_cases<double, LinearMechanism<Causal>, NoMixer>(608); }
+}
+
+TEST_CASE("AttentionLayer backward: bad buffers are refused by name") {
+  const LatteAttention<Causal> attention({.heads = 2, .latents = 3, .value_dim = 4});
+  using Layer = LatteLayer<Causal, ShortConv<3>>;
+  const Layer layer(attention, 6,
+                    Layer::random_weights(attention, 6, 1, ShortConv<3>::Weights<float>::identity(6)));
+  Tensor<float, 3> x({2, 5, 6}), d_out({2, 5, 6}), d_x({2, 5, 6}), wrong({2, 5, 7});
+  auto d_weights = layer.zero_weights();
+  layer.backward(exec::cpu, x.cview(), d_out.cview(), d_x.view(), &d_weights);  // the valid call
+  expect_error([&] { layer.backward(exec::cpu, x.cview(), wrong.cview(), d_x.view(), &d_weights); }, "d_out", "");
+  expect_error([&] { layer.backward(exec::cpu, x.cview(), d_out.cview(), wrong.view(), &d_weights); }, "d_x", "");
+  expect_error([&] { layer.backward(exec::cpu, x.cview(), d_out.cview(), x.view(), &d_weights); }, "d_x", "");
+  auto bad = layer.zero_weights();
+  bad.output = Layer::Matrix::Zero(3, 3);
+  expect_error([&] { layer.backward(exec::cpu, x.cview(), d_out.cview(), d_x.view(), &bad); },
+               "d_weights.output", "");
+  bad = layer.zero_weights();
+  bad.projections[1] = Layer::Matrix::Zero(6, 5);
+  expect_error([&] { layer.backward(exec::cpu, x.cview(), d_out.cview(), d_x.view(), &bad); },
+               "d_weights.projections[key_logits]", "");
+  bad = layer.zero_weights();
+  bad.mixer.bias = Tensor<float, 1>({5});
+  expect_error([&] { layer.backward(exec::cpu, x.cview(), d_out.cview(), d_x.view(), &bad); },
+               "d_weights.mixer.bias", "");
+  static_assert(!LavoLayer<Causal>::trainable, "LAVO has no backward yet: its layer has none");
 }

@@ -41,6 +41,15 @@ template <class Expected, class Given>
   return message.str();
 }
 
+/// The same error about another argument name (a callee's "angles" reported
+/// as the caller's "latent_positional.angles"): the message keeps its text.
+[[nodiscard]] inline Error renamed(const Error& error, std::string_view argument) {
+  const std::string prefix = "latte: argument '" + error.argument() + "': ";
+  std::string what = error.what();
+  if (what.rfind(prefix, 0) == 0) what.erase(0, prefix.size());
+  return Error(argument, what);
+}
+
 /// Throws latte::Error unless `condition` holds.
 inline void require(bool condition, std::string_view argument, std::string_view what_is_wrong) {
   if (!condition) throw Error(argument, what_is_wrong);

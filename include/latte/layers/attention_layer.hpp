@@ -46,6 +46,15 @@ class AttentionLayer {
 
  public:
   using attention_type = Attention;
+  /// The layer has a backward: its mechanism has one (a Gradients type) and so
+  /// does its mixer.
+  static constexpr bool trainable =
+      requires { typename Attention::template Gradients<Scalar>; } &&
+      requires(const typename Mixer::template Weights<Scalar>& w, TensorView<const Scalar, 3> x,
+               TensorView<Scalar, 3> y, typename Mixer::template Weights<Scalar>* d) {
+        Mixer::backward(w, x, x, y, d);
+        Mixer::zeros_like(w);
+      };
   using mixer_type = Mixer;
   using scalar_type = Scalar;
   /// Row-major weight matrix [in, out].
@@ -200,6 +209,90 @@ class AttentionLayer {
                     weights_.output;
   }
 
+  // ----------------------------------------------------------- backward --
+
+  /// Zero weights of this layer's shapes, to accumulate gradients into.
+  [[nodiscard]] Weights zero_weights() const
+    requires trainable
+  {
+    Weights zeros;
+    for (std::size_t i = 0; i < input_count; ++i)
+      zeros.projections[i] = Matrix::Zero(weights_.projections[i].rows(), weights_.projections[i].cols());
+    zeros.output = Matrix::Zero(weights_.output.rows(), weights_.output.cols());
+    zeros.mixer = Mixer::zeros_like(weights_.mixer);
+    return zeros;
+  }
+
+  /// Gradients of a loss whose gradient with respect to out = forward(x) is
+  /// d_out [B, T, model_dim], over whole sequences: d_x overwritten and, when
+  /// `d_weights` is given (make it with zero_weights()), every weight's
+  /// gradient accumulated into it (+=): projections, output, mixer. The
+  /// forward is recomputed (mix, project, attend), then the output projection,
+  /// the mechanism's backward, the projections and the mixer run backwards.
+  /// Parameters inside the mechanism (VAPOR angles, LeaP modules) are the
+  /// mechanism's own: call its backward for those. Extra memory: the
+  /// activations of one forward and their gradients.
+  template <exec::Policy E>
+    requires trainable
+  void backward(E e, TensorView<const Scalar, 3> x, TensorView<const Scalar, 3> d_out,
+                TensorView<Scalar, 3> d_x, Weights* d_weights = nullptr) const {
+    static_assert(host_backend<E>, "layers hold their weights in host memory; exec::cuda layers are not implemented");
+    validate_backward(x, d_out, d_x, d_weights);
+    const index_t B = x.extent(0), Tn = x.extent(1), H = Inputs::heads(attention_);
+    if (B == 0 || Tn == 0) return;
+    check_workspace(B, Tn);
+    const auto inputs = Inputs::inputs(attention_);
+    const index_t Dv = Inputs::value_dim(attention_);
+    Tensor<Scalar, 3> mixed;
+    std::array<Tensor<Scalar, 4>, input_count> projected, d_projected;
+    project(x, mixed, projected, nullptr);
+    Tensor<Scalar, 4> attended({B, Tn, H, Dv}), d_attended({B, Tn, H, Dv});
+    call_forward(e, projected, attended, nullptr, std::make_index_sequence<input_count>{});
+    for (index_t b = 0; b < B; ++b) {  // out = o W_o: d_o = d_out W_o^T, dW_o += o^T d_out
+      const ConstRows g(d_out.row(b, index_t{0}), Tn, model_dim_, Eigen::OuterStride<>(d_out.stride(1)));
+      Rows(d_attended.view().row(b, index_t{0}, index_t{0}), Tn, H * Dv, Eigen::OuterStride<>(H * Dv))
+          .noalias() = g * weights_.output.transpose();
+      if (d_weights)
+        d_weights->output.noalias() +=
+            ConstRows(attended.view().row(b, index_t{0}, index_t{0}), Tn, H * Dv,
+                      Eigen::OuterStride<>(H * Dv)).transpose() * g;
+    }
+    for (std::size_t i = 0; i < input_count; ++i)
+      d_projected[i] = Tensor<Scalar, 4>(projected[i].extents());
+    call_backward(e, projected, d_attended, d_projected, std::make_index_sequence<input_count>{});
+    // a_i = src_i W_i: d_src_i += d_a_i W_i^T, dW_i += src_i^T d_a_i.
+    Tensor<Scalar, 3> d_mixed({B, Mixer::mixes ? Tn : 0, Mixer::mixes ? model_dim_ : 0});
+    for (index_t b = 0; b < B; ++b)
+      Rows(d_x.row(b, index_t{0}), Tn, model_dim_, Eigen::OuterStride<>(d_x.stride(1))).setZero();
+    for (std::size_t i = 0; i < input_count; ++i) {
+      const bool from_mixer = Mixer::mixes && inputs[i].from_mixer;
+      const index_t width = H * inputs[i].width;
+      for (index_t b = 0; b < B; ++b) {
+        const ConstRows da(d_projected[i].view().row(b, index_t{0}, index_t{0}), Tn, width,
+                           Eigen::OuterStride<>(width));
+        const ConstRows source =
+            from_mixer ? ConstRows(mixed.view().row(b, index_t{0}), Tn, model_dim_,
+                                   Eigen::OuterStride<>(model_dim_))
+                       : ConstRows(x.row(b, index_t{0}), Tn, model_dim_, Eigen::OuterStride<>(x.stride(1)));
+        Rows into = from_mixer ? Rows(d_mixed.view().row(b, index_t{0}), Tn, model_dim_,
+                                      Eigen::OuterStride<>(model_dim_))
+                               : Rows(d_x.row(b, index_t{0}), Tn, model_dim_,
+                                      Eigen::OuterStride<>(d_x.stride(1)));
+        into.noalias() += da * weights_.projections[i].transpose();
+        if (d_weights) d_weights->projections[i].noalias() += source.transpose() * da;
+      }
+    }
+    if constexpr (Mixer::mixes) {  // y = mixer(x): d_x += the mixer's backward of d_y
+      Tensor<Scalar, 3> d_x_mixer({B, Tn, model_dim_});
+      Mixer::backward(weights_.mixer, x, d_mixed.cview(), d_x_mixer.view(),
+                      d_weights ? &d_weights->mixer : nullptr);
+      for (index_t b = 0; b < B; ++b)
+        Rows(d_x.row(b, index_t{0}), Tn, model_dim_, Eigen::OuterStride<>(d_x.stride(1))) +=
+            ConstRows(d_x_mixer.view().row(b, index_t{0}), Tn, model_dim_,
+                      Eigen::OuterStride<>(model_dim_));
+    }
+  }
+
   // Tag-less overloads run the mechanism's default backend (exec::cpu where it has one).
   void forward(TensorView<const Scalar, 3> x, TensorView<Scalar, 3> out) const {
     forward(default_exec{}, x, out);
@@ -213,6 +306,12 @@ class AttentionLayer {
     requires Attention::direction::is_causal
   {
     step(default_exec{}, state, x_t, out_t);
+  }
+  void backward(TensorView<const Scalar, 3> x, TensorView<const Scalar, 3> d_out,
+                TensorView<Scalar, 3> d_x, Weights* d_weights = nullptr) const
+    requires trainable
+  {
+    backward(default_exec{}, x, d_out, d_x, d_weights);
   }
 
  private:
@@ -265,14 +364,38 @@ class AttentionLayer {
   void run(E e, TensorView<const Scalar, 3> x, TensorView<Scalar, 3> out, State* state) const {
     const index_t B = x.extent(0), Tn = x.extent(1), H = Inputs::heads(attention_);
     if (B == 0 || Tn == 0) return;
+    check_workspace(B, Tn);
+    Tensor<Scalar, 3> mixed;
+    std::array<Tensor<Scalar, 4>, input_count> projected;
+    project(x, mixed, projected, state);
+    const index_t Dv = Inputs::value_dim(attention_);
+    Tensor<Scalar, 4> attended({B, Tn, H, Dv});
+    call_forward(e, projected, attended, state, std::make_index_sequence<input_count>{});
+    for (index_t b = 0; b < B; ++b) {
+      Rows rows(out.row(b, index_t{0}), Tn, model_dim_, Eigen::OuterStride<>(out.stride(1)));
+      rows.noalias() = ConstRows(attended.view().row(b, index_t{0}, index_t{0}), Tn, H * Dv,
+                                 Eigen::OuterStride<>(H * Dv)) *
+                       weights_.output;
+    }
+  }
+
+  /// The activations a forward or backward allocates, before any is.
+  void check_workspace(index_t B, index_t Tn) const {
     const auto inputs = Inputs::inputs(attention_);
-    for (std::size_t i = 0; i < input_count; ++i)  // the workspaces below, before any is allocated
+    const index_t H = Inputs::heads(attention_);
+    for (std::size_t i = 0; i < input_count; ++i)
       detail::checked_count<Scalar>("x", {B, Tn, H, inputs[i].width});
     detail::checked_count<Scalar>("x", {B, Tn, H, Inputs::value_dim(attention_)});
-    Tensor<Scalar, 3> mixed({B, Mixer::mixes ? Tn : 0, Mixer::mixes ? model_dim_ : 0});
+  }
+
+  /// y = mixer(x) (advancing the mixer's state when given) and a_i = src_i W_i.
+  void project(const TensorView<const Scalar, 3>& x, Tensor<Scalar, 3>& mixed,
+               std::array<Tensor<Scalar, 4>, input_count>& projected, State* state) const {
+    const index_t B = x.extent(0), Tn = x.extent(1), H = Inputs::heads(attention_);
+    const auto inputs = Inputs::inputs(attention_);
+    mixed = Tensor<Scalar, 3>({B, Mixer::mixes ? Tn : 0, Mixer::mixes ? model_dim_ : 0});
     if constexpr (Mixer::mixes)
       Mixer::forward(weights_.mixer, x, mixed.view(), state != nullptr ? &state->mixer : nullptr);
-    std::array<Tensor<Scalar, 4>, input_count> projected;
     for (std::size_t i = 0; i < input_count; ++i) {
       const bool from_mixer = Mixer::mixes && inputs[i].from_mixer;
       projected[i] = Tensor<Scalar, 4>({B, Tn, H, inputs[i].width});
@@ -290,14 +413,42 @@ class AttentionLayer {
                            weights_.projections[i];
       }
     }
-    const index_t Dv = Inputs::value_dim(attention_);
-    Tensor<Scalar, 4> attended({B, Tn, H, Dv});
-    call_forward(e, projected, attended, state, std::make_index_sequence<input_count>{});
-    for (index_t b = 0; b < B; ++b) {
-      Rows rows(out.row(b, index_t{0}), Tn, model_dim_, Eigen::OuterStride<>(out.stride(1)));
-      rows.noalias() = ConstRows(attended.view().row(b, index_t{0}, index_t{0}), Tn, H * Dv,
-                                 Eigen::OuterStride<>(H * Dv)) *
-                       weights_.output;
+  }
+
+  template <exec::Policy E, std::size_t... I>
+  void call_backward(E e, const std::array<Tensor<Scalar, 4>, input_count>& projected,
+                     const Tensor<Scalar, 4>& d_attended,
+                     std::array<Tensor<Scalar, 4>, input_count>& d_projected,
+                     std::index_sequence<I...>) const {
+    const typename Attention::template Gradients<Scalar> gradients{d_projected[I].view()...};
+    attention_.backward(e, projected[I].cview()..., d_attended.cview(), gradients);
+  }
+
+  void validate_backward(const TensorView<const Scalar, 3>& x, const TensorView<const Scalar, 3>& d_out,
+                         const TensorView<Scalar, 3>& d_x, const Weights* d_weights) const {
+    check_view(x, "x");
+    if (x.extent(2) != model_dim_)
+      throw Error("x", detail::expected_given("shape [B, T, model_dim]",
+                                              format_extents(std::array<index_t, 3>{
+                                                  x.extent(0), x.extent(1), model_dim_}),
+                                              format_extents(x.extents())));
+    detail::check_shape(d_out, "d_out", x.extents(), "[B, T, model_dim]");
+    detail::check_shape(d_x, "d_x", x.extents(), "[B, T, model_dim]");
+    detail::check_output(d_x, "d_x", detail::named(x, "x"), detail::named(d_out, "d_out"));
+    if (!d_weights) return;
+    const auto inputs = Inputs::inputs(attention_);
+    const index_t H = Inputs::heads(attention_);
+    for (std::size_t i = 0; i < input_count; ++i)
+      check_matrix(d_weights->projections[i],
+                   "d_weights.projections[" + std::string(inputs[i].name) + "]", model_dim_,
+                   H * inputs[i].width);
+    check_matrix(d_weights->output, "d_weights.output", H * Inputs::value_dim(attention_), model_dim_);
+    if constexpr (Mixer::mixes) {
+      try {  // the mixer names its weights "mixer.<name>": here they are d_weights.mixer's
+        Mixer::validate(d_weights->mixer, model_dim_);
+      } catch (const Error& error) {
+        throw detail::renamed(error, "d_weights." + error.argument());
+      }
     }
   }
 

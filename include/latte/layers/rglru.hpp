@@ -184,6 +184,14 @@ struct RGLRU {
     }
   }
 
+  /// Zero weights of `weights`' shapes (to accumulate gradients into); c is copied.
+  template <Real T>
+  [[nodiscard]] static Weights<T> zeros_like(const Weights<T>& weights) {
+    return {Tensor<T, 2>(weights.recurrence_gate.extents()), Tensor<T, 1>(weights.recurrence_bias.extents()),
+            Tensor<T, 2>(weights.input_gate.extents()),      Tensor<T, 1>(weights.input_bias.extents()),
+            Tensor<T, 1>(weights.lambda.extents()),          weights.c};
+  }
+
   /// One token per sequence: x_t, y_t [B, C].
   template <Real T>
   static void step(const Weights<T>& weights, State<T>& state, TensorView<const T, 2> x_t,

@@ -128,6 +128,12 @@ struct ShortConv {
       }
   }
 
+  /// Zero weights of `weights`' shapes (to accumulate gradients into).
+  template <Real T>
+  [[nodiscard]] static Weights<T> zeros_like(const Weights<T>& weights) {
+    return {Tensor<T, 2>(weights.kernel.extents()), Tensor<T, 1>(weights.bias.extents())};
+  }
+
   /// One token: y_t = conv over (history, x_t); the history shifts by one.
   template <Real T>
   static void step(const Weights<T>& weights, State<T>& state, TensorView<const T, 2> x_t,

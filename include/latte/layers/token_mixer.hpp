@@ -12,7 +12,8 @@
 //   backward(weights, x, d_y, d_x, d_weights*)  (optional, for training) the
 //                                   gradients of y = forward(x) from a zero
 //                                   history: d_x overwritten, d_weights (shaped
-//                                   like Weights) accumulated when not null
+//                                   like Weights) accumulated when not null;
+//   zeros_like(weights)             with backward: zero weights of those shapes
 // Mixers are causal: y_t depends on x_s for s <= t only (also under Bidirectional
 // attention, as in the papers' bidirectional models).
 #include <concepts>
@@ -61,6 +62,10 @@ struct NoMixer {
   template <Real T>
   static void backward(const Weights<T>&, TensorView<const T, 3>, TensorView<const T, 3>,
                        TensorView<T, 3>, Weights<T>*) {}
+  template <Real T>
+  [[nodiscard]] static Weights<T> zeros_like(const Weights<T>&) {
+    return {};
+  }
 };
 
 }  // namespace latte

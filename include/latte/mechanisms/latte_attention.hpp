@@ -61,6 +61,9 @@ class LatteAttention {
   using positional = Pos;
   template <Real T>
   using State = LatteState<T>;
+  /// What backward writes (its first members: the inputs' gradients, in call order).
+  template <Real T>
+  using Gradients = LatteGradients<T>;
   template <Real T>
   using InputView = std::type_identity_t<TensorView<const T, 4>>;
   template <Real T>

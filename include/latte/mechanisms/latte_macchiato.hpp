@@ -110,6 +110,9 @@ class LatteMacchiato {
   using window_positional = WindowPos;
   template <Real T>
   using State = MacchiatoState<T>;
+  /// What backward writes (its first members: the inputs' gradients, in call order).
+  template <Real T>
+  using Gradients = MacchiatoGradients<T>;
   template <Real T>
   using InputView = std::type_identity_t<TensorView<const T, 4>>;
   template <Real T>
@@ -533,10 +536,7 @@ class LatteMacchiato {
     try {
       return Pos::resolve_angles(params, dims_.heads, dim);
     } catch (const Error& error) {
-      const std::string prefix = "latte: argument '" + error.argument() + "': ";
-      std::string what = error.what();
-      if (what.rfind(prefix, 0) == 0) what.erase(0, prefix.size());
-      throw Error(std::string(which) + "." + error.argument(), what);
+      throw detail::renamed(error, std::string(which) + "." + error.argument());
     }
   }
 

@@ -90,6 +90,9 @@ class LinearAttention {
   using Options = LinearOptions<Rw, Pos>;
   template <Real T>
   using State = LinearState<T>;
+  /// What backward writes (its first members: the inputs' gradients, in call order).
+  template <Real T>
+  using Gradients = LinearGradients<T>;
   template <Real T>
   using InputView = std::type_identity_t<TensorView<const T, 4>>;
   template <Real T>

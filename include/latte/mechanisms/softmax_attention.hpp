@@ -51,6 +51,9 @@ class SoftmaxAttention {
   using window_type = Win;
   template <Real T>
   using State = KVCache<T>;
+  /// What backward writes (its first members: the inputs' gradients, in call order).
+  template <Real T>
+  using Gradients = SoftmaxGradients<T>;
   template <Real T>
   using InputView = std::type_identity_t<TensorView<const T, 4>>;
   template <Real T>
