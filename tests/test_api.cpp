@@ -536,4 +536,28 @@ TEST_CASE("Calls without an execution tag run on exec::cpu") {
   softmax.forward(q, q, v, by_default.view());
   softmax.forward(latte::exec::cpu, q, q, v, on_cpu.view());
   CHECK(bit_equal(by_default, on_cpu));
+  // Macchiato: forward, forward with a state, step and backward.
+  const latte::LatteMacchiato<latte::Causal> macchiato(
+      {.heads = 2, .latents = 5, .key_dim = 6, .value_dim = 4, .window = 3});
+  macchiato.forward(q, latte::reference::latent_logits(q.cview()), q, q, v, by_default.view());
+  macchiato.forward(latte::exec::cpu, q, latte::reference::latent_logits(q.cview()), q, q, v, on_cpu.view());
+  CHECK(bit_equal(by_default, on_cpu));
+  auto m_state = macchiato.make_state<float>(1);
+  auto m_state_cpu = macchiato.make_state<float>(1);
+  macchiato.forward(q, latte::reference::latent_logits(q.cview()), q, q, v, by_default.view(), m_state);
+  macchiato.forward(latte::exec::cpu, q, latte::reference::latent_logits(q.cview()), q, q, v, on_cpu.view(),
+                    m_state_cpu);
+  latte::Tensor<float, 3> step_logits({1, 2, 5});
+  macchiato.step(m_state, step_in, step_logits, step_in, step_in, value, a.view());
+  macchiato.step(latte::exec::cpu, m_state_cpu, step_in, step_logits, step_in, step_in, value, b.view());
+  CHECK(bit_equal(a, b));
+  latte::Tensor<float, 4> dq(q.extents()), dk({1, 300, 2, 5}), dwq(q.extents()), dwk(q.extents()),
+      dv(v.extents()), dq2(q.extents()), dk2({1, 300, 2, 5}), dwq2(q.extents()), dwk2(q.extents()),
+      dv2(v.extents());
+  macchiato.backward(q, latte::reference::latent_logits(q.cview()), q, q, v, v,
+                     latte::MacchiatoGradients<float>{dq.view(), dk.view(), dwq.view(), dwk.view(), dv.view()});
+  macchiato.backward(latte::exec::cpu, q, latte::reference::latent_logits(q.cview()), q, q, v, v,
+                     latte::MacchiatoGradients<float>{dq2.view(), dk2.view(), dwq2.view(), dwk2.view(), dv2.view()});
+  CHECK(bit_equal(dq, dq2));
+  CHECK(bit_equal(dv, dv2));
 }

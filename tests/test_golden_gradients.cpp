@@ -12,7 +12,9 @@
 // and with given proportions (their gradients), elu + 1 and RoPE linear
 // attention; causal, bidirectional and cross. LatteMacchiato::backward (both
 // directions, no positions, VAPOR with learned angles on the latent states with a
-// RoPE window, VAPOR on every state) likewise.
+// RoPE window, VAPOR on every state) likewise, and the token mixers' backward
+// (ShortConv, RG-LRU) and MacchiatoLayer<Causal, RGLRU>::backward (Latte-RGLRU-SWA:
+// input and every weight's gradient).
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -25,6 +27,9 @@
 #include <vector>
 
 #include "golden/gradient_golden.hpp"
+#include "latte/layers/named_layers.hpp"
+#include "latte/layers/rglru.hpp"
+#include "latte/layers/short_conv.hpp"
 #include "gradient_check.hpp"
 #include "support.hpp"
 
@@ -172,6 +177,109 @@ void macchiato_cases(E e) {
                                                         VaporScope::all_states);
 }
 
+/// A [B, T, C] output against "<prefix>/<out_name>", then the named gradients.
+template <class T>
+void check_mixer_against_golden(const std::string& what, const std::string& prefix,
+                                const Tensor<T, 3>& y, const std::string& out_name,
+                                const std::vector<std::pair<std::string, std::span<const T>>>& got) {
+  const double error = relative_error(y, golden_tensor<long double, 3>(prefix + "/" + out_name));
+  CHECK_MESSAGE(error <= Tolerance<T>::relative, what << " forward vs " << prefix);
+  long double largest = 0;
+  for (const auto& [name, gradient] : got)
+    for (const double x : golden_array(prefix + "/" + name).values)
+      largest = std::max(largest, std::fabs(static_cast<long double>(x)));
+  for (const auto& [name, gradient] : got) {
+    const std::span<const double> values = golden_array(prefix + "/" + name).values;
+    const std::vector<long double> expected(values.begin(), values.end());
+    REQUIRE(expected.size() == gradient.size());
+    const double gradient_error_ = gradient_error(gradient, expected, largest);
+    CHECK_MESSAGE(gradient_error_ <= Tolerance<T>::gradient, what << " vs " << prefix << "/" << name);
+    std::printf("[golden-grad] %-62s %-8s %-44s max_rel_error=%.3e (tol %.0e)\n", what.c_str(),
+                dtype_name<T>(), (prefix + "/" + name).c_str(), gradient_error_, Tolerance<T>::gradient);
+  }
+}
+
+template <class T>
+void mixer_cases() {
+  {
+    const auto x = golden_tensor<T, 3>("mixer/short_conv/x");
+    const auto d_y = golden_tensor<T, 3>("mixer/short_conv/d_y");
+    const ShortConv<3>::Weights<T> w{golden_tensor<T, 2>("mixer/short_conv/kernel"),
+                                     golden_tensor<T, 1>("mixer/short_conv/bias")};
+    Tensor<T, 3> y(x.extents()), d_x(x.extents());
+    auto d_w = ShortConv<3>::zeros_like(w);
+    ShortConv<3>::forward(w, x.cview(), y.view(), nullptr);
+    ShortConv<3>::backward(w, x.cview(), d_y.cview(), d_x.view(), &d_w);
+    check_mixer_against_golden<T>("ShortConv<3>", "mixer/short_conv", y, "y",
+                                  {{"d_x", span_of(d_x)}, {"d_kernel", span_of(d_w.kernel)},
+                                   {"d_bias", span_of(d_w.bias)}});
+  }
+  const std::string prefix = "mixer/rglru";
+  const auto x = golden_tensor<T, 3>(prefix + "/x");
+  const auto d_y = golden_tensor<T, 3>(prefix + "/d_y");
+  const RGLRU::Weights<T> w{golden_tensor<T, 2>(prefix + "/recurrence_gate"),
+                            golden_tensor<T, 1>(prefix + "/recurrence_bias"),
+                            golden_tensor<T, 2>(prefix + "/input_gate"),
+                            golden_tensor<T, 1>(prefix + "/input_bias"),
+                            golden_tensor<T, 1>(prefix + "/lambda")};
+  Tensor<T, 3> y(x.extents()), d_x(x.extents());
+  auto d_w = RGLRU::zeros_like(w);
+  RGLRU::forward(w, x.cview(), y.view(), nullptr);
+  RGLRU::backward(w, x.cview(), d_y.cview(), d_x.view(), &d_w);
+  check_mixer_against_golden<T>("RGLRU", prefix, y, "y",
+                                {{"d_x", span_of(d_x)},
+                                 {"d_recurrence_gate", span_of(d_w.recurrence_gate)},
+                                 {"d_recurrence_bias", span_of(d_w.recurrence_bias)},
+                                 {"d_input_gate", span_of(d_w.input_gate)},
+                                 {"d_input_bias", span_of(d_w.input_bias)},
+                                 {"d_lambda", span_of(d_w.lambda)}});
+}
+
+template <class T, class E>
+void layer_case(E e) {
+  const std::string prefix = "layer/macchiato_rglru";
+  using Layer = MacchiatoLayer<Causal, RGLRU, T>;
+  const auto x = golden_tensor<T, 3>(prefix + "/x");
+  const auto d_out = golden_tensor<T, 3>(prefix + "/d_out");
+  const typename Layer::attention_type attention(
+      {.heads = 2, .latents = 3, .key_dim = 2, .value_dim = 4, .window = 3});
+  const index_t M = x.extent(2);
+  auto matrix = [&](const std::string& name) {
+    const Tensor<T, 2> t = golden_tensor<T, 2>(name);
+    typename Layer::Matrix m(t.extent(0), t.extent(1));
+    std::copy_n(t.data(), t.size(), m.data());
+    return m;
+  };
+  typename Layer::Weights weights;
+  const char* names[] = {"query_logits", "key_logits", "window_queries", "window_keys", "values"};
+  for (std::size_t i = 0; i < 5; ++i) weights.projections[i] = matrix(prefix + "/projections/" + names[i]);
+  weights.output = matrix(prefix + "/output");
+  weights.mixer = {golden_tensor<T, 2>(prefix + "/mixer/recurrence_gate"),
+                   golden_tensor<T, 1>(prefix + "/mixer/recurrence_bias"),
+                   golden_tensor<T, 2>(prefix + "/mixer/input_gate"),
+                   golden_tensor<T, 1>(prefix + "/mixer/input_bias"),
+                   golden_tensor<T, 1>(prefix + "/mixer/lambda")};
+  const Layer layer(attention, M, weights);
+  Tensor<T, 3> out(x.extents()), d_x(x.extents());
+  auto d_weights = layer.zero_weights();
+  layer.forward(e, x.cview(), out.view());
+  layer.backward(e, x.cview(), d_out.cview(), d_x.view(), &d_weights);
+  std::vector<std::pair<std::string, std::span<const T>>> got{{"d_x", span_of(d_x)}};
+  for (std::size_t i = 0; i < 5; ++i)
+    got.emplace_back(std::string("projections/d_") + names[i],
+                     std::span<const T>(d_weights.projections[i].data(),
+                                        static_cast<std::size_t>(d_weights.projections[i].size())));
+  got.emplace_back("d_output", std::span<const T>(d_weights.output.data(),
+                                                  static_cast<std::size_t>(d_weights.output.size())));
+  got.emplace_back("mixer/d_recurrence_gate", span_of(d_weights.mixer.recurrence_gate));
+  got.emplace_back("mixer/d_recurrence_bias", span_of(d_weights.mixer.recurrence_bias));
+  got.emplace_back("mixer/d_input_gate", span_of(d_weights.mixer.input_gate));
+  got.emplace_back("mixer/d_input_bias", span_of(d_weights.mixer.input_bias));
+  got.emplace_back("mixer/d_lambda", span_of(d_weights.mixer.lambda));
+  check_mixer_against_golden<T>(std::string("MacchiatoLayer<causal,rglru> ") + E::name, prefix, out,
+                                "out", got);
+}
+
 template <class T, class E>
 void latte_cases(E e) {
   latte_case<T, Causal, RunningMax, NoPositional>(e, "causal/no_positional");
@@ -208,6 +316,15 @@ TEST_CASE("LatteMacchiato::backward reproduces PyTorch autograd's gradients") {
   macchiato_cases<float>(exec::reference);
   macchiato_cases<double>(exec::cpu);
   macchiato_cases<float>(exec::cpu);
+}
+
+TEST_CASE("Token mixers' and a Latte-RGLRU-SWA layer's backward reproduce PyTorch autograd's gradients") {
+  mixer_cases<double>();
+  mixer_cases<float>();
+  layer_case<double>(exec::reference);
+  layer_case<float>(exec::reference);
+  layer_case<double>(exec::cpu);
+  layer_case<float>(exec::cpu);
 }
 
 TEST_CASE("SoftmaxAttention::backward reproduces PyTorch autograd's gradients") {

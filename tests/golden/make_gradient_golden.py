@@ -44,6 +44,13 @@ Transcribed:
     over the window t - w <= s <= t (causal) or |t - s| <= w, RoPE's angles
     10000^(-2i/Dk) (fixed), VAPOR's R with learned angles [H, Dv/2], R0 = R when
     VAPOR acts on every state and I otherwise. B=2, T=9, H=2, L=4, Dk=4, Dv=6, w=3.
+  * Token mixers (paper 000 §2.4, DESIGN §3.2): ShortConv y_t = b + sum_{i<K} w_i x_{t-i}
+    (K = 3), and Griffin's RG-LRU r = sigmoid(x W_a + b_a), i = sigmoid(x W_x + b_x),
+    log a = -8 r softplus(Lambda), h_t = a h_{t-1} + sqrt(1 - a^2) (i x_t), y = h. B=2, T=7, C=5.
+  * A layer (latte's MacchiatoLayer<Causal, RGLRU>, paper 000's Latte-RGLRU-SWA): y = RG-LRU(x),
+    query / key logits from y, window queries / keys and values from x (row vector times
+    [model_dim, H * width] matrices), causal Macchiato with a RoPE window, out = o W_o.
+    B=2, T=8, model_dim=6, H=2, L=3, Dk=2, Dv=4, w=3.
 
 Arrays (each 4-D [B, T, H, D] unless noted; `out` is the forward's output):
   latte/<case>/{query_logits, key_logits, values, d_out, out,
@@ -74,6 +81,13 @@ Arrays (each 4-D [B, T, H, D] unless noted; `out` is the forward's output):
             window), causal/vapor_all_states, bidirectional/plain,
             bidirectional/vapor_rope, bidirectional/vapor_all_states.
 
+  mixer/short_conv/{x, kernel [K, C], bias [C], d_y, y, d_x, d_kernel, d_bias}
+  mixer/rglru/{x, recurrence_gate [C, C], recurrence_bias, input_gate, input_bias, lambda, d_y,
+               y, d_x, d_recurrence_gate, d_recurrence_bias, d_input_gate, d_input_bias, d_lambda}
+  layer/macchiato_rglru/{x, d_out, out, d_x} and for each weight W of projections/{query_logits,
+               key_logits, window_queries, window_keys, values}, output, mixer/{recurrence_gate,
+               recurrence_bias, input_gate, input_bias, lambda}: W and d_W (same path with d_).
+
 Usage: .venv-peers/bin/python tests/golden/make_gradient_golden.py
        (needs torch and numpy: bench/peers/setup_peers.sh makes that environment)
 """
@@ -94,6 +108,8 @@ LATTE = dict(B=2, T=9, H=2, L=5, Dv=6)
 SOFTMAX = dict(B=2, T=7, H=2, Dk=5, Dv=6)
 LINEAR = dict(B=2, T=6, T_CROSS=5, S_CROSS=9, H=2, Dk=8, Dv=6, LEAP_FACTOR=4)
 MACCHIATO = dict(B=2, T=9, H=2, L=4, Dk=4, Dv=6, window=3)
+MIXER = dict(B=2, T=7, C=5, K=3)
+LAYER = dict(B=2, T=8, model_dim=6, H=2, L=3, Dk=2, Dv=4, window=3)
 SPREAD = 1000.0
 
 
@@ -166,6 +182,28 @@ def macchiato(q, k, wq, wk, v, causal, window, angles=None, rope=False, vapor_on
                               distance[None, :, :, None, None] * angles[None, None, None])
         return torch.einsum("btsh,btshd->bthd", weights, turned)
     return read(latent, angles is not None) + read(local, angles is not None and vapor_on_window)
+
+
+# -------------------------------------------------------------------- mixers --
+
+def short_conv(x, kernel, bias):
+    """y_t = b + sum_{i<K} w_i x_{t-i}, x_{s<0} = 0; x [B, T, C]."""
+    y = bias.expand_as(x).clone()
+    for i in range(kernel.shape[0]):
+        y[:, i:] = y[:, i:] + kernel[i] * x[:, :x.shape[1] - i]
+    return y
+
+
+def rglru(x, w_a, b_a, w_x, b_x, lam, c=8.0):
+    """Griffin's RG-LRU from h_{-1} = 0, y = h."""
+    r, i = torch.sigmoid(x @ w_a + b_a), torch.sigmoid(x @ w_x + b_x)
+    log_a = -c * r * torch.nn.functional.softplus(lam)
+    a, multiplier = torch.exp(log_a), torch.sqrt(-torch.expm1(2 * log_a))
+    h, ys = torch.zeros_like(x[:, 0]), []
+    for t in range(x.shape[1]):
+        h = a[:, t] * h + multiplier[:, t] * (i[:, t] * x[:, t])
+        ys.append(h)
+    return torch.stack(ys, 1)
 
 
 # ------------------------------------------------------------------- softmax --
@@ -391,13 +429,54 @@ def main():
         if vapor:
             add(f"macchiato/{name}", angles=inputs[5], d_angles=grads[5])
 
+    # Token mixers and a Latte-RGLRU-SWA layer (drawn after everything above).
+    B, T, C, K = (MIXER[x] for x in ("B", "T", "C", "K"))
+    x, d_y = normal(B, T, C), normal(B, T, C)
+    conv = [normal(K, C, scale=0.6), normal(C, scale=0.1)]
+    y, grads = gradients(short_conv, d_y, [x] + conv)
+    add("mixer/short_conv", x=x, kernel=conv[0], bias=conv[1], d_y=d_y, y=y, d_x=grads[0],
+        d_kernel=grads[1], d_bias=grads[2])
+    names = ("recurrence_gate", "recurrence_bias", "input_gate", "input_bias", "lambda")
+
+    def rglru_weights(channels):
+        return [normal(channels, channels, scale=1 / math.sqrt(channels)), normal(channels, scale=0.5),
+                normal(channels, channels, scale=1 / math.sqrt(channels)), normal(channels, scale=0.5),
+                uniform(-4.0, 2.0, channels)]
+    weights = rglru_weights(C)
+    y, grads = gradients(rglru, d_y, [x] + weights)
+    add("mixer/rglru", x=x, d_y=d_y, y=y, d_x=grads[0], **dict(zip(names, weights)),
+        **{f"d_{n}": g for n, g in zip(names, grads[1:])})
+
+    B, T, M, H, L, Dk, Dv, window = (LAYER[x] for x in ("B", "T", "model_dim", "H", "L", "Dk", "Dv", "window"))
+    x, d_out = normal(B, T, M), normal(B, T, M)
+    inputs_of = (("query_logits", L + 1, True), ("key_logits", L, True), ("window_queries", Dk, False),
+                 ("window_keys", Dk, False), ("values", Dv, False))
+    projections = [normal(M, H * width, scale=1 / math.sqrt(M)) for _, width, _ in inputs_of]
+    output = normal(H * Dv, M, scale=1 / math.sqrt(H * Dv))
+    mixer = rglru_weights(M)
+
+    def layer(x, *weights):
+        projection, w_o, mix = weights[:5], weights[5], weights[6:]
+        y = rglru(x, *mix)
+        a = [((y if from_mixer else x) @ w).unflatten(-1, (H, width))
+             for (_, width, from_mixer), w in zip(inputs_of, projection)]
+        o = macchiato(*a, True, window, rope=True)
+        return o.flatten(-2) @ w_o
+    out, grads = gradients(layer, d_out, [x] + projections + [output] + mixer)
+    add("layer/macchiato_rglru", x=x, d_out=d_out, out=out, d_x=grads[0])
+    for (name, _, _), w, g in zip(inputs_of, projections, grads[1:6]):
+        add("layer/macchiato_rglru/projections", **{name: w, f"d_{name}": g})
+    add("layer/macchiato_rglru", output=output, d_output=grads[6])
+    add("layer/macchiato_rglru/mixer", **dict(zip(names, mixer)),
+        **{f"d_{n}": g for n, g in zip(names, grads[7:])})
+
     linear_golden.write_header(
         arrays, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gradient_golden.hpp"),
         generated_by=["// Generated by tests/golden/make_gradient_golden.py (PyTorch autograd, float64,",
                       "// over plain torch transcriptions of each definition; see that script). Do not edit."],
         namespace="latte::test::gradient_golden",
         constants=[f"// Latte: {LATTE}", f"// Softmax: {SOFTMAX}", f"// Linear: {LINEAR}",
-                   f"// Macchiato: {MACCHIATO}"])
+                   f"// Macchiato: {MACCHIATO}", f"// Mixers: {MIXER}", f"// Layer: {LAYER}"])
 
 
 def check_against_numpy(inputs, modules, outputs):

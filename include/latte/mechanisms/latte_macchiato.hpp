@@ -362,6 +362,22 @@ class LatteMacchiato {
     forward(exec::default_t{}, query_logits, key_logits, window_queries, window_keys, values, out);
   }
   template <Real T>
+    requires(Dir::is_causal)
+  void forward(InputView<T> query_logits, InputView<T> key_logits, InputView<T> window_queries,
+               InputView<T> window_keys, InputView<T> values, TensorView<T, 4> out,
+               State<T>& state) const {
+    forward(exec::default_t{}, query_logits, key_logits, window_queries, window_keys, values, out,
+            state);
+  }
+  template <Real T>
+    requires(Dir::is_causal)
+  void step(State<T>& state, StepInputView<T> query_logits, StepInputView<T> key_logits,
+            StepInputView<T> window_queries, StepInputView<T> window_keys,
+            StepInputView<T> values, TensorView<T, 3> out) const {
+    step(exec::default_t{}, state, query_logits, key_logits, window_queries, window_keys, values,
+         out);
+  }
+  template <Real T>
   void backward(InputView<T> query_logits, InputView<T> key_logits, InputView<T> window_queries,
                 InputView<T> window_keys, InputView<T> values, InputView<T> d_out,
                 const MacchiatoGradients<T>& gradients) const {
