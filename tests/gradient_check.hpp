@@ -25,6 +25,7 @@
 #include <doctest/doctest.h>
 
 #include "oracles/tensor_ld.hpp"
+#include "support.hpp"
 #include "tolerances.hpp"
 
 namespace latte::test {
@@ -133,6 +134,33 @@ double gradient_error(std::span<const T> got, const std::vector<long double>& ex
 template <class T, std::size_t N>
 std::span<const T> span_of(const Tensor<T, N>& x) {
   return {x.data(), static_cast<std::size_t>(x.size())};
+}
+
+/// [B, T1, H, D] then [B, T2, H, D] along time, in long double (two chunks'
+/// gradients, to compare with the whole sequence's).
+template <class T>
+TensorLD<4> join_in_time(const Tensor<T, 4>& a, const Tensor<T, 4>& b) {
+  const index_t cut = a.extent(1);
+  TensorLD<4> x({a.extent(0), cut + b.extent(1), a.extent(2), a.extent(3)});
+  for (index_t bb = 0; bb < x.extent(0); ++bb)
+    for (index_t t = 0; t < x.extent(1); ++t)
+      for (index_t h = 0; h < x.extent(2); ++h)
+        for (index_t d = 0; d < x.extent(3); ++d)
+          x(bb, t, h, d) = t < cut ? a(bb, t, h, d) : b(bb, t - cut, h, d);
+  return x;
+}
+
+/// relative_error of first + second (two chunks' accumulated parameter
+/// gradients) against whole's.
+template <class T, std::size_t N>
+double sum_error(const Tensor<T, N>& first, const Tensor<T, N>& second, const Tensor<T, N>& whole) {
+  Tensor<T, N> summed(first.extents());
+  TensorLD<N> expected(whole.extents());
+  for (index_t i = 0; i < summed.size(); ++i) {
+    summed.data()[i] = first.data()[i] + second.data()[i];
+    expected.data()[i] = whole.data()[i];
+  }
+  return relative_error(summed, expected);
 }
 
 /// Every element's gradient against central differences of the oracle's loss.

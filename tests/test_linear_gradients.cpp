@@ -536,31 +536,15 @@ void check_chunks(E e, Rng& rng, const Shape& s, index_t cut, std::int64_t first
   first.g = time_slice(whole.g, 0, cut);
   first.run(e, {.initial = &start, .d_final = &d_s1});
 
-  auto joined = [&](const Tensor<T, 4>& a, const Tensor<T, 4>& b) {
-    TensorLD<4> x({s.batch, s.time, s.heads, a.extent(3)});
-    for (index_t bb = 0; bb < s.batch; ++bb)
-      for (index_t t = 0; t < s.time; ++t)
-        for (index_t h = 0; h < s.heads; ++h)
-          for (index_t d = 0; d < a.extent(3); ++d)
-            x(bb, t, h, d) = t < cut ? a(bb, t, h, d) : b(bb, t - cut, h, d);
-    return x;
-  };
   // Both sides are sums of the same terms grouped differently: rounding only.
   const double bound = 50 * Tolerance<T>::relative;
-  CHECK(relative_error(whole.dq, joined(first.dq, second.dq)) <= bound);
-  CHECK(relative_error(whole.dk, joined(first.dk, second.dk)) <= bound);
-  CHECK(relative_error(whole.dv, joined(first.dv, second.dv)) <= bound);
+  CHECK(relative_error(whole.dq, join_in_time(first.dq, second.dq)) <= bound);
+  CHECK(relative_error(whole.dk, join_in_time(first.dk, second.dk)) <= bound);
+  CHECK(relative_error(whole.dv, join_in_time(first.dv, second.dv)) <= bound);
   if constexpr (A::learned_proportions) {  // module gradients: the two chunks' sum
-    for (std::size_t j = 0; j < whole.module_gradients.size(); ++j) {
-      const Tensor<T, 1>& all = whole.module_gradients[j];
-      Tensor<T, 1> summed(all.extents());
-      TensorLD<1> expected(all.extents());
-      for (index_t i = 0; i < all.size(); ++i) {
-        summed(i) = first.module_gradients[j](i) + second.module_gradients[j](i);
-        expected(i) = all(i);
-      }
-      CHECK(relative_error(summed, expected) <= bound);
-    }
+    for (std::size_t j = 0; j < whole.module_gradients.size(); ++j)
+      CHECK(sum_error(first.module_gradients[j], second.module_gradients[j],
+                      whole.module_gradients[j]) <= bound);
   }
 }
 

@@ -100,9 +100,7 @@ struct ShortConv {
                        TensorView<const T, 3> d_y, TensorView<T, 3> d_x,
                        std::type_identity_t<Weights<T>>* d_weights) {
     const index_t B = x.extent(0), Tn = x.extent(1), C = x.extent(2);
-    detail::check_shape(d_y, "d_y", x.extents(), "[B, T, C]");
-    detail::check_shape(d_x, "d_x", x.extents(), "[B, T, C]");
-    detail::check_output(d_x, "d_x", detail::named(x, "x"), detail::named(d_y, "d_y"));
+    detail::check_mixer_gradients(x, d_y, d_x);
     if (d_weights) {
       detail::check_shape(d_weights->kernel.view(), "d_mixer.kernel", {K, C}, "[K, C]");
       detail::check_shape(d_weights->bias.view(), "d_mixer.bias", {C}, "[C]");

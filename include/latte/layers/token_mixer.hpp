@@ -18,10 +18,22 @@
 // attention, as in the papers' bidirectional models).
 #include <concepts>
 
+#include "latte/core/shape_check.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
 
 namespace latte {
+
+namespace detail {
+/// A mixer backward's d_y and d_x: x's shape, d_x sharing no element with x or d_y.
+template <Real T>
+void check_mixer_gradients(const TensorView<const T, 3>& x, const TensorView<const T, 3>& d_y,
+                           const TensorView<T, 3>& d_x) {
+  check_shape(d_y, "d_y", x.extents(), "[B, T, C]");
+  check_shape(d_x, "d_x", x.extents(), "[B, T, C]");
+  check_output(d_x, "d_x", named(x, "x"), named(d_y, "d_y"));
+}
+}  // namespace detail
 
 template <class M>
 concept TokenMixer =

@@ -560,6 +560,17 @@ class LatteMacchiato {
   void validate_sequence(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
                          const TensorView<const T, 4>& wq, const TensorView<const T, 4>& wk,
                          const TensorView<const T, 4>& v, const TensorView<T, 4>& out) const {
+    validate_inputs(q, k, wq, wk, v);
+    detail::check_shape(out, "out", {q.extent(0), q.extent(1), dims_.heads, dims_.value_dim},
+                        "[B, T, H, Dv]");
+    check_outputs_distinct(q, k, wq, wk, v, out);
+  }
+
+  /// The five inputs' shapes, B and T from query_logits.
+  template <class T>
+  void validate_inputs(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
+                       const TensorView<const T, 4>& wq, const TensorView<const T, 4>& wk,
+                       const TensorView<const T, 4>& v) const {
     check_view(q, "query_logits");
     const index_t B = q.extent(0), Tn = q.extent(1), H = dims_.heads;
     const index_t L = dims_.latents, Dk = dims_.key_dim, Dv = dims_.value_dim;
@@ -568,8 +579,6 @@ class LatteMacchiato {
     detail::check_shape(wq, "window_queries", {B, Tn, H, Dk}, "[B, T, H, Dk]");
     detail::check_shape(wk, "window_keys", {B, Tn, H, Dk}, "[B, T, H, Dk]");
     detail::check_shape(v, "values", {B, Tn, H, Dv}, "[B, T, H, Dv]");
-    detail::check_shape(out, "out", {B, Tn, H, Dv}, "[B, T, H, Dv]");
-    check_outputs_distinct(q, k, wq, wk, v, out);
   }
 
   template <class T>
@@ -577,14 +586,9 @@ class LatteMacchiato {
                          const TensorView<const T, 4>& wq, const TensorView<const T, 4>& wk,
                          const TensorView<const T, 4>& v, const TensorView<const T, 4>& d_out,
                          const MacchiatoGradients<T>& gradients) const {
-    check_view(q, "query_logits");
+    validate_inputs(q, k, wq, wk, v);
     const index_t B = q.extent(0), Tn = q.extent(1), H = dims_.heads;
     const index_t L = dims_.latents, Dk = dims_.key_dim, Dv = dims_.value_dim;
-    detail::check_shape(q, "query_logits", {B, Tn, H, L + 1}, "[B, T, H, L+1]");
-    detail::check_shape(k, "key_logits", {B, Tn, H, L}, "[B, T, H, L]");
-    detail::check_shape(wq, "window_queries", {B, Tn, H, Dk}, "[B, T, H, Dk]");
-    detail::check_shape(wk, "window_keys", {B, Tn, H, Dk}, "[B, T, H, Dk]");
-    detail::check_shape(v, "values", {B, Tn, H, Dv}, "[B, T, H, Dv]");
     detail::check_shape(d_out, "d_out", {B, Tn, H, Dv}, "[B, T, H, Dv]");
     // Named references, not a structured binding: clang 14 cannot capture those.
     const TensorView<T, 4>& dq = gradients.d_query_logits;

@@ -23,6 +23,7 @@
 // values under VAPOR on the window), O(T * H * (2 Dk + Dv)) extra.
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "latte/backends/cpu/latte.hpp"
@@ -306,35 +307,21 @@ struct MacchiatoParts {
     rotation.seek(theta, first);
     for (index_t t = 0; t < count; ++t, rotation.next()) rotation.rotate(row + t * stride, forward);
   }
-  template <bool Causal, Stabilizer Stab, Positional Pos, Real T, class States>
-  static void latte_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
-                             TensorView<const T, 4> v, TensorView<const T, 4> g,
-                             TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,
-                             const std::vector<double>& angles, double* d_angles,
-                             TensorView<T, 3> read_dots, States& states) {
-    using reference::LatteCarry;
-    if constexpr (Causal)
-      latte_causal_backward<Stab, Pos>(
-          q, k, v, g, dq, dk, dv, angles, states.first_position,
-          [&](index_t b, index_t h, LatteCarry<T> carry) { states.initial_of(b, h, carry); },
-          [&](index_t b, index_t h, const T* m_T) { return states.final_gradient_of(b, h, m_T); },
-          [&](index_t b, index_t h) { return states.initial_gradient_of(b, h); }, d_angles,
-          read_dots);
-    else
-      latte_bidirectional_backward<Stab, Pos>(q, k, v, g, dq, dk, dv, angles, d_angles, read_dots);
+  template <Stabilizer Stab, Positional Pos, class... Args>
+  static void latte_causal_backward(Args&&... args) {
+    cpu::latte_causal_backward<Stab, Pos>(std::forward<Args>(args)...);
   }
-  template <bool Causal, Real T>
-  static void softmax_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
-                               TensorView<const T, 4> v, TensorView<const T, 4> g,
-                               TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,
-                               T scale, const SlidingWindow& window, TensorView<T, 3> row_dots) {
-    cpu::softmax_backward<Causal>(q, k, v, g, dq, dk, dv, scale, window, row_dots);
+  template <Stabilizer Stab, Positional Pos, class... Args>
+  static void latte_bidirectional_backward(Args&&... args) {
+    cpu::latte_bidirectional_backward<Stab, Pos>(std::forward<Args>(args)...);
   }
-  template <bool Causal, Real T>
-  static void softmax_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
-                              TensorView<const T, 4> v, TensorView<T, 4> out, T scale,
-                              const SlidingWindow& window) {
-    cpu::softmax_forward<Causal>(q, k, v, out, scale, window);
+  template <bool Causal, class... Args>
+  static void softmax_backward(Args&&... args) {
+    cpu::softmax_backward<Causal>(std::forward<Args>(args)...);
+  }
+  template <bool Causal, class... Args>
+  static void softmax_forward(Args&&... args) {
+    cpu::softmax_forward<Causal>(std::forward<Args>(args)...);
   }
 };
 

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "latte/backends/reference/latte.hpp"
@@ -356,10 +357,20 @@ void macchiato_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
     }
   });
   auto share_of = [&](index_t b, index_t t, index_t h) { return shares[size(2 * ((b * Tn + t) * H + h))]; };
-  Parts::template latte_backward<Causal, Stab, LatentPos>(
-      latent_logits(q), k, v, TensorView<const T, 4>(latent_upstream),
-      latent_logits(gradients.d_query_logits), gradients.d_key_logits, gradients.d_values,
-      *spec.latent_angles, d_angles, latent_dots, states);
+  if constexpr (Causal)
+    Parts::template latte_causal_backward<Stab, LatentPos>(
+        latent_logits(q), k, v, TensorView<const T, 4>(latent_upstream),
+        latent_logits(gradients.d_query_logits), gradients.d_key_logits, gradients.d_values,
+        *spec.latent_angles, states.first_position,
+        [&](index_t b, index_t h, LatteCarry<T> carry) { states.initial_of(b, h, carry); },
+        [&](index_t b, index_t h, const T* m_T) { return states.final_gradient_of(b, h, m_T); },
+        [&](index_t b, index_t h) { return states.initial_gradient_of(b, h); }, d_angles,
+        latent_dots);
+  else
+    Parts::template latte_bidirectional_backward<Stab, LatentPos>(
+        latent_logits(q), k, v, TensorView<const T, 4>(latent_upstream),
+        latent_logits(gradients.d_query_logits), gradients.d_key_logits, gradients.d_values,
+        *spec.latent_angles, d_angles, latent_dots);
 
   // The window part: softmax over W(t) with d_out a_t g_t, over Tx rows (the
   // ring's last `pre` tokens, which take no query, then the sequence), on
@@ -429,8 +440,9 @@ void macchiato_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
       // from the first token as in Latte's backward (fp32 at 1e7 keeps its
       // digits): with w~_t the unrotated window read, sum_t t <a_t g~_t, J w~_t>
       // - sum_s s <dv~_s, J v~_s> over the sequence; moving the origin to P adds
-      // P <dv~_j, J v~_j> for the ring's rows and -P <dv~_s, J v~_s> for the
-      // final ring's gradient (the previous call's tokens are its own).
+      // P <dv~_j, J v~_j> for the ring's rows (their own terms were the previous
+      // call's), and the final ring's gradient adds -(P + s) <dv~_s, J v~_s> for
+      // the sequence's tokens it holds (docs/backward.md).
       std::vector<T> reads(size(value_rows));
       const TensorView<T, 4> read = dense(reads.data(), Tx, Dv);
       Parts::template softmax_forward<Causal>(window_queries, window_keys, window_values, read,
@@ -524,34 +536,21 @@ struct ReferenceMacchiatoParts {
     for (index_t t = 0; t < count; ++t)
       Pos::rotate(row + t * stride, D, theta, forward ? first + t : -(first + t));
   }
-  template <bool Causal, Stabilizer Stab, Positional Pos, Real T, class States>
-  static void latte_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
-                             TensorView<const T, 4> v, TensorView<const T, 4> g,
-                             TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,
-                             const std::vector<double>& angles, double* d_angles,
-                             TensorView<T, 3> read_dots, States& states) {
-    if constexpr (Causal)
-      latte_causal_backward<Stab, Pos>(
-          q, k, v, g, dq, dk, dv, angles, states.first_position,
-          [&](index_t b, index_t h, LatteCarry<T> carry) { states.initial_of(b, h, carry); },
-          [&](index_t b, index_t h, const T* m_T) { return states.final_gradient_of(b, h, m_T); },
-          [&](index_t b, index_t h) { return states.initial_gradient_of(b, h); }, d_angles,
-          read_dots);
-    else
-      latte_bidirectional_backward<Stab, Pos>(q, k, v, g, dq, dk, dv, angles, d_angles, read_dots);
+  template <Stabilizer Stab, Positional Pos, class... Args>
+  static void latte_causal_backward(Args&&... args) {
+    reference::latte_causal_backward<Stab, Pos>(std::forward<Args>(args)...);
   }
-  template <bool Causal, Real T>
-  static void softmax_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
-                               TensorView<const T, 4> v, TensorView<const T, 4> g,
-                               TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,
-                               T scale, const SlidingWindow& window, TensorView<T, 3> row_dots) {
-    reference::softmax_backward<Causal>(q, k, v, g, dq, dk, dv, scale, window, row_dots);
+  template <Stabilizer Stab, Positional Pos, class... Args>
+  static void latte_bidirectional_backward(Args&&... args) {
+    reference::latte_bidirectional_backward<Stab, Pos>(std::forward<Args>(args)...);
   }
-  template <bool Causal, Real T>
-  static void softmax_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
-                              TensorView<const T, 4> v, TensorView<T, 4> out, T scale,
-                              const SlidingWindow& window) {
-    reference::softmax_forward<Causal>(q, k, v, out, scale, window);
+  template <bool Causal, class... Args>
+  static void softmax_backward(Args&&... args) {
+    reference::softmax_backward<Causal>(std::forward<Args>(args)...);
+  }
+  template <bool Causal, class... Args>
+  static void softmax_forward(Args&&... args) {
+    reference::softmax_forward<Causal>(std::forward<Args>(args)...);
   }
 };
 
