@@ -66,16 +66,18 @@ std::string label() {
   return label(Attention::template kind<T>(), E::name);
 }
 
-/// The forward's output against "<prefix>/out" (Tolerance<T>::relative), then
-/// every named gradient against "<prefix>/<name>" (Tolerance<T>::gradient).
-template <class T>
+/// The forward's output against "<prefix>/<out_name>" (Tolerance<T>::relative),
+/// then every named gradient against "<prefix>/<name>" (Tolerance<T>::gradient).
+template <class T, std::size_t N>
 void check_against_golden(const std::string& what, const std::string& prefix,
-                          const Tensor<T, 4>& out,
-                          const std::vector<std::pair<std::string, std::span<const T>>>& got) {
-  const double out_error = relative_error(out, golden_tensor<long double, 4>(prefix + "/out"));
-  CHECK_MESSAGE(out_error <= Tolerance<T>::relative, what << " forward vs " << prefix << "/out");
+                          const Tensor<T, N>& out,
+                          const std::vector<std::pair<std::string, std::span<const T>>>& got,
+                          const std::string& out_name = "out") {
+  const std::string out_golden = prefix + "/" + out_name;
+  const double out_error = relative_error(out, golden_tensor<long double, N>(out_golden));
+  CHECK_MESSAGE(out_error <= Tolerance<T>::relative, what << " forward vs " << out_golden);
   std::printf("[golden-grad] %-62s %-8s %-44s max_rel_error=%.3e (tol %.0e)\n", what.c_str(),
-              dtype_name<T>(), (prefix + "/out").c_str(), out_error, Tolerance<T>::relative);
+              dtype_name<T>(), out_golden.c_str(), out_error, Tolerance<T>::relative);
   long double largest = 0;
   for (const auto& [name, gradient] : got)
     for (const double x : golden_array(prefix + "/" + name).values)
@@ -177,28 +179,6 @@ void macchiato_cases(E e) {
                                                         VaporScope::all_states);
 }
 
-/// A [B, T, C] output against "<prefix>/<out_name>", then the named gradients.
-template <class T>
-void check_mixer_against_golden(const std::string& what, const std::string& prefix,
-                                const Tensor<T, 3>& y, const std::string& out_name,
-                                const std::vector<std::pair<std::string, std::span<const T>>>& got) {
-  const double error = relative_error(y, golden_tensor<long double, 3>(prefix + "/" + out_name));
-  CHECK_MESSAGE(error <= Tolerance<T>::relative, what << " forward vs " << prefix);
-  long double largest = 0;
-  for (const auto& [name, gradient] : got)
-    for (const double x : golden_array(prefix + "/" + name).values)
-      largest = std::max(largest, std::fabs(static_cast<long double>(x)));
-  for (const auto& [name, gradient] : got) {
-    const std::span<const double> values = golden_array(prefix + "/" + name).values;
-    const std::vector<long double> expected(values.begin(), values.end());
-    REQUIRE(expected.size() == gradient.size());
-    const double gradient_error_ = gradient_error(gradient, expected, largest);
-    CHECK_MESSAGE(gradient_error_ <= Tolerance<T>::gradient, what << " vs " << prefix << "/" << name);
-    std::printf("[golden-grad] %-62s %-8s %-44s max_rel_error=%.3e (tol %.0e)\n", what.c_str(),
-                dtype_name<T>(), (prefix + "/" + name).c_str(), gradient_error_, Tolerance<T>::gradient);
-  }
-}
-
 template <class T>
 void mixer_cases() {
   {
@@ -210,9 +190,10 @@ void mixer_cases() {
     auto d_w = ShortConv<3>::zeros_like(w);
     ShortConv<3>::forward(w, x.cview(), y.view(), nullptr);
     ShortConv<3>::backward(w, x.cview(), d_y.cview(), d_x.view(), &d_w);
-    check_mixer_against_golden<T>("ShortConv<3>", "mixer/short_conv", y, "y",
-                                  {{"d_x", span_of(d_x)}, {"d_kernel", span_of(d_w.kernel)},
-                                   {"d_bias", span_of(d_w.bias)}});
+    check_against_golden<T>("ShortConv<3>", "mixer/short_conv", y,
+                            {{"d_x", span_of(d_x)}, {"d_kernel", span_of(d_w.kernel)},
+                             {"d_bias", span_of(d_w.bias)}},
+                            "y");
   }
   const std::string prefix = "mixer/rglru";
   const auto x = golden_tensor<T, 3>(prefix + "/x");
@@ -226,13 +207,14 @@ void mixer_cases() {
   auto d_w = RGLRU::zeros_like(w);
   RGLRU::forward(w, x.cview(), y.view(), nullptr);
   RGLRU::backward(w, x.cview(), d_y.cview(), d_x.view(), &d_w);
-  check_mixer_against_golden<T>("RGLRU", prefix, y, "y",
-                                {{"d_x", span_of(d_x)},
-                                 {"d_recurrence_gate", span_of(d_w.recurrence_gate)},
-                                 {"d_recurrence_bias", span_of(d_w.recurrence_bias)},
-                                 {"d_input_gate", span_of(d_w.input_gate)},
-                                 {"d_input_bias", span_of(d_w.input_bias)},
-                                 {"d_lambda", span_of(d_w.lambda)}});
+  check_against_golden<T>("RGLRU", prefix, y,
+                          {{"d_x", span_of(d_x)},
+                           {"d_recurrence_gate", span_of(d_w.recurrence_gate)},
+                           {"d_recurrence_bias", span_of(d_w.recurrence_bias)},
+                           {"d_input_gate", span_of(d_w.input_gate)},
+                           {"d_input_bias", span_of(d_w.input_bias)},
+                           {"d_lambda", span_of(d_w.lambda)}},
+                          "y");
 }
 
 template <class T, class E>
@@ -276,8 +258,7 @@ void layer_case(E e) {
   got.emplace_back("mixer/d_input_gate", span_of(d_weights.mixer.input_gate));
   got.emplace_back("mixer/d_input_bias", span_of(d_weights.mixer.input_bias));
   got.emplace_back("mixer/d_lambda", span_of(d_weights.mixer.lambda));
-  check_mixer_against_golden<T>(std::string("MacchiatoLayer<causal,rglru> ") + E::name, prefix, out,
-                                "out", got);
+  check_against_golden<T>(std::string("MacchiatoLayer<causal,rglru> ") + E::name, prefix, out, got);
 }
 
 template <class T, class E>

@@ -91,7 +91,9 @@ constexpr const char* kConvNames[] = {"d_x", "d_mixer.kernel", "d_mixer.bias"};
 template <class T>
 void conv_cases(std::uint64_t seed) {
   Rng rng(seed);
-  for (const auto [B, Tn, C] : {std::array<index_t, 3>{1, 1, 2}, {2, 2, 3}, {1, 7, 4}, {2, 12, 3}}) {
+  for (const std::array<index_t, 3>& shape : {std::array<index_t, 3>{1, 1, 2}, {2, 2, 3}, {1, 7, 4}, {2, 12, 3}}) {
+    // Named copies, not a structured binding: clang 14 cannot capture those (CAPTURE).
+    const index_t B = shape[0], Tn = shape[1], C = shape[2];
     CAPTURE(Tn);
     ConvProblem<T, 3> three(rng, B, Tn, C);
     three.run();
@@ -175,7 +177,8 @@ constexpr const char* kRglruNames[] = {"d_x", "d_mixer.recurrence_gate", "d_mixe
 template <class T>
 void rglru_cases(std::uint64_t seed) {
   Rng rng(seed);
-  for (const auto [B, Tn, C] : {std::array<index_t, 3>{1, 1, 2}, {2, 3, 3}, {1, 9, 4}, {2, 16, 3}}) {
+  for (const std::array<index_t, 3>& shape : {std::array<index_t, 3>{1, 1, 2}, {2, 3, 3}, {1, 9, 4}, {2, 16, 3}}) {
+    const index_t B = shape[0], Tn = shape[1], C = shape[2];
     for (const double lambda_low : {-2.0, -9.0}) {  // a_t up to 1 - 1e-4 at r = 1
       CAPTURE(Tn);
       CAPTURE(lambda_low);
