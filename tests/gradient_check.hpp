@@ -181,6 +181,25 @@ void check_every_element(P& problem, const char* const* names) {
   }
 }
 
+/// An adversarial problem (logit spreads, -inf logits, zero values) on both
+/// backends: every gradient finite, exactly 0 for each -inf entry of the
+/// problem's q and k (gradients dq, dk), and every element against the oracle.
+template <class T, class P>
+void check_adversarial(P& problem, const char* const* names) {
+  constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+  for (const bool cpu : {false, true}) {
+    if (cpu) problem.run(exec::cpu);
+    else problem.run(exec::reference);
+    for (const auto& gradient : problem.gradients())
+      CHECK(std::all_of(gradient.begin(), gradient.end(), [](T x) { return std::isfinite(x); }));
+    for (index_t i = 0; i < problem.k.size(); ++i)
+      if (problem.k.data()[i] == minus_inf) CHECK(problem.dk.data()[i] == T(0));
+    for (index_t i = 0; i < problem.q.size(); ++i)
+      if (problem.q.data()[i] == minus_inf) CHECK(problem.dq.data()[i] == T(0));
+    check_every_element<T>(problem, names);
+  }
+}
+
 /// <gradient, direction> against the oracle loss's derivative along a random direction.
 template <class T, class P, class Random>
 void check_direction(P& problem, Random& rng) {
