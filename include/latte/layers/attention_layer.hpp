@@ -229,9 +229,9 @@ class AttentionLayer {
   /// gradient accumulated into it (+=): projections, output, mixer. The
   /// forward is recomputed (mix, project, attend), then the output projection,
   /// the mechanism's backward, the projections and the mixer run backwards.
-  /// Parameters inside the mechanism (VAPOR angles, LeaP modules) are the
-  /// mechanism's own: call its backward for those. Extra memory: the
-  /// activations of one forward and their gradients.
+  /// Parameters inside the mechanism (learned VAPOR angles, LeaP modules) get
+  /// no gradient here yet (the inputs' gradients do include their paths).
+  /// Extra memory: the activations of one forward and their gradients.
   template <exec::Policy E>
     requires trainable
   void backward(E e, TensorView<const Scalar, 3> x, TensorView<const Scalar, 3> d_out,
