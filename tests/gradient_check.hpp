@@ -181,21 +181,27 @@ void check_every_element(P& problem, const char* const* names) {
   }
 }
 
+/// A problem's gradients after a run: every one finite, and exactly 0 for
+/// each -inf entry of the problem's q and k (gradients dq, dk).
+template <class T, class P>
+void check_finite_and_zero_at_minus_inf(const P& problem) {
+  constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+  for (const auto& gradient : problem.gradients())
+    CHECK(std::all_of(gradient.begin(), gradient.end(), [](T x) { return std::isfinite(x); }));
+  for (index_t i = 0; i < problem.k.size(); ++i)
+    if (problem.k.data()[i] == minus_inf) CHECK(problem.dk.data()[i] == T(0));
+  for (index_t i = 0; i < problem.q.size(); ++i)
+    if (problem.q.data()[i] == minus_inf) CHECK(problem.dq.data()[i] == T(0));
+}
+
 /// An adversarial problem (logit spreads, -inf logits, zero values) on both
-/// backends: every gradient finite, exactly 0 for each -inf entry of the
-/// problem's q and k (gradients dq, dk), and every element against the oracle.
+/// backends: check_finite_and_zero_at_minus_inf and every element against the oracle.
 template <class T, class P>
 void check_adversarial(P& problem, const char* const* names) {
-  constexpr T minus_inf = -std::numeric_limits<T>::infinity();
   for (const bool cpu : {false, true}) {
     if (cpu) problem.run(exec::cpu);
     else problem.run(exec::reference);
-    for (const auto& gradient : problem.gradients())
-      CHECK(std::all_of(gradient.begin(), gradient.end(), [](T x) { return std::isfinite(x); }));
-    for (index_t i = 0; i < problem.k.size(); ++i)
-      if (problem.k.data()[i] == minus_inf) CHECK(problem.dk.data()[i] == T(0));
-    for (index_t i = 0; i < problem.q.size(); ++i)
-      if (problem.q.data()[i] == minus_inf) CHECK(problem.dq.data()[i] == T(0));
+    check_finite_and_zero_at_minus_inf<T>(problem);
     check_every_element<T>(problem, names);
   }
 }

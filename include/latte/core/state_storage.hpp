@@ -395,4 +395,21 @@ class StateStorage {
   std::vector<AlignedVector<T>> data_;
 };
 
+namespace detail {
+
+/// The state arguments of a causal backward ({initial, d_final, d_initial}):
+/// each given state of `kind` and `sizes`, room for `tokens` more in initial,
+/// and d_initial a state of its own. Errors name "states.<member>".
+template <class States, class Sizes>
+void require_backward_states(const States& states, const std::string& kind, const Sizes& sizes,
+                             index_t tokens) {
+  if (states.initial) states.initial->require_kind_and_sizes(kind, sizes, "states.initial");
+  if (states.d_final) states.d_final->require_kind_and_sizes(kind, sizes, "states.d_final");
+  if (states.initial) states.initial->require_room(tokens);
+  require(states.d_initial == nullptr ||
+              (states.d_initial != states.initial && states.d_initial != states.d_final),
+          "states.d_initial", "must be a state of its own (not initial nor d_final)");
+}
+
+}  // namespace detail
 }  // namespace latte

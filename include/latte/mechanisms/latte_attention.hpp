@@ -413,16 +413,9 @@ class LatteAttention {
   template <Real T>
   void validate_state_gradients(const LatteStateGradients<T>& states, index_t batch,
                                 index_t tokens) const {
-    const auto sizes = State<T>::sizes_for(batch, dims_.heads, dims_.latents, dims_.value_dim);
-    auto check = [&](const State<T>* state, const char* name) {
-      if (state) state->require_kind_and_sizes(kind<T>(), sizes, name);
-    };
-    check(states.initial, "states.initial");
-    check(states.d_final, "states.d_final");
-    if (states.initial) states.initial->require_room(tokens);
-    detail::require(states.d_initial == nullptr ||
-                        (states.d_initial != states.initial && states.d_initial != states.d_final),
-                    "states.d_initial", "must be a state of its own (not initial nor d_final)");
+    detail::require_backward_states(
+        states, kind<T>(), State<T>::sizes_for(batch, dims_.heads, dims_.latents, dims_.value_dim),
+        tokens);
   }
 
   /// One (batch, head)'s carry: alpha, m [L] and vtilde [L x Dv].

@@ -490,19 +490,10 @@ class LatteMacchiato {
   void validate_state_gradients(const MacchiatoStateGradients<T>& states, index_t batch,
                                 index_t tokens) const {
     const MacchiatoDims& d = dims_;
-    const auto sizes = State<T>::sizes_for(batch, d.heads, d.latents, d.key_dim, d.value_dim, d.window);
-    auto check = [&](const State<T>* state, const char* name) {
-      if (state) state->require_kind_and_sizes(kind<T>(), sizes, name);
-    };
-    check(states.initial, "states.initial");
-    check(states.d_final, "states.d_final");
-    if (states.initial) {
-      states.initial->require_room(tokens);
-      validate_state(*states.initial, batch, tokens);
-    }
-    detail::require(states.d_initial == nullptr ||
-                        (states.d_initial != states.initial && states.d_initial != states.d_final),
-                    "states.d_initial", "must be a state of its own (not initial nor d_final)");
+    detail::require_backward_states(
+        states, kind<T>(),
+        State<T>::sizes_for(batch, d.heads, d.latents, d.key_dim, d.value_dim, d.window), tokens);
+    if (states.initial) validate_state(*states.initial, batch, tokens);  // its window_fill too
   }
 
   [[nodiscard]] cpu::MacchiatoWindowSpec window_spec() const noexcept {

@@ -998,20 +998,10 @@ class LinearAttention {
   template <Real T>
   void validate_state_gradients(const LinearStateGradients<T>& states, index_t batch,
                                 index_t tokens) const {
-    const auto sizes = sizes_for(batch);
-    auto check = [&](const State<T>* state, const char* name) {
-      if (state) state->require_kind_and_sizes(kind<T>(), sizes, name);
-    };
-    check(states.initial, "states.initial");
-    check(states.d_final, "states.d_final");
-    if (states.initial) {
-      states.initial->require_room(tokens);
-      if constexpr (position_proportions)
+    detail::require_backward_states(states, kind<T>(), sizes_for(batch), tokens);
+    if constexpr (position_proportions)
+      if (states.initial)
         (void)cosformer_length(static_cast<index_t>(states.initial->position() + tokens), 0);
-    }
-    detail::require(states.d_initial == nullptr ||
-                        (states.d_initial != states.initial && states.d_initial != states.d_final),
-                    "states.d_initial", "must be a state of its own (not initial nor d_final)");
   }
 
   LinearDims dims_;

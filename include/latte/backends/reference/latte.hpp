@@ -208,7 +208,7 @@ void latent_softmax(const T* q, index_t L, T* p) noexcept {
 /// `y` is not null. Returns sum_l p_l dp_l = <g, y>.
 template <Real T>
 T latte_read_backward(const T* q, const T* g, const T* normaliser, const T* memory, index_t L,
-                         index_t Dv, T* dq, T* p, T* read_weight, T* read_dp, T* y) noexcept {
+                      index_t Dv, T* dq, T* p, T* read_weight, T* read_dp, T* y) noexcept {
   latent_softmax(q, L, p);
   T mean_dp = 0;
   for (index_t l = 0; l < L; ++l) {
