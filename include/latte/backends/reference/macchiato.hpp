@@ -412,14 +412,16 @@ void macchiato_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
     }
     if constexpr (rope) {  // R^t q'_t, R^s k'_s at absolute positions
       const double* key_theta = theta_of(spec.key_angles, h, Dk);
-      for (const TensorView<T, 4>& x : {Xq, Xk})
+      const TensorView<T, 4> rotated[] = {Xq, Xk};
+      for (const TensorView<T, 4>& x : rotated)
         Parts::template rotate_rows<WindowPos>(x.row(b, pre, h), x.stride(1), Tn, Dk, key_theta,
                                                true, P);
     }
     if constexpr (LatentPos::rotates_values) {
       if (vapor_window) {  // R^{-t} (a_t g_t), R^{-s} v_s
         const double* value_theta = theta_of(spec.latent_angles, h, Dv);
-        for (const TensorView<T, 4>& x : {Xg, Xv})
+        const TensorView<T, 4> rotated[] = {Xg, Xv};
+        for (const TensorView<T, 4>& x : rotated)
           Parts::template rotate_rows<LatentPos>(x.row(b, pre, h), x.stride(1), Tn, Dv,
                                                  value_theta, false, P);
       }
@@ -504,7 +506,10 @@ void macchiato_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
       }
     if constexpr (rope) {  // dq' = R^{-t} d(R^t q'), dk' likewise
       const double* key_theta = theta_of(spec.key_angles, h, Dk);
-      for (const TensorView<T, 4>& d : {gradients.d_window_queries, gradients.d_window_keys})
+      // A named array, not a braced list in the range-for: nvcc's front end rejects the latter
+      // here (CI, session 17).
+      const TensorView<T, 4> rotated[] = {gradients.d_window_queries, gradients.d_window_keys};
+      for (const TensorView<T, 4>& d : rotated)
         Parts::template rotate_rows<WindowPos>(d.row(b, 0, h), d.stride(1), Tn, Dk, key_theta,
                                                false, P);
     }
