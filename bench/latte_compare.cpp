@@ -415,6 +415,21 @@ int main(int argc, char** argv) {
       run("lavo", "bidirectional",
           double(B) * H * latte::bench::lavo_forward_flops(T, D, L, lavo_window, false),
           [&] { lavo_bidirectional.forward(latte::exec::cpu, q, k, v, out.view()); });
+      {  // backward: 2x the forward's FLOPs, forward + backward 3x (as Latte's rows)
+        const double lavo_flops =
+            double(B) * H * latte::bench::lavo_forward_flops(T, D, L, lavo_window, true);
+        auto d_out = random_tensor<4>(rng, {B, T, H, D});
+        latte::Tensor<float, 4> dq({B, T, H, D}), dk({B, T, H, D}), dv({B, T, H, D});
+        latte::Tensor<float, 2> d_bias({H, 2 * lavo_window - 1});
+        const latte::LavoGradients<float> gradients{dq.view(), dk.view(), dv.view(), d_bias.view()};
+        run("lavo_backward", "causal", 2 * lavo_flops, [&] {
+          lavo_causal.backward(latte::exec::cpu, q, k, v, d_out, gradients);
+        });
+        run("lavo_forward_backward", "causal", 3 * lavo_flops, [&] {
+          lavo_causal.forward(latte::exec::cpu, q, k, v, out.view());
+          lavo_causal.backward(latte::exec::cpu, q, k, v, d_out, gradients);
+        });
+      }
       // Runs that grow like T^2: skipped when the last length predicts a run past the cap.
       auto capped = [&](QuadraticCap& cap, const char* name, double flops,
                         const std::function<void()>& f) {

@@ -1073,6 +1073,21 @@ void lavo(Fuzz& fuzz, const Sizes& s) {
     a.forward(latte::exec::reference, c.inputs[0].cview(), c.inputs[1].cview(),
               c.inputs[2].cview(), c.out.view());
   });
+  if (fuzz.coin(4)) {  // backward(q, k, v, d_out, {dq, dk, dv}) on either backend
+    const bool on_cpu = fuzz.coin(2);
+    drive_self_backward<T>(fuzz, f, s.batch, s.time, s.heads, tame_scale ? 1e2 : 0,
+                           "Lavo backward", [&](auto& c, auto& second, auto& third) {
+                             const latte::LavoGradients<T> gradients{c.out.view(), second.out.view(),
+                                                                     third.out.view()};
+                             if (on_cpu)
+                               a.backward(latte::exec::cpu, c.inputs[0].cview(), c.inputs[1].cview(),
+                                          c.inputs[2].cview(), c.inputs[3].cview(), gradients);
+                             else
+                               a.backward(latte::exec::reference, c.inputs[0].cview(),
+                                          c.inputs[1].cview(), c.inputs[2].cview(),
+                                          c.inputs[3].cview(), gradients);
+                           });
+  }
   if constexpr (causal<Dir>) {
     drive_decode<T>(
         fuzz, f, s.batch, s.time, s.heads, "Lavo decode",

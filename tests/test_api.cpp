@@ -560,4 +560,30 @@ TEST_CASE("Calls without an execution tag run on exec::cpu") {
                      latte::MacchiatoGradients<float>{dq2.view(), dk2.view(), dwq2.view(), dwk2.view(), dv2.view()});
   CHECK(bit_equal(dq, dq2));
   CHECK(bit_equal(dv, dv2));
+  // LAVO: forward, forward with a state, step, cross_forward and backward.
+  const auto x = random_tensor<float, 4>(rng, {1, 300, 2, 6}, 1.0);
+  latte::Tensor<float, 4> lavo_a(x.extents()), lavo_b(x.extents());
+  const latte::Lavo<latte::Causal> lavo({.heads = 2, .dim = 6, .bases = 3, .window = 7});
+  lavo.forward(x, x, x, lavo_a.view());
+  lavo.forward(latte::exec::cpu, x, x, x, lavo_b.view());
+  CHECK(bit_equal(lavo_a, lavo_b));
+  auto l_state = lavo.make_state<float>(1);
+  auto l_state_cpu = lavo.make_state<float>(1);
+  lavo.forward(x, x, x, lavo_a.view(), l_state);
+  lavo.forward(latte::exec::cpu, x, x, x, lavo_b.view(), l_state_cpu);
+  latte::Tensor<float, 3> token({1, 2, 6}, 0.5f), lavo_step_a({1, 2, 6}), lavo_step_b({1, 2, 6});
+  lavo.step(l_state, token, token, token, lavo_step_a.view());
+  lavo.step(latte::exec::cpu, l_state_cpu, token, token, token, lavo_step_b.view());
+  CHECK(bit_equal(lavo_step_a, lavo_step_b));
+  const latte::Lavo<latte::Bidirectional> lavo_cross({.heads = 2, .dim = 6, .bases = 3, .window = 7});
+  lavo_cross.cross_forward(x, q, lavo_a.view());
+  lavo_cross.cross_forward(latte::exec::cpu, x, q, lavo_b.view());
+  CHECK(bit_equal(lavo_a, lavo_b));
+  latte::Tensor<float, 4> ldq(x.extents()), ldk(x.extents()), ldv(x.extents()), ldq2(x.extents()),
+      ldk2(x.extents()), ldv2(x.extents());
+  lavo.backward(x, x, x, x, latte::LavoGradients<float>{ldq.view(), ldk.view(), ldv.view()});
+  lavo.backward(latte::exec::cpu, x, x, x, x,
+                latte::LavoGradients<float>{ldq2.view(), ldk2.view(), ldv2.view()});
+  CHECK(bit_equal(ldq, ldq2));
+  CHECK(bit_equal(ldv, ldv2));
 }

@@ -14,7 +14,9 @@
 // directions, no positions, VAPOR with learned angles on the latent states with a
 // RoPE window, VAPOR on every state) likewise, and the token mixers' backward
 // (ShortConv, RG-LRU) and MacchiatoLayer<Causal, RGLRU>::backward (Latte-RGLRU-SWA:
-// input and every weight's gradient).
+// input and every weight's gradient). Lavo::backward (causal with both
+// empty-memory rules, bidirectional; the relative bias's and the bases'
+// gradients) and Lavo::cross_backward likewise.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -30,6 +32,7 @@
 #include "latte/layers/named_layers.hpp"
 #include "latte/layers/rglru.hpp"
 #include "latte/layers/short_conv.hpp"
+#include "latte/mechanisms/lavo.hpp"
 #include "gradient_check.hpp"
 #include "support.hpp"
 
@@ -283,7 +286,61 @@ void softmax_cases(E e) {
   softmax_case<T, Bidirectional, SlidingWindow>(e, "bidirectional_window", {.left = 2, .right = 1});
 }
 
+template <class T, class Dir, class E>
+void lavo_case(E e, const std::string& name, LavoEmptyMemory empty_memory) {
+  const std::string prefix = "lavo/" + name;
+  const auto q = golden_tensor<T, 4>(prefix + "/queries");
+  const auto k = golden_tensor<T, 4>(prefix + "/keys");
+  const auto v = golden_tensor<T, 4>(prefix + "/values");
+  const auto d_out = golden_tensor<T, 4>(prefix + "/d_out");
+  auto bases = golden_tensor<double, 3>(prefix + "/bases");
+  auto bias = golden_tensor<double, 2>(prefix + "/relative_bias");
+  const index_t H = q.extent(2), d = q.extent(3), r = bases.extent(1), w = (bias.extent(1) + 1) / 2;
+  const Lavo<Dir> attention({.heads = H, .dim = d, .bases = r, .window = w},
+                            {.bases = std::move(bases), .relative_bias = std::move(bias),
+                             .empty_memory = empty_memory});
+  Tensor<T, 4> out(v.extents()), dq(q.extents()), dk(k.extents()), dv(v.extents());
+  Tensor<T, 2> d_bias({H, 2 * w - 1});
+  Tensor<T, 3> d_bases({H, r, d});
+  attention.forward(e, q.cview(), k.cview(), v.cview(), out.view());
+  attention.backward(e, q.cview(), k.cview(), v.cview(), d_out.cview(),
+                     LavoGradients<T>{dq.view(), dk.view(), dv.view(), d_bias.view(), d_bases.view()});
+  check_against_golden(label<Lavo<Dir>, T, E>(), prefix, out,
+                       {{"d_queries", span_of(dq)}, {"d_keys", span_of(dk)}, {"d_values", span_of(dv)},
+                        {"d_relative_bias", span_of(d_bias)}, {"d_bases", span_of(d_bases)}});
+}
+
+template <class T, class E>
+void lavo_cases(E e) {
+  lavo_case<T, Causal>(e, "causal", LavoEmptyMemory::zero);
+  lavo_case<T, Causal>(e, "causal_local_only", LavoEmptyMemory::local_only);
+  lavo_case<T, Bidirectional>(e, "bidirectional", LavoEmptyMemory::zero);
+  const std::string prefix = "lavo/cross";
+  const auto q = golden_tensor<T, 4>(prefix + "/queries");
+  const auto source = golden_tensor<T, 4>(prefix + "/source");
+  const auto d_out = golden_tensor<T, 4>(prefix + "/d_out");
+  auto bases = golden_tensor<double, 3>(prefix + "/bases");
+  const index_t H = q.extent(2), d = q.extent(3), r = bases.extent(1);
+  const Lavo<Bidirectional> attention({.heads = H, .dim = d, .bases = r, .window = 1},
+                                      {.bases = std::move(bases)});
+  Tensor<T, 4> out(q.extents()), dq(q.extents()), d_source(source.extents());
+  Tensor<T, 3> d_bases({H, r, d});
+  attention.cross_forward(e, q.cview(), source.cview(), out.view());
+  attention.cross_backward(e, q.cview(), source.cview(), d_out.cview(),
+                           LavoCrossGradients<T>{dq.view(), d_source.view(), d_bases.view()});
+  check_against_golden(label<Lavo<Bidirectional>, T, E>() + " cross", prefix, out,
+                       {{"d_queries", span_of(dq)}, {"d_source", span_of(d_source)},
+                        {"d_bases", span_of(d_bases)}});
+}
+
 }  // namespace
+
+TEST_CASE("Lavo::backward and cross_backward reproduce PyTorch autograd's gradients") {
+  lavo_cases<double>(exec::reference);
+  lavo_cases<float>(exec::reference);
+  lavo_cases<double>(exec::cpu);
+  lavo_cases<float>(exec::cpu);
+}
 
 TEST_CASE("LatteAttention::backward reproduces PyTorch autograd's gradients") {
   latte_cases<double>(exec::reference);

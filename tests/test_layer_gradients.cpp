@@ -21,6 +21,7 @@
 #include "latte/layers/rglru.hpp"
 #include "latte/layers/short_conv.hpp"
 #include "oracles/latte_oracle.hpp"
+#include "oracles/lavo_oracle.hpp"
 #include "oracles/layer_oracle.hpp"
 #include "oracles/linear_oracle.hpp"
 #include "oracles/macchiato_oracle.hpp"
@@ -263,6 +264,25 @@ struct LinearMechanism {
   }
 };
 
+template <class Dir>
+struct LavoMechanism {  // d = Dv, r = min(L, d), the default seeded bases and zero bias
+  using Attention = Lavo<Dir>;
+  static Attention make(const LayerShape& s) {
+    return Attention({.heads = s.heads, .dim = s.value_dim,
+                      .bases = std::min(s.latents, s.value_dim), .window = s.window});
+  }
+  static TensorLD<4> oracle(const LayerShape& s, const std::vector<TensorLD<4>>& a) {
+    const Attention attention = make(s);
+    LavoOracleSpec spec{.causal = Dir::is_causal,
+                        .window = s.window,
+                        .bases = attention.dims().bases,
+                        .scale = 1.0L / std::sqrt((long double)s.value_dim)};
+    spec.basis.assign(attention.bases().data(), attention.bases().data() + attention.bases().size());
+    spec.relative_bias.assign(static_cast<std::size_t>(s.heads * (2 * s.window - 1)), 0.0L);
+    return lavo_oracle(spec, a[0], a[1], a[2]);
+  }
+};
+
 template <class T, class Mixer>
 typename Mixer::template Weights<T> random_mixer(Rng& rng, index_t C) {
   if constexpr (std::is_same_v<Mixer, NoMixer>) {
@@ -469,6 +489,11 @@ TEST_CASE("AttentionLayer backward matches the layer oracle's gradients") {
   }
   SUBCASE("softmax, causal") { layer_cases<double, SoftmaxMechanism<Causal>, NoMixer>(607); }
   SUBCASE("linear elu + 1, causal") { layer_cases<double, LinearMechanism<Causal>, NoMixer>(608); }
+  SUBCASE("LAVO, causal") {
+    layer_cases<double, LavoMechanism<Causal>, NoMixer>(609);
+    layer_cases<float, LavoMechanism<Causal>, NoMixer>(610);
+  }
+  SUBCASE("LAVO, bidirectional") { layer_cases<double, LavoMechanism<Bidirectional>, NoMixer>(611); }
 }
 
 TEST_CASE("AttentionLayer backward: bad buffers are refused by name") {
@@ -494,5 +519,7 @@ TEST_CASE("AttentionLayer backward: bad buffers are refused by name") {
   bad.mixer.bias = Tensor<float, 1>({5});
   expect_error([&] { layer.backward(exec::cpu, x.cview(), d_out.cview(), d_x.view(), &bad); },
                "d_weights.mixer.bias", "");
-  static_assert(!LavoLayer<Causal>::trainable, "LAVO has no backward yet: its layer has none");
+  static_assert(LavoLayer<Causal>::trainable && LavoLayer<Bidirectional>::trainable);
+  static_assert(!ConvCompressedLayer<Causal>::trainable,
+                "conv-compression has no backward yet: its layer has none");
 }

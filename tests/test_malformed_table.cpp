@@ -666,6 +666,62 @@ MultiOutputEntry<4> macchiato_backward_entry(E exec_tag) {
 }
 
 /// backward(queries, keys, values, d_out, {d_queries, d_keys, d_values}) of a
+/// LAVO attention (d = kDk for all three): B and T come from queries and are
+/// reported on keys.
+template <class M, class E>
+MultiOutputEntry<4> lavo_backward_entry(E exec_tag) {
+  auto attention = std::make_shared<const typename M::A>(M::make());
+  MultiOutputEntry<4> entry;
+  entry.entry = entry_name<M>("backward", E::name);
+  entry.inputs = sequence_args<M>();
+  entry.inputs.push_back({"d_out", {kB, kT, kH, kDk}});
+  entry.outputs = {{"gradients.d_queries", {kB, kT, kH, kDk}},
+                   {"gradients.d_keys", {kB, kT, kH, kDk}},
+                   {"gradients.d_values", {kB, kT, kH, kDk}}};
+  entry.dim_names = kSequenceDims;
+  entry.invoke = [attention, exec_tag](const In4& in, const std::vector<Out4>& out) {
+    attention->backward(exec_tag, in[0], in[1], in[2], in[3],
+                        LavoGradients<float>{out[0], out[1], out[2]});
+  };
+  entry.blame = [names = std::vector<std::string>{"queries", "keys", "values", "d_out",
+                                                  "gradients.d_queries", "gradients.d_keys",
+                                                  "gradients.d_values"}](std::size_t arg,
+                                                                         std::size_t dim) {
+    return arg == 0 && dim < 2 ? names[1] : names[arg];
+  };
+  return entry;
+}
+
+/// cross_backward(queries, source, d_out, {d_queries, d_source}) of a LAVO
+/// attention: queries' B is reported on source, its T on d_out, the source's
+/// length S on d_source.
+template <class M, class E>
+MultiOutputEntry<4> lavo_cross_backward_entry(E exec_tag) {
+  auto attention = std::make_shared<const typename M::A>(M::make());
+  MultiOutputEntry<4> entry;
+  entry.entry = entry_name<M>("cross_backward", E::name);
+  entry.inputs = {{"queries", {kB, kT, kH, kDk}},
+                  {"source", {kB, kSource, kH, kDk}},
+                  {"d_out", {kB, kT, kH, kDk}}};
+  entry.outputs = {{"gradients.d_queries", {kB, kT, kH, kDk}},
+                   {"gradients.d_source", {kB, kSource, kH, kDk}}};
+  entry.dim_names = kSequenceDims;
+  entry.invoke = [attention, exec_tag](const In4& in, const std::vector<Out4>& out) {
+    attention->cross_backward(exec_tag, in[0], in[1], in[2],
+                              LavoCrossGradients<float>{out[0], out[1]});
+  };
+  entry.blame = [names = std::vector<std::string>{"queries", "source", "d_out",
+                                                  "gradients.d_queries", "gradients.d_source"}](
+                    std::size_t arg, std::size_t dim) {
+    if (arg == 0 && dim == 0) return names[1];
+    if (arg == 0 && dim == 1) return names[2];  // T: d_out
+    if (arg == 1 && dim == 1) return names[4];  // S: d_source
+    return names[arg];
+  };
+  return entry;
+}
+
+/// backward(queries, keys, values, d_out, {d_queries, d_keys, d_values}) of a
 /// linear attention, or its cross_backward (keys and values over a source of
 /// S tokens): B comes from queries and is reported on keys; T from queries
 /// (reported on keys, or on d_out for cross); S from keys (reported on values).
@@ -1330,6 +1386,13 @@ Registry build_registry() {
   add_sequence_and_decode<LavoBidirectional>(registry, exec::reference);
   add_make_state_batch_rows<LavoCausal>(registry);
   add_state_bytes_rows<LavoCausal>(registry);
+  for (auto backward : {lavo_backward_entry<LavoCausal>(exec::reference),
+                        lavo_backward_entry<LavoCausal>(exec::cpu),
+                        lavo_backward_entry<LavoBidirectional>(exec::reference),
+                        lavo_backward_entry<LavoBidirectional>(exec::cpu),
+                        lavo_cross_backward_entry<LavoBidirectional>(exec::reference),
+                        lavo_cross_backward_entry<LavoBidirectional>(exec::cpu)})
+    registry.add(backward);
   {
     auto attention = std::make_shared<const LavoBidirectional::A>(LavoBidirectional::make());
     TensorEntry<4> cross;

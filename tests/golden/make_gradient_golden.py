@@ -88,6 +88,11 @@ Arrays (each 4-D [B, T, H, D] unless noted; `out` is the forward's output):
                key_logits, window_queries, window_keys, values}, output, mixer/{recurrence_gate,
                recurrence_bias, input_gate, input_bias, lambda}: W and d_W (same path with d_).
 
+  lavo/<case>/{queries, keys, values, bases [H, r, d], relative_bias [H, 2w - 1], d_out, out,
+               d_queries, d_keys, d_values, d_bases, d_relative_bias}
+      case: causal, causal_local_only (o = F_local while the memory is empty), bidirectional;
+  lavo/cross/{queries, source, bases, d_out, out, d_queries, d_source, d_bases}
+
 Usage: .venv-peers/bin/python tests/golden/make_gradient_golden.py
        (needs torch and numpy: bench/peers/setup_peers.sh makes that environment)
 """
@@ -110,6 +115,7 @@ LINEAR = dict(B=2, T=6, T_CROSS=5, S_CROSS=9, H=2, Dk=8, Dv=6, LEAP_FACTOR=4)
 MACCHIATO = dict(B=2, T=9, H=2, L=4, Dk=4, Dv=6, window=3)
 MIXER = dict(B=2, T=7, C=5, K=3)
 LAYER = dict(B=2, T=8, model_dim=6, H=2, L=3, Dk=2, Dv=4, window=3)
+LAVO = dict(B=2, T=10, H=2, d=6, r=4, window=3, S_CROSS=7)
 SPREAD = 1000.0
 
 
@@ -185,6 +191,47 @@ def macchiato(q, k, wq, wk, v, causal, window, angles=None, rope=False, vapor_on
 
 
 # -------------------------------------------------------------------- mixers --
+
+def lavo(q, k, v, bases, bias, causal, window, local_only=False):
+    """LAVO (paper 002) over [B, T, H, d]: local softmax with the relative bias,
+    the orthogonal memory of the local outputs (complete earlier windows when
+    causal), o = (F_local + F_global) / 2 (F_local alone / 2 or whole while empty)."""
+    T, d = q.shape[1], q.shape[3]
+    scale = 1.0 / math.sqrt(d)
+    qh, kh, vh = (x.permute(0, 2, 1, 3) for x in (q, k, v))              # [B, H, T, d]
+    t = torch.arange(T).reshape(T, 1)
+    s = torch.arange(T).reshape(1, T)
+    allowed = (s <= t) & (s > t - window) if causal else (s - t).abs() < window
+    offsets = (s - t + window - 1).clamp(0, 2 * window - 2)              # index into P
+    scores = scale * qh @ kh.transpose(-1, -2) + bias[:, offsets].unsqueeze(0)
+    local = torch.softmax(scores.masked_fill(~allowed, -math.inf), dim=-1) @ vh
+    projected = local @ bases.transpose(-1, -2).unsqueeze(0)             # [B, H, T, r]: B f_s
+    if causal:
+        n = (torch.arange(T) // window) * window                         # tokens in memory
+        prefix = torch.cat([torch.zeros_like(projected[:, :, :1]), projected.cumsum(2)], dim=2)
+        mean = prefix[:, :, n] / n.clamp(min=1).reshape(1, 1, T, 1).to(q.dtype)
+        empty = (n == 0).reshape(1, 1, T, 1)
+    else:
+        mean = projected.mean(2, keepdim=True).expand_as(projected)
+        empty = torch.zeros(1, 1, T, 1, dtype=torch.bool)
+    global_ = lavo_read(qh, mean, bases, scale)
+    out = torch.where(empty, local if local_only else local / 2, (local + global_) / 2)
+    return out.permute(0, 2, 1, 3)
+
+
+def lavo_read(qh, mean, bases, scale):
+    """softmax_i(scale H_i (b_i . q)) weighted sum of H_i b_i; qh [B, H, T, d], mean [B, H, T, r]."""
+    bq = qh @ bases.transpose(-1, -2).unsqueeze(0)                       # [B, H, T, r]
+    p = torch.softmax(scale * mean * bq, dim=-1)
+    return (p * mean) @ bases.unsqueeze(0)
+
+
+def lavo_cross(q, source, bases):
+    d = q.shape[3]
+    qh, sh = q.permute(0, 2, 1, 3), source.permute(0, 2, 1, 3)
+    mean = (sh @ bases.transpose(-1, -2).unsqueeze(0)).mean(2, keepdim=True)
+    return lavo_read(qh, mean.expand(-1, -1, qh.shape[2], -1), bases, 1.0 / math.sqrt(d)).permute(0, 2, 1, 3)
+
 
 def short_conv(x, kernel, bias):
     """y_t = b + sum_{i<K} w_i x_{t-i}, x_{s<0} = 0; x [B, T, C]."""
@@ -470,13 +517,32 @@ def main():
     add("layer/macchiato_rglru/mixer", **dict(zip(names, mixer)),
         **{f"d_{n}": g for n, g in zip(names, grads[7:])})
 
+    # LAVO (drawn after everything above).
+    B, T, H, d, r, window, S = (LAVO[x] for x in ("B", "T", "H", "d", "r", "window", "S_CROSS"))
+    for name, causal, local_only in (("causal", True, False), ("causal_local_only", True, True),
+                                     ("bidirectional", False, False)):
+        q, k = normal(B, T, H, d, scale=1.5), normal(B, T, H, d, scale=1.5)
+        v, d_out = uniform(-1, 1, B, T, H, d), normal(B, T, H, d)
+        bases, bias = normal(H, r, d, scale=0.7), normal(H, 2 * window - 1)
+        out, grads = gradients(lambda *x, c=causal, lo=local_only: lavo(*x, c, window, lo), d_out,
+                               [q, k, v, bases, bias])
+        add(f"lavo/{name}", queries=q, keys=k, values=v, bases=bases, relative_bias=bias,
+            d_out=d_out, out=out, d_queries=grads[0], d_keys=grads[1], d_values=grads[2],
+            d_bases=grads[3], d_relative_bias=grads[4])
+    q, source, d_out = normal(B, T, H, d, scale=1.5), normal(B, S, H, d, scale=1.5), normal(B, T, H, d)
+    bases = normal(H, r, d, scale=0.7)
+    out, grads = gradients(lavo_cross, d_out, [q, source, bases])
+    add("lavo/cross", queries=q, source=source, bases=bases, d_out=d_out, out=out,
+        d_queries=grads[0], d_source=grads[1], d_bases=grads[2])
+
     linear_golden.write_header(
         arrays, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gradient_golden.hpp"),
         generated_by=["// Generated by tests/golden/make_gradient_golden.py (PyTorch autograd, float64,",
                       "// over plain torch transcriptions of each definition; see that script). Do not edit."],
         namespace="latte::test::gradient_golden",
         constants=[f"// Latte: {LATTE}", f"// Softmax: {SOFTMAX}", f"// Linear: {LINEAR}",
-                   f"// Macchiato: {MACCHIATO}", f"// Mixers: {MIXER}", f"// Layer: {LAYER}"])
+                   f"// Macchiato: {MACCHIATO}", f"// Mixers: {MIXER}", f"// Layer: {LAYER}",
+                   f"// LAVO: {LAVO}"])
 
 
 def check_against_numpy(inputs, modules, outputs):

@@ -36,6 +36,10 @@
 //   latte::Lavo<latte::Causal> attn({.heads = 8, .dim = 64, .bases = 64, .window = 64});
 //   attn.forward(latte::exec::cpu, q, k, v, out.view());
 //
+// backward(exec, q, k, v, d_out, gradients[, state_gradients]) and
+// cross_backward(exec, queries, source, d_out, gradients) give the gradients of
+// a loss with the given d_out, P's and B's included (docs/backward.md "LAVO").
+//
 // Backends: exec::reference (scalar loops, backends/reference/lavo.hpp) and
 // exec::cpu (blocked GEMM/SIMD kernels, backends/cpu/lavo.hpp); no exec::cuda yet.
 #include <algorithm>
@@ -45,6 +49,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -58,6 +63,7 @@
 #include "latte/core/tensor.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
+#include "latte/mechanisms/lavo_gradients.hpp"
 #include "latte/mechanisms/lavo_state.hpp"
 #include "latte/policies/direction.hpp"
 #include "latte/policies/execution.hpp"
@@ -100,6 +106,9 @@ class Lavo {
   using InputView = std::type_identity_t<TensorView<const T, 4>>;
   template <Real T>
   using StepInputView = std::type_identity_t<TensorView<const T, 3>>;
+  /// What backward writes (its first members: the inputs' gradients, in call order).
+  template <Real T>
+  using Gradients = LavoGradients<T>;
 
   /// The largest window accepted (2w - 1 and the w x d ring must stay representable).
   static constexpr index_t max_window = index_t{1} << 30;
@@ -231,6 +240,67 @@ class Lavo {
       reference::lavo_cross_forward(queries, source, out, [&](index_t h) { return head<T>(h); });
   }
 
+  /// Gradients of a loss whose gradient with respect to `out` is `d_out`
+  /// [B, T, H, d]: writes d_queries, d_keys, d_values and, when given,
+  /// accumulates d_relative_bias [H, 2w - 1] and d_bases [H, r, d]. The forward
+  /// is recomputed from the inputs; extra memory is O(T (d + r)) per (batch,
+  /// head) in flight.
+  template <exec::Policy E, Real T>
+  void backward(E e, InputView<T> queries, InputView<T> keys, InputView<T> values,
+                InputView<T> d_out, const LavoGradients<T>& gradients) const {
+    run_backward(e, queries, keys, values, d_out, gradients,
+                 static_cast<const LavoStateGradients<T>*>(nullptr));
+  }
+
+  /// Causal backward of a forward that continued from `states.initial`, with
+  /// the gradient of the state it left (`states.d_final`); writes the gradient
+  /// of the initial state into `states.d_initial`. Backward over chunks chained
+  /// through these equals the backward over the whole sequence.
+  template <exec::Policy E, Real T>
+    requires(Dir::is_causal)
+  void backward(E e, InputView<T> queries, InputView<T> keys, InputView<T> values,
+                InputView<T> d_out, const LavoGradients<T>& gradients,
+                const LavoStateGradients<T>& states) const {
+    run_backward(e, queries, keys, values, d_out, gradients, &states);
+  }
+
+  /// Gradients of cross_forward: writes d_queries [B, Tq, H, d] and d_source
+  /// [B, Ts, H, d]; accumulates d_bases [H, r, d] when given.
+  template <exec::Policy E, Real T>
+  void cross_backward(E, InputView<T> queries, InputView<T> source, InputView<T> d_out,
+                      const LavoCrossGradients<T>& gradients) const {
+    require_host_backward<E>();
+    check_view(queries, "queries");
+    const index_t B = queries.extent(0), Tq = queries.extent(1), Ts = source.extent(1),
+                  H = dims_.heads, d = dims_.dim;
+    detail::check_shape(queries, "queries", {B, Tq, H, d}, "[B, Tq, H, d]");
+    check_view(source, "source");
+    detail::check_shape(source, "source", {B, Ts, H, d}, "[B, Ts, H, d]");
+    detail::check_shape(d_out, "d_out", {B, Tq, H, d}, "[B, Tq, H, d]");
+    const TensorView<T, 4>& dq = gradients.d_queries;
+    const TensorView<T, 4>& ds = gradients.d_source;
+    detail::check_shape(dq, "gradients.d_queries", {B, Tq, H, d}, "[B, Tq, H, d]");
+    detail::check_shape(ds, "gradients.d_source", {B, Ts, H, d}, "[B, Ts, H, d]");
+    const auto inputs = std::tuple(detail::named(queries, "queries"), detail::named(source, "source"),
+                                   detail::named(d_out, "d_out"));
+    std::apply([&](const auto&... in) {
+      detail::check_output(dq, "gradients.d_queries", in...);
+      detail::check_output(ds, "gradients.d_source", in..., detail::named(dq, "gradients.d_queries"));
+      check_bases_gradient(gradients.d_bases, in..., detail::named(dq, "gradients.d_queries"),
+                           detail::named(ds, "gradients.d_source"));
+    }, inputs);
+    ParameterSums sums(gradients.d_bases, {});
+    if (B > 0) {
+      if constexpr (std::is_same_v<E, exec::cpu_t>)
+        cpu::lavo_cross_backward(queries, source, d_out, dq, ds,
+                                 [&](index_t h) { return head<T>(h); }, sums.pointers());
+      else
+        reference::lavo_cross_backward(queries, source, d_out, dq, ds,
+                                       [&](index_t h) { return head<T>(h); }, sums.pointers());
+    }
+    sums.add_to(gradients.d_bases, {});
+  }
+
   /// A fresh decode state for `batch` sequences, at position 0 (window borders
   /// are counted from the first token).
   template <Real T>
@@ -307,6 +377,45 @@ class Lavo {
     state.advance(1);
   }
 
+  // The same calls without an execution tag run on exec::default_t (exec::cpu).
+  template <Real T>
+  void forward(InputView<T> queries, InputView<T> keys, InputView<T> values,
+               TensorView<T, 4> out) const {
+    forward(exec::default_t{}, queries, keys, values, out);
+  }
+  template <Real T>
+    requires(Dir::is_causal)
+  void forward(InputView<T> queries, InputView<T> keys, InputView<T> values, TensorView<T, 4> out,
+               State<T>& state) const {
+    forward(exec::default_t{}, queries, keys, values, out, state);
+  }
+  template <Real T>
+    requires(Dir::is_causal)
+  void step(State<T>& state, StepInputView<T> queries, StepInputView<T> keys,
+            StepInputView<T> values, TensorView<T, 3> out) const {
+    step(exec::default_t{}, state, queries, keys, values, out);
+  }
+  template <Real T>
+  void cross_forward(InputView<T> queries, InputView<T> source, TensorView<T, 4> out) const {
+    cross_forward(exec::default_t{}, queries, source, out);
+  }
+  template <Real T>
+  void backward(InputView<T> queries, InputView<T> keys, InputView<T> values, InputView<T> d_out,
+                const LavoGradients<T>& gradients) const {
+    backward(exec::default_t{}, queries, keys, values, d_out, gradients);
+  }
+  template <Real T>
+    requires(Dir::is_causal)
+  void backward(InputView<T> queries, InputView<T> keys, InputView<T> values, InputView<T> d_out,
+                const LavoGradients<T>& gradients, const LavoStateGradients<T>& states) const {
+    backward(exec::default_t{}, queries, keys, values, d_out, gradients, states);
+  }
+  template <Real T>
+  void cross_backward(InputView<T> queries, InputView<T> source, InputView<T> d_out,
+                      const LavoCrossGradients<T>& gradients) const {
+    cross_backward(exec::default_t{}, queries, source, d_out, gradients);
+  }
+
  private:
   /// exec::reference and exec::cpu run LAVO; there is no CUDA kernel for it yet.
   template <class E>
@@ -314,6 +423,148 @@ class Lavo {
     static_assert(!std::is_same_v<E, exec::cuda_t>,
                   "Lavo has no exec::cuda kernel in this version of latte: use "
                   "latte::exec::cpu or latte::exec::reference");
+  }
+
+  template <class E>
+  static void require_host_backward() {
+    static_assert(!std::is_same_v<E, exec::cuda_t> && !exec::cuda_unavailable<E>,
+                  "Lavo::backward runs on exec::reference and exec::cpu (no CUDA backward yet)");
+    static_assert(exec::implemented<E>, "this execution backend is not implemented yet");
+  }
+
+  /// The parameters' gradients of one call, summed in double, then added to
+  /// the caller's buffers (which may be empty: not wanted).
+  struct ParameterSums {
+    std::vector<double> bases, bias;
+    template <Real T>
+    ParameterSums(const TensorView<T, 3>& d_bases, const TensorView<T, 2>& d_bias)
+        : bases(static_cast<std::size_t>(d_bases.empty() ? 0 : d_bases.size()), 0.0),
+          bias(static_cast<std::size_t>(d_bias.empty() ? 0 : d_bias.size()), 0.0) {}
+    [[nodiscard]] reference::LavoParameterGradients pointers() noexcept {
+      return {bases.empty() ? nullptr : bases.data(), bias.empty() ? nullptr : bias.data()};
+    }
+    template <Real T>
+    void add_to(const TensorView<T, 3>& d_bases, const TensorView<T, 2>& d_bias) const {
+      std::size_t i = 0;
+      for (index_t h = 0; h < d_bases.extent(0) && !bases.empty(); ++h)
+        for (index_t a = 0; a < d_bases.extent(1); ++a)
+          for (index_t c = 0; c < d_bases.extent(2); ++c) d_bases(h, a, c) += static_cast<T>(bases[i++]);
+      i = 0;
+      for (index_t h = 0; h < d_bias.extent(0) && !bias.empty(); ++h)
+        for (index_t a = 0; a < d_bias.extent(1); ++a) d_bias(h, a) += static_cast<T>(bias[i++]);
+    }
+  };
+
+  template <Real T, class... Inputs>
+  void check_bases_gradient(const TensorView<T, 3>& d_bases, const Inputs&... inputs) const {
+    if (d_bases.empty()) return;
+    detail::check_shape(d_bases, "gradients.d_bases", {dims_.heads, dims_.bases, dims_.dim},
+                        "[H, r, d]");
+    detail::check_output(d_bases, "gradients.d_bases", inputs...);
+  }
+
+  template <exec::Policy E, Real T>
+  void run_backward(E, const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
+                    const TensorView<const T, 4>& v, const TensorView<const T, 4>& d_out,
+                    const LavoGradients<T>& gradients,
+                    const LavoStateGradients<T>* states) const {
+    require_host_backward<E>();
+    validate_backward(q, k, v, d_out, gradients);
+    const index_t B = q.extent(0), Tn = q.extent(1);
+    if (states) validate_state_gradients(*states, B, Tn);
+    const State<T>* initial = states ? states->initial : nullptr;
+    const State<T>* d_final = states ? states->d_final : nullptr;
+    State<T>* d_initial = states ? states->d_initial : nullptr;
+    if constexpr (Dir::is_causal)
+      if (d_initial) *d_initial = initial ? *initial : make_state<T>(B);  // sizes and position
+    ParameterSums sums(gradients.d_bases, gradients.d_relative_bias);
+    auto head_of = [&](index_t h) { return head<T>(h); };
+    if (B > 0 && Tn > 0) {
+      if constexpr (Dir::is_causal) {
+        auto initial_of = [&](index_t b, index_t h) {
+          return initial ? initial->saved_carry(b, h) : reference::LavoSavedCarry<T>{};
+        };
+        auto final_gradient_of = [&](index_t b, index_t h) {
+          return d_final ? d_final->saved_carry(b, h) : reference::LavoSavedCarry<T>{};
+        };
+        auto initial_gradient_of = [&](index_t b, index_t h) {
+          return d_initial ? d_initial->carry(b, h) : reference::LavoCarry<T>{};
+        };
+        const std::int64_t first_position = initial ? initial->position() : 0;
+        if constexpr (std::is_same_v<E, exec::cpu_t>)
+          cpu::lavo_causal_backward(q, k, v, d_out, gradients.d_queries, gradients.d_keys,
+                                    gradients.d_values, first_position, head_of, initial_of,
+                                    final_gradient_of, initial_gradient_of, sums.pointers());
+        else
+          reference::lavo_causal_backward(q, k, v, d_out, gradients.d_queries, gradients.d_keys,
+                                          gradients.d_values, first_position, head_of, initial_of,
+                                          final_gradient_of, initial_gradient_of, sums.pointers());
+      } else if constexpr (std::is_same_v<E, exec::cpu_t>) {
+        cpu::lavo_bidirectional_backward(q, k, v, d_out, gradients.d_queries, gradients.d_keys,
+                                         gradients.d_values, head_of, sums.pointers());
+      } else {
+        reference::lavo_bidirectional_backward(q, k, v, d_out, gradients.d_queries,
+                                               gradients.d_keys, gradients.d_values, head_of,
+                                               sums.pointers());
+      }
+    } else if (d_initial) {  // no token: the initial state's gradient is d_final's (or zero)
+      for (std::size_t field = 0; field < 5; ++field) {
+        T* into = d_initial->field(field);
+        if (d_final) std::copy_n(d_final->field(field), d_initial->field_size(field), into);
+        else std::fill_n(into, d_initial->field_size(field), T(0));
+      }
+      // memory_compensation carries the total's gradient, as memory_sum
+      std::copy_n(d_initial->field(3), d_initial->field_size(3), d_initial->field(4));
+    }
+    sums.add_to(gradients.d_bases, gradients.d_relative_bias);
+  }
+
+  template <Real T>
+  void validate_backward(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
+                         const TensorView<const T, 4>& v, const TensorView<const T, 4>& d_out,
+                         const LavoGradients<T>& gradients) const {
+    check_view(q, "queries");
+    const index_t B = q.extent(0), Tn = q.extent(1), H = dims_.heads, d = dims_.dim;
+    detail::check_shape(q, "queries", {B, Tn, H, d}, "[B, T, H, d]");
+    detail::check_shape(k, "keys", {B, Tn, H, d}, "[B, T, H, d]");
+    detail::check_shape(v, "values", {B, Tn, H, d}, "[B, T, H, d]");
+    detail::check_shape(d_out, "d_out", {B, Tn, H, d}, "[B, T, H, d]");
+    // Named references, not a structured binding: clang 14 cannot capture those.
+    const TensorView<T, 4>& dq = gradients.d_queries;
+    const TensorView<T, 4>& dk = gradients.d_keys;
+    const TensorView<T, 4>& dv = gradients.d_values;
+    const TensorView<T, 2>& d_bias = gradients.d_relative_bias;
+    detail::check_shape(dq, "gradients.d_queries", {B, Tn, H, d}, "[B, T, H, d]");
+    detail::check_shape(dk, "gradients.d_keys", {B, Tn, H, d}, "[B, T, H, d]");
+    detail::check_shape(dv, "gradients.d_values", {B, Tn, H, d}, "[B, T, H, d]");
+    const auto inputs = std::tuple(detail::named(q, "queries"), detail::named(k, "keys"),
+                                   detail::named(v, "values"), detail::named(d_out, "d_out"));
+    std::apply([&](const auto&... in) {
+      detail::check_output(dq, "gradients.d_queries", in...);
+      detail::check_output(dk, "gradients.d_keys", in..., detail::named(dq, "gradients.d_queries"));
+      detail::check_output(dv, "gradients.d_values", in..., detail::named(dq, "gradients.d_queries"),
+                           detail::named(dk, "gradients.d_keys"));
+      const auto written = std::tuple(detail::named(dq, "gradients.d_queries"),
+                                      detail::named(dk, "gradients.d_keys"),
+                                      detail::named(dv, "gradients.d_values"));
+      std::apply([&](const auto&... out) {
+        if (!d_bias.empty()) {
+          detail::check_shape(d_bias, "gradients.d_relative_bias", {H, 2 * dims_.window - 1},
+                              "[H, 2w - 1]");
+          detail::check_output(d_bias, "gradients.d_relative_bias", in..., out...);
+        }
+        check_bases_gradient(gradients.d_bases, in..., out...,
+                             detail::named(d_bias, "gradients.d_relative_bias"));
+      }, written);
+    }, inputs);
+  }
+
+  template <Real T>
+  void validate_state_gradients(const LavoStateGradients<T>& states, index_t batch,
+                                index_t tokens) const {
+    const LavoDims& d = dims_;
+    detail::require_backward_states(
+        states, kind<T>(), State<T>::sizes_for(batch, d.heads, d.dim, d.bases, d.window), tokens);
   }
 
   static void require_finite(const double* data, index_t count, const char* argument) {

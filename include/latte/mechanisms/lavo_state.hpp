@@ -63,6 +63,13 @@ class LavoState final : public StateStorage<T> {
     return {this->field(0) + head * w * d, this->field(1) + head * w * d, w,
             this->field(2) + head * r,     this->field(3) + head * r,     this->field(4) + head * r};
   }
+  /// The carry of one (batch, head) as saved, read-only (a backward's initial
+  /// state and the gradient of the state a forward left).
+  [[nodiscard]] reference::LavoSavedCarry<T> saved_carry(index_t b, index_t h) const noexcept {
+    const index_t head = b * heads() + h, w = window(), d = dim(), r = bases();
+    return {this->field(0) + head * w * d, this->field(1) + head * w * d, this->field(2) + head * r,
+            this->field(3) + head * r, this->field(4) + head * r};
+  }
   /// Scratch for a step (d + 2r values; not part of the saved state).
   [[nodiscard]] T* scratch() noexcept { return scratch_.data(); }
 
