@@ -20,6 +20,7 @@
 #include "latte/layers/named_layers.hpp"
 #include "latte/layers/rglru.hpp"
 #include "latte/layers/short_conv.hpp"
+#include "oracles/conv_compressed_oracle.hpp"
 #include "oracles/latte_oracle.hpp"
 #include "oracles/lavo_oracle.hpp"
 #include "oracles/layer_oracle.hpp"
@@ -283,6 +284,38 @@ struct LavoMechanism {  // d = Dv, r = min(L, d), the default seeded bases and z
   }
 };
 
+template <class Dir>
+struct ConvCompressedMechanism {  // M = 2, two levels, weights drawn from a fixed seed
+  using Attention = ConvCompressedAttention<Dir>;
+  static ConvCompressedDims dims(const LayerShape& s) {
+    return {.heads = s.heads, .key_dim = s.key_dim, .value_dim = s.value_dim, .group_size = 2,
+            .levels = 2};
+  }
+  static ConvCompressedParams params(const LayerShape& s) {
+    Rng rng(4242);
+    ConvCompressedParams p = ConvCompressedParams::zeros(dims(s));
+    auto fill = [&]<std::size_t N>(Tensor<double, N>& w) { w = random_tensor<double, N>(rng, w.extents(), 0.5); };
+    for (auto& w : p.conv_weight) fill(w);
+    for (auto& w : p.conv_bias) fill(w);
+    for (auto& w : p.level_query) fill(w);
+    for (auto& w : p.level_key) fill(w);
+    for (auto& w : p.level_value) fill(w);
+    fill(p.cross_query);
+    fill(p.cross_key);
+    fill(p.cross_value);
+    return p;
+  }
+  static Attention make(const LayerShape& s) { return Attention(dims(s), params(s)); }
+  static TensorLD<4> oracle(const LayerShape& s, const std::vector<TensorLD<4>>& a) {
+    const Attention attention = make(s);
+    const ConvCompressedSpec spec{.causal = Dir::is_causal, .group_size = 2, .levels = 2,
+                                  .window_left = attention.window().left,
+                                  .window_right = attention.window().right,
+                                  .scale = 1.0L / std::sqrt((long double)s.key_dim)};
+    return conv_compressed_oracle(spec, params(s), a[0], a[1], a[2]).out;
+  }
+};
+
 template <class T, class Mixer>
 typename Mixer::template Weights<T> random_mixer(Rng& rng, index_t C) {
   if constexpr (std::is_same_v<Mixer, NoMixer>) {
@@ -494,6 +527,13 @@ TEST_CASE("AttentionLayer backward matches the layer oracle's gradients") {
     layer_cases<float, LavoMechanism<Causal>, NoMixer>(610);
   }
   SUBCASE("LAVO, bidirectional") { layer_cases<double, LavoMechanism<Bidirectional>, NoMixer>(611); }
+  SUBCASE("conv-compression, causal") {
+    layer_cases<double, ConvCompressedMechanism<Causal>, NoMixer>(612);
+    layer_cases<float, ConvCompressedMechanism<Causal>, NoMixer>(613);
+  }
+  SUBCASE("conv-compression, bidirectional") {
+    layer_cases<double, ConvCompressedMechanism<Bidirectional>, NoMixer>(614);
+  }
 }
 
 TEST_CASE("AttentionLayer backward: bad buffers are refused by name") {
@@ -520,6 +560,5 @@ TEST_CASE("AttentionLayer backward: bad buffers are refused by name") {
   expect_error([&] { layer.backward(exec::cpu, x.cview(), d_out.cview(), d_x.view(), &bad); },
                "d_weights.mixer.bias", "");
   static_assert(LavoLayer<Causal>::trainable && LavoLayer<Bidirectional>::trainable);
-  static_assert(!ConvCompressedLayer<Causal>::trainable,
-                "conv-compression has no backward yet: its layer has none");
+  static_assert(ConvCompressedLayer<Causal>::trainable && ConvCompressedLayer<Bidirectional>::trainable);
 }

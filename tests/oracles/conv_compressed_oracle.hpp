@@ -57,7 +57,8 @@ struct RowsLD {
 };
 
 /// out_j = W x_j for W [out, in] (head h of a [H, out, in] tensor).
-inline RowsLD project(const Tensor<double, 3>& W, index_t h, const RowsLD& x) {
+template <class Weights3>
+RowsLD project(const Weights3& W, index_t h, const RowsLD& x) {
   const index_t out_dim = W.extent(1), in_dim = W.extent(2);
   RowsLD y(x.n, out_dim);
   for (index_t j = 0; j < x.n; ++j)
@@ -102,10 +103,11 @@ RowsLD attend(const RowsLD& q, const RowsLD& k, const RowsLD& v, long double sca
 }
 
 /// c[j] = b + sum_i W[i] y[jM + i] over the complete groups of y (level `level`, 1-based).
-inline RowsLD compress(const ConvCompressedParams& params, index_t level, index_t h,
-                       index_t M, const RowsLD& y) {
-  const Tensor<double, 4>& W = params.conv_weight[level - 1];
-  const Tensor<double, 2>& bias = params.conv_bias[level - 1];
+/// `Params` is ConvCompressedParams or the same fields in long double (gradient tests).
+template <class Params>
+RowsLD compress(const Params& params, index_t level, index_t h, index_t M, const RowsLD& y) {
+  const auto& W = params.conv_weight[level - 1];
+  const auto& bias = params.conv_bias[level - 1];
   index_t groups = 0;
   while ((groups + 1) * M <= y.n) ++groups;  // group j needs positions jM .. jM+M-1 < n
   RowsLD c(groups, y.D);
@@ -124,9 +126,8 @@ struct ConvCompressedOracle {
   TensorLD<4> out, local, global;
 };
 
-template <class T>
-ConvCompressedOracle conv_compressed_oracle(const ConvCompressedSpec& spec,
-                                            const ConvCompressedParams& params,
+template <class T, class Params = ConvCompressedParams>
+ConvCompressedOracle conv_compressed_oracle(const ConvCompressedSpec& spec, const Params& params,
                                             const Tensor<T, 4>& q, const Tensor<T, 4>& k,
                                             const Tensor<T, 4>& v) {
   const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), Dk = q.extent(3);

@@ -36,6 +36,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -119,6 +120,18 @@ struct ConvCompressedParams {
   }
 };
 
+/// The caller-owned buffers ConvCompressedAttention::backward fills.
+template <Real T>
+struct ConvCompressedGradients {
+  TensorView<T, 4> d_queries;  ///< [B, T, H, Dk], overwritten
+  TensorView<T, 4> d_keys;     ///< [B, T, H, Dk], overwritten
+  TensorView<T, 4> d_values;   ///< [B, T, H, Dv], overwritten
+  /// The op's own weights' gradients (convolutions, biases, level and cross
+  /// projections), shaped as ConvCompressedParams::zeros(dims) makes them.
+  /// Accumulated (+=, summed in double inside the call); nullptr: not wanted.
+  ConvCompressedParams* d_params = nullptr;
+};
+
 template <Direction Dir>
 class ConvCompressedAttention {
  public:
@@ -129,6 +142,9 @@ class ConvCompressedAttention {
   using InputView = std::type_identity_t<TensorView<const T, 4>>;
   template <Real T>
   using StepInputView = std::type_identity_t<TensorView<const T, 3>>;
+  /// What backward writes (its first members: the inputs' gradients, in call order).
+  template <Real T>
+  using Gradients = ConvCompressedGradients<T>;
 
   /// `params` must have the shapes ConvCompressedParams::zeros(dims) has, with
   /// finite entries; `scale` (every softmax) defaults to 1/sqrt(Dk).
@@ -188,6 +204,53 @@ class ConvCompressedAttention {
     else
       reference::conv_compressed_forward<Dir::is_causal>(queries, keys, values, out, weights<T>(),
                                                          static_cast<T>(scale_), window_);
+  }
+
+  /// Gradients of a loss whose gradient with respect to `out` is `d_out`
+  /// [B, T, H, Dv]: writes d_queries, d_keys, d_values and, when given,
+  /// accumulates the op's weights' gradients into *d_params. The forward is
+  /// recomputed; extra memory: y^(0) and its gradient [B, T, H, Dv] and the
+  /// levels above (O(T / M (Dk + Dv)) per head in flight). Whole sequences
+  /// (no state gradients yet).
+  template <exec::Policy E, Real T>
+  void backward(E, InputView<T> queries, InputView<T> keys, InputView<T> values,
+                InputView<T> d_out, const ConvCompressedGradients<T>& gradients) const {
+    static_assert(!std::is_same_v<E, exec::cuda_t> && !exec::cuda_unavailable<E>,
+                  "ConvCompressedAttention::backward runs on exec::reference and exec::cpu (no "
+                  "CUDA backward yet)");
+    static_assert(exec::implemented<E>, "this execution backend is not implemented yet");
+    validate_backward(queries, keys, values, d_out, gradients);
+    std::optional<reference::ConvCompressedWeightGradients> flat;
+    if (gradients.d_params) {  // zeros in the flat layout of the weights
+      flat.emplace();
+      fill_weights(ConvCompressedParams::zeros(dims_), *flat);
+    }
+    using Parts = std::conditional_t<std::is_same_v<E, exec::cpu_t>, cpu::ConvCompressedParts,
+                                     reference::ReferenceConvCompressedParts>;
+    reference::conv_compressed_backward<Dir::is_causal, Parts>(
+        queries, keys, values, d_out, gradients.d_queries, gradients.d_keys, gradients.d_values,
+        weights<T>(), static_cast<T>(scale_), window_, flat ? &*flat : nullptr);
+    if (!flat) return;
+    ConvCompressedParams& d = *gradients.d_params;
+    std::size_t i = 0;
+    auto add = [&i](const std::vector<double>& from, auto& tensor) {
+      for (index_t e = 0; e < tensor.size(); ++e) tensor.data()[e] += from[i++];
+    };
+    for (auto& tensor : d.conv_weight) add(flat->conv_weight, tensor);
+    i = 0;
+    for (auto& tensor : d.conv_bias) add(flat->conv_bias, tensor);
+    i = 0;
+    for (auto& tensor : d.level_query) add(flat->level_query, tensor);
+    i = 0;
+    for (auto& tensor : d.level_key) add(flat->level_key, tensor);
+    i = 0;
+    for (auto& tensor : d.level_value) add(flat->level_value, tensor);
+    i = 0;
+    add(flat->cross_query, d.cross_query);
+    i = 0;
+    add(flat->cross_key, d.cross_key);
+    i = 0;
+    add(flat->cross_value, d.cross_value);
   }
 
   /// A fresh decode state for `batch` sequences that can absorb up to
@@ -341,9 +404,10 @@ class ConvCompressedAttention {
 
   template <std::size_t N>
   static void check_param(const Tensor<double, N>& tensor, const std::string& name,
-                          const std::array<index_t, N>& expected, std::string_view layout) {
+                          const std::array<index_t, N>& expected, std::string_view layout,
+                          bool finite = true) {
     detail::check_shape(tensor.cview(), name, expected, layout);
-    for (index_t i = 0; i < tensor.size(); ++i)
+    for (index_t i = 0; i < tensor.size() && finite; ++i)
       if (!std::isfinite(tensor.data()[i]))
         throw Error(name, "every weight must be finite (flat index " + std::to_string(i) +
                               " is " + std::to_string(tensor.data()[i]) + ")");
@@ -356,30 +420,60 @@ class ConvCompressedAttention {
                     detail::expected_given(what, expected, list.size()));
   }
 
-  void validate_params(const ConvCompressedParams& p) const {
+  /// The shapes (and, for weights, finiteness) of a ConvCompressedParams named `prefix`.
+  void validate_params(const ConvCompressedParams& p, const std::string& prefix = "params",
+                       bool finite = true) const {
     const index_t H = dims_.heads, Dk = dims_.key_dim, Dv = dims_.value_dim, L = dims_.levels;
-    check_count(p.conv_weight, "params.conv_weight", L, "number of tensors (one per level)");
-    check_count(p.conv_bias, "params.conv_bias", L, "number of tensors (one per level)");
+    auto name = [&](const char* field) { return prefix + "." + field; };
+    check_count(p.conv_weight, name("conv_weight"), L, "number of tensors (one per level)");
+    check_count(p.conv_bias, name("conv_bias"), L, "number of tensors (one per level)");
     const char* below_top = "number of tensors (one per level below the top, L - 1)";
-    check_count(p.level_query, "params.level_query", L - 1, below_top);
-    check_count(p.level_key, "params.level_key", L - 1, below_top);
-    check_count(p.level_value, "params.level_value", L - 1, below_top);
-    auto at = [](const char* name, index_t i) {
-      return std::string(name) + "[" + std::to_string(i) + "]";
-    };
+    check_count(p.level_query, name("level_query"), L - 1, below_top);
+    check_count(p.level_key, name("level_key"), L - 1, below_top);
+    check_count(p.level_value, name("level_value"), L - 1, below_top);
+    auto at = [&](const char* field, index_t i) { return name(field) + "[" + std::to_string(i) + "]"; };
     for (index_t l = 0; l < L; ++l) {
-      check_param<4>(p.conv_weight[l], at("params.conv_weight", l),
-                     {H, dims_.group_size, Dv, Dv}, "[H, M, Dv, Dv]");
-      check_param<2>(p.conv_bias[l], at("params.conv_bias", l), {H, Dv}, "[H, Dv]");
+      check_param<4>(p.conv_weight[l], at("conv_weight", l), {H, dims_.group_size, Dv, Dv},
+                     "[H, M, Dv, Dv]", finite);
+      check_param<2>(p.conv_bias[l], at("conv_bias", l), {H, Dv}, "[H, Dv]", finite);
     }
     for (index_t l = 0; l + 1 < L; ++l) {
-      check_param<3>(p.level_query[l], at("params.level_query", l), {H, Dk, Dv}, "[H, Dk, Dv]");
-      check_param<3>(p.level_key[l], at("params.level_key", l), {H, Dk, Dv}, "[H, Dk, Dv]");
-      check_param<3>(p.level_value[l], at("params.level_value", l), {H, Dv, Dv}, "[H, Dv, Dv]");
+      check_param<3>(p.level_query[l], at("level_query", l), {H, Dk, Dv}, "[H, Dk, Dv]", finite);
+      check_param<3>(p.level_key[l], at("level_key", l), {H, Dk, Dv}, "[H, Dk, Dv]", finite);
+      check_param<3>(p.level_value[l], at("level_value", l), {H, Dv, Dv}, "[H, Dv, Dv]", finite);
     }
-    check_param<3>(p.cross_query, "params.cross_query", {H, Dk, Dv}, "[H, Dk, Dv]");
-    check_param<3>(p.cross_key, "params.cross_key", {H, Dk, Dv}, "[H, Dk, Dv]");
-    check_param<3>(p.cross_value, "params.cross_value", {H, Dv, Dv}, "[H, Dv, Dv]");
+    check_param<3>(p.cross_query, name("cross_query"), {H, Dk, Dv}, "[H, Dk, Dv]", finite);
+    check_param<3>(p.cross_key, name("cross_key"), {H, Dk, Dv}, "[H, Dk, Dv]", finite);
+    check_param<3>(p.cross_value, name("cross_value"), {H, Dv, Dv}, "[H, Dv, Dv]", finite);
+  }
+
+  template <Real T>
+  void validate_backward(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
+                         const TensorView<const T, 4>& v, const TensorView<const T, 4>& d_out,
+                         const ConvCompressedGradients<T>& gradients) const {
+    check_view(q, "queries");
+    const index_t B = q.extent(0), Tn = q.extent(1), H = dims_.heads, Dk = dims_.key_dim,
+                  Dv = dims_.value_dim;
+    detail::check_shape(q, "queries", {B, Tn, H, Dk}, "[B, T, H, Dk]");
+    detail::check_shape(k, "keys", {B, Tn, H, Dk}, "[B, T, H, Dk]");
+    detail::check_shape(v, "values", {B, Tn, H, Dv}, "[B, T, H, Dv]");
+    detail::check_shape(d_out, "d_out", {B, Tn, H, Dv}, "[B, T, H, Dv]");
+    // Named references, not a structured binding: clang 14 cannot capture those.
+    const TensorView<T, 4>& dq = gradients.d_queries;
+    const TensorView<T, 4>& dk = gradients.d_keys;
+    const TensorView<T, 4>& dv = gradients.d_values;
+    detail::check_shape(dq, "gradients.d_queries", {B, Tn, H, Dk}, "[B, T, H, Dk]");
+    detail::check_shape(dk, "gradients.d_keys", {B, Tn, H, Dk}, "[B, T, H, Dk]");
+    detail::check_shape(dv, "gradients.d_values", {B, Tn, H, Dv}, "[B, T, H, Dv]");
+    const auto in = std::tuple(detail::named(q, "queries"), detail::named(k, "keys"),
+                               detail::named(v, "values"), detail::named(d_out, "d_out"));
+    std::apply([&](const auto&... inputs) {
+      detail::check_output(dq, "gradients.d_queries", inputs...);
+      detail::check_output(dk, "gradients.d_keys", inputs..., detail::named(dq, "gradients.d_queries"));
+      detail::check_output(dv, "gradients.d_values", inputs..., detail::named(dq, "gradients.d_queries"),
+                           detail::named(dk, "gradients.d_keys"));
+    }, in);
+    if (gradients.d_params) validate_params(*gradients.d_params, "gradients.d_params", false);
   }
 
   template <Real T>

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <Eigen/Core>
@@ -399,5 +400,23 @@ void conv_compressed_forward_with_state(TensorView<const T, 4> q, TensorView<con
                                 scratch);
   });
 }
+
+/// The cpu backend's parts of reference::conv_compressed_backward: level 0's
+/// window attention on the blocked softmax kernels (FlashAttention-2's
+/// backward), heads in parallel over OpenMP threads.
+struct ConvCompressedParts {
+  template <bool Causal, class... Args>
+  static void window_forward(Args&&... args) {
+    softmax_forward<Causal>(std::forward<Args>(args)...);
+  }
+  template <bool Causal, class... Args>
+  static void window_backward(Args&&... args) {
+    softmax_backward<Causal>(std::forward<Args>(args)...);
+  }
+  template <class Body>
+  static void for_heads(index_t heads, Body&& body) {
+    parallel_for(heads, thread_count(), [&](index_t h, int) { body(h); });
+  }
+};
 
 }  // namespace latte::cpu

@@ -20,8 +20,11 @@
 // the Dv x Dv matrix of tap i. Sliding windows use FlashAttention's
 // convention (SlidingWindow{left, right}) at every level.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "latte/backends/reference/softmax.hpp"
@@ -265,6 +268,296 @@ void conv_compressed_step(const T* q, const T* k, const T* v, T* out, ConvCompre
     softmax_decode_step(scratch.query, scratch.key, scratch.value, scratch.level_output,
                         ring_of(level), ring, Dk, Dv, scale, index, window_visible(index));
   }
+}
+
+
+// ---------------------------------------------------------------------------
+// Backward (docs/backward.md "Convolutional compression"). With G_t = dL/do_t,
+// reverse through steps (4)-(1): the cross read is a softmax attention backward
+// (queries Wq_x y^(0)_t, keys and values Wk_x c^(L)_j, Wv_x c^(L)_j); each
+// projection z = W x gives dW += dz x^T and dx += W^T dz; each convolution
+// c_j = b + sum_i W_i y_{jM+i} gives dW_i += dc_j y_{jM+i}^T, db += dc_j and
+// dy_{jM+i} += W_i^T dc_j; each level's window attention is softmax_backward.
+// y^(0) collects G_t (the residual), Wq_x^T dq_x and W^(1)^T dc^(1) before
+// its own window backward gives dq, dk, dv. Weight gradients are summed in
+// double, in the flat layout of ConvCompressedWeights.
+// ---------------------------------------------------------------------------
+
+/// dW += dz x^T (double) and dx += W^T dz, for z = W x with W [rows, cols].
+template <Real T>
+void matvec_backward(const T* W, const T* x, const T* dz, index_t rows, index_t cols, T* dx,
+                     double* dW) noexcept {
+  for (index_t r = 0; r < rows; ++r) {
+    if (dW)
+      for (index_t c = 0; c < cols; ++c) dW[r * cols + c] += static_cast<double>(dz[r]) * x[c];
+    for (index_t c = 0; c < cols; ++c) dx[c] += W[r * cols + c] * dz[r];
+  }
+}
+
+/// The softmax read's backward for one query q over `count` keys (the
+/// forward's softmax_row), given g = dL/d(read): adds to dq, dkey_at(j),
+/// dvalue_at(j). `p` is count values of scratch.
+template <Real T, class KeyAt, class ValueAt, class KeyGradientAt, class ValueGradientAt>
+void softmax_row_backward(const T* q, const T* g, index_t Dk, index_t Dv, T scale, index_t count,
+                          KeyAt&& key_at, ValueAt&& value_at, T* dq,
+                          KeyGradientAt&& dkey_at, ValueGradientAt&& dvalue_at, T* p) noexcept {
+  if (count == 0) return;  // the read is zero whatever q
+  T m = -std::numeric_limits<T>::infinity();
+  for (index_t j = 0; j < count; ++j) {
+    T dot = 0;
+    for (index_t d = 0; d < Dk; ++d) dot += q[d] * key_at(j)[d];
+    p[j] = scale * dot;
+    m = std::isnan(p[j]) ? p[j] : std::max(m, p[j]);
+  }
+  T l = 0;
+  for (index_t j = 0; j < count; ++j) l += (p[j] = std::exp(p[j] - m));
+  T row_dot = 0;  // <g, read> = sum_j p_j <g, v_j>
+  for (index_t j = 0; j < count; ++j) {
+    p[j] /= l;
+    T gv = 0;
+    for (index_t d = 0; d < Dv; ++d) gv += g[d] * value_at(j)[d];
+    row_dot += p[j] * gv;
+  }
+  for (index_t j = 0; j < count; ++j) {
+    const T* value = value_at(j);
+    T gv = 0;
+    for (index_t d = 0; d < Dv; ++d) gv += g[d] * value[d];
+    const T ds = p[j] * (gv - row_dot);
+    const T* key = key_at(j);
+    T* dkey = dkey_at(j);
+    T* dvalue = dvalue_at(j);
+    for (index_t d = 0; d < Dk; ++d) {
+      dq[d] += scale * ds * key[d];
+      dkey[d] += scale * ds * q[d];
+    }
+    for (index_t d = 0; d < Dv; ++d) dvalue[d] += p[j] * g[d];
+  }
+}
+
+/// The forward's activations of one (batch, head) above level 0, kept for its
+/// backward (O(T / M (Dk + Dv)) values): c^(l) for l = 1..L and, for l < L,
+/// the level's projections and window output.
+template <Real T>
+struct ConvCompressedLevels {
+  std::vector<std::vector<T>> compressed;       // [L]: c^(l), n_l x Dv
+  std::vector<std::vector<T>> queries, keys, values, outputs;  // [L - 1]: level l's
+  std::vector<index_t> lengths;                 // [L + 1]: n_0 = T, n_l = floor(n_{l-1} / M)
+};
+
+/// Recomputes the levels above y^(0) (rows `y0_row(s)`) for head h.
+template <bool Causal, Real T, class Y0Row>
+void conv_compressed_levels(Y0Row&& y0_row, index_t Tn, index_t h,
+                            const ConvCompressedWeights<T>& w, T scale,
+                            const SlidingWindow& window, ConvCompressedLevels<T>& levels) {
+  const index_t Dk = w.key_dim, Dv = w.value_dim, M = w.group_size, L = w.levels;
+  levels.compressed.resize(static_cast<std::size_t>(L));
+  levels.queries.resize(static_cast<std::size_t>(L - 1));
+  levels.keys.resize(static_cast<std::size_t>(L - 1));
+  levels.values.resize(static_cast<std::size_t>(L - 1));
+  levels.outputs.resize(static_cast<std::size_t>(L - 1));
+  levels.lengths.assign(1, Tn);
+  auto as_sequence = [](std::vector<T>& data, index_t n, index_t D) {
+    return TensorView<T, 4>(data.data(), {1, n, 1, D});
+  };
+  for (index_t level = 1; level <= L; ++level) {
+    const index_t n = levels.lengths.back() / M;
+    levels.lengths.push_back(n);
+    std::vector<T>& c = levels.compressed[static_cast<std::size_t>(level - 1)];
+    c.assign(static_cast<std::size_t>(n * Dv), T(0));
+    auto source_row = [&](index_t s) -> const T* {
+      return level == 1 ? y0_row(s) : levels.outputs[static_cast<std::size_t>(level - 2)].data() + s * Dv;
+    };
+    for (index_t j = 0; j < n; ++j) {
+      for (index_t i = 0; i < M; ++i)
+        conv_tap(w.conv(level, h) + i * Dv * Dv, source_row(j * M + i), c.data() + j * Dv, Dv, i == 0);
+      close_group(c.data() + j * Dv, w.bias(level, h), c.data() + j * Dv, Dv);
+    }
+    if (level == L) break;
+    const auto at = static_cast<std::size_t>(level - 1);
+    levels.queries[at].resize(static_cast<std::size_t>(n * Dk));
+    levels.keys[at].resize(static_cast<std::size_t>(n * Dk));
+    levels.values[at].resize(static_cast<std::size_t>(n * Dv));
+    levels.outputs[at].resize(static_cast<std::size_t>(n * Dv));
+    for (index_t j = 0; j < n; ++j) {
+      matvec(w.query_projection(level, h), c.data() + j * Dv, levels.queries[at].data() + j * Dk, Dk, Dv);
+      matvec(w.key_projection(level, h), c.data() + j * Dv, levels.keys[at].data() + j * Dk, Dk, Dv);
+      matvec(w.value_projection(level, h), c.data() + j * Dv, levels.values[at].data() + j * Dv, Dv, Dv);
+    }
+    softmax_forward<Causal>(TensorView<const T, 4>(as_sequence(levels.queries[at], n, Dk)),
+                            TensorView<const T, 4>(as_sequence(levels.keys[at], n, Dk)),
+                            TensorView<const T, 4>(as_sequence(levels.values[at], n, Dv)),
+                            as_sequence(levels.outputs[at], n, Dv), scale, window);
+  }
+}
+
+/// Offsets of one head's weights in the flat layout of ConvCompressedWeights,
+/// for the gradients (double, same layout).
+struct ConvCompressedGradientLayout {
+  index_t heads, key_dim, value_dim, group_size, levels;
+  [[nodiscard]] index_t conv(index_t level, index_t h) const noexcept {
+    return ((level - 1) * heads + h) * group_size * value_dim * value_dim;
+  }
+  [[nodiscard]] index_t bias(index_t level, index_t h) const noexcept {
+    return ((level - 1) * heads + h) * value_dim;
+  }
+  [[nodiscard]] index_t query(index_t level, index_t h) const noexcept {
+    return ((level - 1) * heads + h) * key_dim * value_dim;
+  }
+  [[nodiscard]] index_t value(index_t level, index_t h) const noexcept {
+    return ((level - 1) * heads + h) * value_dim * value_dim;
+  }
+};
+
+/// ConvCompressedWeights' layout in double: the weights' gradients.
+using ConvCompressedWeightGradients = ConvCompressedWeights<double>;
+
+/// The backward above level 0 for one (batch, head): given the recomputed
+/// `levels`, y^(0) rows and G rows, adds the cross read's and the levels'
+/// contributions to dy0 rows (which must hold G_t on entry: the residual) and
+/// to `dw` (null: weights' gradients not wanted).
+template <bool Causal, Real T, class Y0Row, class GRow, class DY0Row>
+void conv_compressed_levels_backward(Y0Row&& y0_row, GRow&& g_row, DY0Row&& dy0_row, index_t Tn,
+                                     index_t h, const ConvCompressedWeights<T>& w, T scale,
+                                     const SlidingWindow& window,
+                                     const ConvCompressedLevels<T>& levels,
+                                     ConvCompressedWeightGradients* dw) {
+  const index_t Dk = w.key_dim, Dv = w.value_dim, M = w.group_size, L = w.levels;
+  const index_t n_top = levels.lengths[static_cast<std::size_t>(L)];
+  const std::vector<T>& top = levels.compressed[static_cast<std::size_t>(L - 1)];
+  using Field = std::vector<double> ConvCompressedWeightGradients::*;
+  auto flat = [&](Field field, index_t offset) -> double* {
+    return dw ? (dw->*field).data() + offset : nullptr;
+  };
+  // Steps 3-4: the cross read over the top level.
+  std::vector<T> cross_k(static_cast<std::size_t>(n_top * Dk)), cross_v(static_cast<std::size_t>(n_top * Dv));
+  std::vector<T> d_cross_k(cross_k.size(), T(0)), d_cross_v(cross_v.size(), T(0));
+  for (index_t j = 0; j < n_top; ++j) {
+    matvec(w.cross_key_projection(h), top.data() + j * Dv, cross_k.data() + j * Dk, Dk, Dv);
+    matvec(w.cross_value_projection(h), top.data() + j * Dv, cross_v.data() + j * Dv, Dv, Dv);
+  }
+  const std::int64_t span = tokens_per_compressed_token(M, L);
+  std::vector<T> query(static_cast<std::size_t>(Dk)), d_query(query.size()),
+      p(static_cast<std::size_t>(std::max<index_t>(n_top, 1)));
+  const index_t projection_offset = h * Dk * Dv, value_offset = h * Dv * Dv;
+  for (index_t t = 0; t < Tn; ++t) {
+    const index_t visible = Causal ? static_cast<index_t>(std::min<std::int64_t>(t / span, n_top)) : n_top;
+    if (visible == 0) continue;
+    const T* y = y0_row(t);
+    matvec(w.cross_query_projection(h), y, query.data(), Dk, Dv);
+    std::fill(d_query.begin(), d_query.end(), T(0));
+    softmax_row_backward(
+        query.data(), g_row(t), Dk, Dv, scale, visible,
+        [&](index_t j) { return cross_k.data() + j * Dk; },
+        [&](index_t j) { return cross_v.data() + j * Dv; }, d_query.data(),
+        [&](index_t j) { return d_cross_k.data() + j * Dk; },
+        [&](index_t j) { return d_cross_v.data() + j * Dv; }, p.data());
+    matvec_backward(w.cross_query_projection(h), y, d_query.data(), Dk, Dv, dy0_row(t),
+                    flat(&ConvCompressedWeightGradients::cross_query, projection_offset));
+  }
+  // The top level's compressed tokens, through the cross keys and values.
+  std::vector<T> dc(static_cast<std::size_t>(n_top * Dv), T(0));
+  for (index_t j = 0; j < n_top; ++j) {
+    matvec_backward(w.cross_key_projection(h), top.data() + j * Dv, d_cross_k.data() + j * Dk, Dk,
+                    Dv, dc.data() + j * Dv, flat(&ConvCompressedWeightGradients::cross_key, projection_offset));
+    matvec_backward(w.cross_value_projection(h), top.data() + j * Dv, d_cross_v.data() + j * Dv,
+                    Dv, Dv, dc.data() + j * Dv, flat(&ConvCompressedWeightGradients::cross_value, value_offset));
+  }
+  const ConvCompressedGradientLayout layout{w.heads, Dk, Dv, M, L};
+  auto as_sequence = [](auto& data, index_t n, index_t D) {
+    return TensorView<std::remove_reference_t<decltype(*data.data())>, 4>(data.data(), {1, n, 1, D});
+  };
+  // Down the levels: dc^(level) -> d y^(level - 1) (-> dc^(level - 1) through level - 1's window).
+  std::vector<T> dy, dq_l, dk_l, dv_l;
+  for (index_t level = L; level >= 1; --level) {
+    const index_t n = levels.lengths[static_cast<std::size_t>(level)];
+    const index_t n_below = levels.lengths[static_cast<std::size_t>(level - 1)];
+    if (level > 1) dy.assign(static_cast<std::size_t>(n_below * Dv), T(0));
+    auto source_row = [&](index_t s) -> const T* {
+      return level == 1 ? y0_row(s) : levels.outputs[static_cast<std::size_t>(level - 2)].data() + s * Dv;
+    };
+    auto d_source_row = [&](index_t s) -> T* { return level == 1 ? dy0_row(s) : dy.data() + s * Dv; };
+    for (index_t j = 0; j < n; ++j) {
+      const T* dcj = dc.data() + j * Dv;
+      if (dw)
+        for (index_t o = 0; o < Dv; ++o) dw->conv_bias[static_cast<std::size_t>(layout.bias(level, h) + o)] += dcj[o];
+      for (index_t i = 0; i < M; ++i)
+        matvec_backward(w.conv(level, h) + i * Dv * Dv, source_row(j * M + i), dcj, Dv, Dv,
+                        d_source_row(j * M + i),
+                        flat(&ConvCompressedWeightGradients::conv_weight, layout.conv(level, h) + i * Dv * Dv));
+    }
+    if (level == 1) break;
+    // y^(level - 1) = window attention over level - 1's projections of c^(level - 1).
+    const auto at = static_cast<std::size_t>(level - 2);
+    dq_l.assign(static_cast<std::size_t>(n_below * Dk), T(0));
+    dk_l.assign(dq_l.size(), T(0));
+    dv_l.assign(static_cast<std::size_t>(n_below * Dv), T(0));
+    softmax_backward<Causal>(
+        TensorView<const T, 4>(as_sequence(levels.queries[at], n_below, Dk)),
+        TensorView<const T, 4>(as_sequence(levels.keys[at], n_below, Dk)),
+        TensorView<const T, 4>(as_sequence(levels.values[at], n_below, Dv)),
+        TensorView<const T, 4>(as_sequence(dy, n_below, Dv)), as_sequence(dq_l, n_below, Dk),
+        as_sequence(dk_l, n_below, Dk), as_sequence(dv_l, n_below, Dv), scale, window);
+    const std::vector<T>& c = levels.compressed[at];
+    dc.assign(static_cast<std::size_t>(n_below * Dv), T(0));
+    for (index_t j = 0; j < n_below; ++j) {
+      const T* cj = c.data() + j * Dv;
+      matvec_backward(w.query_projection(level - 1, h), cj, dq_l.data() + j * Dk, Dk, Dv,
+                      dc.data() + j * Dv, flat(&ConvCompressedWeightGradients::level_query, layout.query(level - 1, h)));
+      matvec_backward(w.key_projection(level - 1, h), cj, dk_l.data() + j * Dk, Dk, Dv,
+                      dc.data() + j * Dv, flat(&ConvCompressedWeightGradients::level_key, layout.query(level - 1, h)));
+      matvec_backward(w.value_projection(level - 1, h), cj, dv_l.data() + j * Dv, Dv, Dv,
+                      dc.data() + j * Dv, flat(&ConvCompressedWeightGradients::level_value, layout.value(level - 1, h)));
+    }
+  }
+}
+
+/// The reference backend's parts of the backward: the level-0 window
+/// attention's forward and backward, and a loop over heads.
+struct ReferenceConvCompressedParts {
+  template <bool Causal, class... Args>
+  static void window_forward(Args&&... args) {
+    softmax_forward<Causal>(std::forward<Args>(args)...);
+  }
+  template <bool Causal, class... Args>
+  static void window_backward(Args&&... args) {
+    softmax_backward<Causal>(std::forward<Args>(args)...);
+  }
+  template <class Body>
+  static void for_heads(index_t heads, Body&& body) {
+    for (index_t h = 0; h < heads; ++h) body(h);
+  }
+};
+
+/// Whole-sequence backward: writes dq, dk, dv and accumulates the weights'
+/// gradients into `dw` (null: not wanted). `Parts` runs level 0's window
+/// attention (the T-sized part) and the loop over heads; the levels above and
+/// the cross read run here. Workspace: y^(0) and its gradient [B, T, H, Dv] and,
+/// per head in flight, the levels above, O(T / M (Dk + Dv)).
+template <bool Causal, class Parts, Real T>
+void conv_compressed_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
+                              TensorView<const T, 4> v, TensorView<const T, 4> d_out,
+                              TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,
+                              const ConvCompressedWeights<T>& w, T scale,
+                              const SlidingWindow& window, ConvCompressedWeightGradients* dw) {
+  const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), Dv = w.value_dim;
+  if (B == 0 || Tn == 0) return;
+  std::vector<T> y0_data(static_cast<std::size_t>(B * Tn * H * Dv)), dy0_data(y0_data.size());
+  const TensorView<T, 4> y0(y0_data.data(), {B, Tn, H, Dv}), dy0(dy0_data.data(), {B, Tn, H, Dv});
+  Parts::template window_forward<Causal>(q, k, v, y0, scale, window);
+  // One task per head (each writes only its head's weight gradients).
+  Parts::for_heads(H, [&](index_t h) {
+    ConvCompressedLevels<T> levels;
+    for (index_t b = 0; b < B; ++b) {
+      auto y0_row = [&](index_t t) -> const T* { return y0.row(b, t, h); };
+      for (index_t t = 0; t < Tn; ++t) std::copy_n(d_out.row(b, t, h), Dv, dy0.row(b, t, h));
+      conv_compressed_levels<Causal>(y0_row, Tn, h, w, scale, window, levels);
+      conv_compressed_levels_backward<Causal>(
+          y0_row, [&](index_t t) { return d_out.row(b, t, h); },
+          [&](index_t t) { return dy0.row(b, t, h); }, Tn, h, w, scale, window, levels, dw);
+    }
+  });
+  Parts::template window_backward<Causal>(q, k, v, TensorView<const T, 4>(dy0), dq, dk, dv, scale,
+                                          window);
 }
 
 }  // namespace latte::reference

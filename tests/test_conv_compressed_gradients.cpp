@@ -1,0 +1,254 @@
+// ConvCompressedAttention::backward against the long-double oracle written from
+// the definition (tests/oracles/conv_compressed_oracle.hpp: every attention an
+// explicit matrix): gradients of <d_out, oracle(q, k, v; weights)> by central
+// differences (every element of q, k, v and of every weight: convolutions,
+// biases, level and cross projections; small shapes) and along random
+// directions, causal and bidirectional, levels 1 to 3, default and custom
+// windows, on exec::reference and exec::cpu, fp32 and fp64; bad buffers.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "expect_error.hpp"
+#include "gradient_check.hpp"
+#include "latte/mechanisms/conv_compressed_attention.hpp"
+#include "oracles/conv_compressed_oracle.hpp"
+#include "support.hpp"
+
+namespace {
+using namespace latte;
+using namespace latte::test;
+
+struct ConvShape {
+  index_t batch, time, heads, key_dim, value_dim, group_size, levels;
+  std::optional<index_t> window_left{}, window_right{};
+};
+
+/// ConvCompressedParams' fields in long double: what the loss perturbs.
+struct ParamsLD {
+  std::vector<TensorLD<4>> conv_weight;
+  std::vector<TensorLD<2>> conv_bias;
+  std::vector<TensorLD<3>> level_query, level_key, level_value;
+  TensorLD<3> cross_query, cross_key, cross_value;
+};
+
+template <class T, std::size_t N>
+Tensor<double, N> rounded_random(Rng& rng, const std::array<index_t, N>& extents, double scale) {
+  Tensor<double, N> x = random_tensor<double, N>(rng, extents, scale);
+  for (index_t i = 0; i < x.size(); ++i) x.data()[i] = static_cast<double>(static_cast<T>(x.data()[i]));
+  return x;
+}
+
+/// Every weight tensor of `p`, in one fixed order (`visit(tensor)`).
+template <class Params, class Visit>
+void for_each_weight(Params& p, Visit&& visit) {
+  for (auto& w : p.conv_weight) visit(w);
+  for (auto& w : p.conv_bias) visit(w);
+  for (auto& w : p.level_query) visit(w);
+  for (auto& w : p.level_key) visit(w);
+  for (auto& w : p.level_value) visit(w);
+  visit(p.cross_query);
+  visit(p.cross_key);
+  visit(p.cross_value);
+}
+
+template <class T, class Dir>
+struct Problem {
+  ConvShape shape;
+  ConvCompressedDims dims;
+  ConvCompressedParams params;
+  Tensor<T, 4> q, k, v, g;
+  std::optional<ConvCompressedAttention<Dir>> attention;
+  Tensor<T, 4> dq, dk, dv;
+  std::vector<std::vector<T>> weight_gradients;  // d_params, in for_each_weight's order
+
+  Problem(Rng& rng, const ConvShape& s, double input_scale) : shape(s) {
+    dims = {.heads = s.heads, .key_dim = s.key_dim, .value_dim = s.value_dim,
+            .group_size = s.group_size, .levels = s.levels, .window_left = s.window_left,
+            .window_right = s.window_right};
+    params = ConvCompressedParams::zeros(dims);
+    const double Dv = double(s.value_dim), M = double(s.group_size);
+    for (auto& w : params.conv_weight) w = rounded_random<T, 4>(rng, w.extents(), 1.0 / std::sqrt(M * Dv));
+    for (auto& w : params.conv_bias) w = rounded_random<T, 2>(rng, w.extents(), 0.5);
+    for (auto* list : {&params.level_query, &params.level_key, &params.level_value})
+      for (auto& w : *list) w = rounded_random<T, 3>(rng, w.extents(), 1.0 / std::sqrt(Dv));
+    for (auto* w : {&params.cross_query, &params.cross_key, &params.cross_value})
+      *w = rounded_random<T, 3>(rng, w->extents(), 1.0 / std::sqrt(Dv));
+    attention.emplace(dims, params);
+    q = random_tensor<T, 4>(rng, {s.batch, s.time, s.heads, s.key_dim}, input_scale);
+    k = random_tensor<T, 4>(rng, {s.batch, s.time, s.heads, s.key_dim}, input_scale);
+    v = uniform_tensor<T, 4>(rng, {s.batch, s.time, s.heads, s.value_dim}, -1, 1);
+    g = uniform_tensor<T, 4>(rng, {s.batch, s.time, s.heads, s.value_dim}, -1, 1);
+  }
+
+  template <class E>
+  void run(E e) {
+    dq = Tensor<T, 4>(q.extents());
+    dk = Tensor<T, 4>(k.extents());
+    dv = Tensor<T, 4>(v.extents());
+    ConvCompressedParams d_params = ConvCompressedParams::zeros(dims);
+    attention->backward(e, q.cview(), k.cview(), v.cview(), g.cview(),
+                        ConvCompressedGradients<T>{dq.view(), dk.view(), dv.view(), &d_params});
+    weight_gradients.clear();
+    for_each_weight(d_params, [&](const auto& w) {
+      weight_gradients.emplace_back(w.data(), w.data() + w.size());
+    });
+  }
+
+  struct Loss {
+    ConvCompressedSpec spec;
+    ParamsLD params;
+    TensorLD<4> q, k, v, g;
+    long double operator()() const {
+      const TensorLD<4> out = conv_compressed_oracle(spec, params, q, k, v).out;
+      long double total = 0;
+      for (index_t i = 0; i < out.size(); ++i) total += g.data()[i] * out.data()[i];
+      return total;
+    }
+    GradientInputs inputs() {
+      GradientInputs in{as_input(q), as_input(k), as_input(v)};
+      for_each_weight(params, [&](auto& w) { in.emplace_back(as_input(w)); });
+      return in;
+    }
+  };
+  Loss loss() const {
+    const ConvCompressedAttention<Dir>& a = *attention;
+    Loss l{{.causal = Dir::is_causal,
+            .group_size = shape.group_size,
+            .levels = shape.levels,
+            .window_left = a.window().left,
+            .window_right = a.window().right,
+            .scale = 1.0L / std::sqrt((long double)shape.key_dim)},
+           {}, to_long_double(q), to_long_double(k), to_long_double(v), to_long_double(g)};
+    for (const auto& w : params.conv_weight) l.params.conv_weight.push_back(to_long_double(w));
+    for (const auto& w : params.conv_bias) l.params.conv_bias.push_back(to_long_double(w));
+    for (const auto& w : params.level_query) l.params.level_query.push_back(to_long_double(w));
+    for (const auto& w : params.level_key) l.params.level_key.push_back(to_long_double(w));
+    for (const auto& w : params.level_value) l.params.level_value.push_back(to_long_double(w));
+    l.params.cross_query = to_long_double(params.cross_query);
+    l.params.cross_key = to_long_double(params.cross_key);
+    l.params.cross_value = to_long_double(params.cross_value);
+    return l;
+  }
+  std::vector<std::span<const T>> gradients() const {
+    std::vector<std::span<const T>> out{span_of(dq), span_of(dk), span_of(dv)};
+    for (const auto& w : weight_gradients) out.emplace_back(w.data(), w.size());
+    return out;
+  }
+  /// d_queries, d_keys, d_values, then every weight's gradient.
+  std::vector<std::string> names() const {
+    std::vector<std::string> n{"d_queries", "d_keys", "d_values"};
+    for (std::size_t i = 0; i < weight_gradients.size(); ++i) n.push_back("d_params weight " + std::to_string(i));
+    return n;
+  }
+};
+
+template <class T, class P>
+void check_all_elements(P& problem) {
+  const std::vector<std::string> names = problem.names();
+  std::vector<const char*> pointers;
+  for (const std::string& name : names) pointers.push_back(name.c_str());
+  check_every_element<T>(problem, pointers.data());
+}
+
+template <class T, class Dir>
+void every_element_cases(std::uint64_t seed) {
+  Rng rng(seed);
+  const ConvShape shapes[] = {{1, 9, 2, 2, 3, 2, 1},         {2, 12, 1, 3, 2, 2, 2},
+                              {1, 17, 1, 2, 2, 3, 2},        {1, 8, 1, 2, 2, 2, 3},
+                              {1, 13, 1, 2, 3, 3, 1, 1, {}}, {1, 11, 2, 2, 2, 2, 2, 4, {}}};
+  for (const ConvShape& s : shapes) {
+    if ((std::is_same_v<T, float> || case_count(2) < 2) && s.time > 12) continue;
+    CAPTURE(s.time);
+    CAPTURE(s.group_size);
+    CAPTURE(s.levels);
+    Problem<T, Dir> problem(rng, s, 1.5);
+    problem.run(exec::reference);
+    check_all_elements<T>(problem);
+    problem.run(exec::cpu);
+    check_all_elements<T>(problem);
+  }
+}
+
+template <class T, class Dir>
+void direction_cases(std::uint64_t seed, int cases) {
+  Rng rng(seed);
+  for (int c = 0; c < case_count(cases); ++c) {
+    const ConvShape s{pick(rng, std::array<index_t, 2>{1, 2}),
+                      pick(rng, std::array<index_t, 4>{1, 7, 30, 70}),
+                      pick(rng, std::array<index_t, 2>{1, 3}),
+                      pick(rng, std::array<index_t, 2>{2, 5}),
+                      pick(rng, std::array<index_t, 2>{3, 6}),
+                      pick(rng, std::array<index_t, 3>{1, 2, 4}),
+                      pick(rng, std::array<index_t, 3>{1, 2, 3})};
+    CAPTURE(s.batch);
+    CAPTURE(s.time);
+    CAPTURE(s.group_size);
+    CAPTURE(s.levels);
+    Problem<T, Dir> problem(rng, s, pick(rng, std::array{0.5, 2.0}));
+    problem.run(exec::reference);
+    check_direction<T>(problem, rng);
+    problem.run(exec::cpu);
+    check_direction<T>(problem, rng);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("causal conv-compression backward matches the oracle's gradients (inputs and every weight)") {
+  every_element_cases<double, Causal>(100);
+  every_element_cases<float, Causal>(101);
+  direction_cases<double, Causal>(102, 10);
+  direction_cases<float, Causal>(103, 10);
+}
+
+TEST_CASE("bidirectional conv-compression backward matches the oracle's gradients (inputs and every weight)") {
+  every_element_cases<double, Bidirectional>(200);
+  every_element_cases<float, Bidirectional>(201);
+  direction_cases<double, Bidirectional>(202, 10);
+  direction_cases<float, Bidirectional>(203, 10);
+}
+
+TEST_CASE("conv-compression backward: empty sequences, and bad gradient buffers are refused by name") {
+  const ConvCompressedDims dims{.heads = 2, .key_dim = 3, .value_dim = 4, .group_size = 2, .levels = 2};
+  const ConvCompressedAttention<Causal> attention(dims, ConvCompressedParams::zeros(dims));
+  Tensor<float, 4> q({1, 6, 2, 3}), k({1, 6, 2, 3}), v({1, 6, 2, 4}), g({1, 6, 2, 4});
+  Tensor<float, 4> dq({1, 6, 2, 3}), dk({1, 6, 2, 3}), dv({1, 6, 2, 4}), wrong({1, 6, 2, 5});
+  ConvCompressedParams d_params = ConvCompressedParams::zeros(dims);
+  auto call = [&](ConvCompressedGradients<float> gradients, TensorView<const float, 4> d_out) {
+    attention.backward(exec::cpu, q.cview(), k.cview(), v.cview(), d_out, gradients);
+  };
+  auto valid = [&] { return ConvCompressedGradients<float>{dq.view(), dk.view(), dv.view(), &d_params}; };
+  call(valid(), g.cview());  // the valid call first
+  auto with = [&](auto change) {
+    ConvCompressedGradients<float> gradients = valid();
+    change(gradients);
+    return gradients;
+  };
+  expect_error([&] { call(valid(), wrong.cview()); }, "d_out", "");
+  expect_error([&] { call(with([&](auto& x) { x.d_queries = wrong.view(); }), g.cview()); },
+               "gradients.d_queries", "");
+  expect_error([&] { call(with([&](auto& x) { x.d_keys = dq.view(); }), g.cview()); },
+               "gradients.d_keys", "");
+  expect_error([&] { call(with([&](auto& x) { x.d_values = g.view(); }), g.cview()); },
+               "gradients.d_values", "");
+  ConvCompressedParams other = ConvCompressedParams::zeros({.heads = 2, .key_dim = 3, .value_dim = 4,
+                                                            .group_size = 3, .levels = 2});
+  expect_error([&] { call(with([&](auto& x) { x.d_params = &other; }), g.cview()); },
+               "gradients.d_params.conv_weight[0]", "");
+  ConvCompressedParams one_level = ConvCompressedParams::zeros({.heads = 2, .key_dim = 3, .value_dim = 4,
+                                                                .group_size = 2, .levels = 1});
+  expect_error([&] { call(with([&](auto& x) { x.d_params = &one_level; }), g.cview()); },
+               "gradients.d_params.conv_weight", "");
+  // T = 0: nothing to write.
+  Tensor<float, 4> none_q({1, 0, 2, 3}), none_v({1, 0, 2, 4}), none_dq({1, 0, 2, 3}),
+      none_dk({1, 0, 2, 3}), none_dv({1, 0, 2, 4});
+  attention.backward(exec::reference, none_q.cview(), none_q.cview(), none_v.cview(), none_v.cview(),
+                     ConvCompressedGradients<float>{none_dq.view(), none_dk.view(), none_dv.view()});
+}
