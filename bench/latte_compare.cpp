@@ -313,7 +313,7 @@ int main(int argc, char** argv) {
   };
 
   for (int round = 0; round < options.rounds; ++round) {
-    QuadraticCap softmax_cap, conv_cap;
+    QuadraticCap softmax_cap, conv_cap, conv_backward_cap;
     for (const index_t T : options.lengths) {
       auto q = random_tensor<4>(rng, {B, T, H, L});
       auto k = random_tensor<4>(rng, {B, T, H, L});
@@ -445,6 +445,17 @@ int main(int argc, char** argv) {
              double(B) * H *
                  latte::bench::conv_compressed_forward_flops(T, conv_levels, conv_group, D, D, true),
              [&] { conv_causal.forward(latte::exec::cpu, q, k, v, out.view()); });
+      {  // backward: 2x the forward's FLOPs (as Latte's rows)
+        auto d_out = random_tensor<4>(rng, {B, T, H, D});
+        latte::Tensor<float, 4> dq({B, T, H, L}), dk({B, T, H, L}), dv({B, T, H, D});
+        capped(conv_backward_cap, "conv_compressed_backward",
+               2 * double(B) * H *
+                   latte::bench::conv_compressed_forward_flops(T, conv_levels, conv_group, D, D, true),
+               [&] {
+                 conv_causal.backward(latte::exec::cpu, q, k, v, d_out,
+                                      latte::ConvCompressedGradients<float>{dq.view(), dk.view(), dv.view()});
+               });
+      }
       capped(softmax_cap, "softmax", 2.0 * B * H * (double(T) * (T + 1) / 2) * (D + D),
              [&] { softmax_causal.forward(latte::exec::cpu, q, k, v, out.view()); });
       // Decode: the state after a context of T tokens, stepped once all the

@@ -1153,6 +1153,21 @@ void conv_compressed(Fuzz& fuzz, const Sizes& s) {
     a.forward(latte::exec::reference, c.inputs[0].cview(), c.inputs[1].cview(),
               c.inputs[2].cview(), c.out.view());
   });
+  if (fuzz.coin(4)) {  // backward(q, k, v, d_out, {dq, dk, dv}) on either backend
+    const bool on_cpu = fuzz.coin(2);
+    drive_self_backward<T>(fuzz, f, s.batch, s.time, s.heads, tame(given_scale) ? 1e2 : 0,
+                           "ConvCompressedAttention backward", [&](auto& c, auto& second, auto& third) {
+                             const latte::ConvCompressedGradients<T> gradients{
+                                 c.out.view(), second.out.view(), third.out.view()};
+                             if (on_cpu)
+                               a.backward(latte::exec::cpu, c.inputs[0].cview(), c.inputs[1].cview(),
+                                          c.inputs[2].cview(), c.inputs[3].cview(), gradients);
+                             else
+                               a.backward(latte::exec::reference, c.inputs[0].cview(),
+                                          c.inputs[1].cview(), c.inputs[2].cview(),
+                                          c.inputs[3].cview(), gradients);
+                           });
+  }
   if constexpr (causal<Dir>) {
     const index_t capacity = fuzz.parameter(1, 60);
     // The window rings hold min(left + 1, capacity) keys; one group sum per level;

@@ -91,6 +91,21 @@ inline Shape random_shape(Rng& rng, double budget = 6e7) {
   }
 }
 
+/// A tensor's values rounded to T and widened back: the weights a T kernel
+/// computes with (so that an oracle in long double sees the same numbers).
+template <class T, std::size_t N>
+Tensor<double, N> rounded_to(const Tensor<double, N>& x) {
+  Tensor<double, N> y(x.extents());
+  for (index_t i = 0; i < x.size(); ++i) y.data()[i] = static_cast<double>(static_cast<T>(x.data()[i]));
+  return y;
+}
+
+/// A tensor's elements as long doubles, in storage order.
+template <class T, std::size_t N>
+std::vector<long double> widen(const Tensor<T, N>& x) {
+  return std::vector<long double>(x.data(), x.data() + x.size());
+}
+
 /// max |out - oracle| / max |oracle| (0 when both are zero; +inf on NaN/inf in out).
 template <class T, std::size_t N>
 double relative_error(const Tensor<T, N>& out, const TensorLD<N>& oracle) {

@@ -16,13 +16,15 @@
 // (ShortConv, RG-LRU) and MacchiatoLayer<Causal, RGLRU>::backward (Latte-RGLRU-SWA:
 // input and every weight's gradient). Lavo::backward (causal with both
 // empty-memory rules, bidirectional; the relative bias's and the bases'
-// gradients) and Lavo::cross_backward likewise.
+// gradients) and Lavo::cross_backward likewise, and ConvCompressedAttention::backward
+// (causal with 1 and 2 levels, bidirectional with 2; every weight's gradient).
 #include <doctest/doctest.h>
 
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <span>
 #include <string>
 #include <utility>
@@ -32,6 +34,7 @@
 #include "latte/layers/named_layers.hpp"
 #include "latte/layers/rglru.hpp"
 #include "latte/layers/short_conv.hpp"
+#include "latte/mechanisms/conv_compressed_attention.hpp"
 #include "latte/mechanisms/lavo.hpp"
 #include "gradient_check.hpp"
 #include "support.hpp"
@@ -333,7 +336,71 @@ void lavo_cases(E e) {
                         {"d_bases", span_of(d_bases)}});
 }
 
+template <class T, class Dir, class E>
+void conv_case(E e, const std::string& name, index_t levels) {
+  const std::string prefix = "conv/" + name;
+  const auto q = golden_tensor<T, 4>(prefix + "/queries");
+  const auto k = golden_tensor<T, 4>(prefix + "/keys");
+  const auto v = golden_tensor<T, 4>(prefix + "/values");
+  const auto d_out = golden_tensor<T, 4>(prefix + "/d_out");
+  const ConvCompressedDims dims{.heads = q.extent(2), .key_dim = q.extent(3), .value_dim = v.extent(3),
+                                .group_size = 2, .levels = levels};
+  ConvCompressedParams params = ConvCompressedParams::zeros(dims);
+  // Every weight tensor with its golden name, in one order.
+  std::vector<std::pair<std::string, std::function<double*(ConvCompressedParams&)>>> fields;
+  auto list = [&](const char* field, auto member, index_t count) {
+    for (index_t i = 0; i < count; ++i)
+      fields.emplace_back(std::string(field) + "_" + std::to_string(i),
+                          [member, i](ConvCompressedParams& p) { return (p.*member)[i].data(); });
+  };
+  list("conv_weight", &ConvCompressedParams::conv_weight, levels);
+  list("conv_bias", &ConvCompressedParams::conv_bias, levels);
+  list("level_query", &ConvCompressedParams::level_query, levels - 1);
+  list("level_key", &ConvCompressedParams::level_key, levels - 1);
+  list("level_value", &ConvCompressedParams::level_value, levels - 1);
+  fields.emplace_back("cross_query_0", [](ConvCompressedParams& p) { return p.cross_query.data(); });
+  fields.emplace_back("cross_key_0", [](ConvCompressedParams& p) { return p.cross_key.data(); });
+  fields.emplace_back("cross_value_0", [](ConvCompressedParams& p) { return p.cross_value.data(); });
+  for (const auto& [field, at] : fields) {
+    const gg::Array& golden = golden_array(prefix + "/weights/" + field);
+    std::copy(golden.values.begin(), golden.values.end(), at(params));
+  }
+  const ConvCompressedAttention<Dir> attention(dims, params);
+  Tensor<T, 4> out(v.extents()), dq(q.extents()), dk(k.extents()), dv(v.extents());
+  ConvCompressedParams d_params = ConvCompressedParams::zeros(dims);
+  attention.forward(e, q.cview(), k.cview(), v.cview(), out.view());
+  attention.backward(e, q.cview(), k.cview(), v.cview(), d_out.cview(),
+                     ConvCompressedGradients<T>{dq.view(), dk.view(), dv.view(), &d_params});
+  std::vector<std::pair<std::string, std::span<const T>>> got{
+      {"d_queries", span_of(dq)}, {"d_keys", span_of(dk)}, {"d_values", span_of(dv)}};
+  std::vector<std::vector<T>> weight_gradients;  // in T, as the other gradients
+  weight_gradients.reserve(fields.size());
+  for (const auto& [field, at] : fields) {
+    const std::size_t count = golden_array(prefix + "/weights/d_" + field).values.size();
+    const double* d = at(d_params);
+    weight_gradients.emplace_back(d, d + count);
+    got.emplace_back("weights/d_" + field,
+                     std::span<const T>(weight_gradients.back().data(), weight_gradients.back().size()));
+  }
+  check_against_golden(label<ConvCompressedAttention<Dir>, T, E>() + " L=" + std::to_string(levels),
+                       prefix, out, got);
+}
+
+template <class T, class E>
+void conv_cases(E e) {
+  conv_case<T, Causal>(e, "causal_l1", 1);
+  conv_case<T, Causal>(e, "causal_l2", 2);
+  conv_case<T, Bidirectional>(e, "bidirectional_l2", 2);
+}
+
 }  // namespace
+
+TEST_CASE("ConvCompressedAttention::backward reproduces PyTorch autograd's gradients") {
+  conv_cases<double>(exec::reference);
+  conv_cases<float>(exec::reference);
+  conv_cases<double>(exec::cpu);
+  conv_cases<float>(exec::cpu);
+}
 
 TEST_CASE("Lavo::backward and cross_backward reproduce PyTorch autograd's gradients") {
   lavo_cases<double>(exec::reference);

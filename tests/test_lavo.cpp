@@ -33,19 +33,6 @@ using namespace latte::test;
 constexpr int kCases = 200;
 constexpr int kDecodeCases = 60;
 
-/// A tensor's values rounded to T and widened back: what a T kernel computes with.
-template <class T, std::size_t N>
-Tensor<double, N> rounded_to(const Tensor<double, N>& x) {
-  Tensor<double, N> y(x.extents());
-  for (index_t i = 0; i < x.size(); ++i) y.data()[i] = static_cast<double>(static_cast<T>(x.data()[i]));
-  return y;
-}
-
-template <std::size_t N>
-std::vector<long double> widen(const Tensor<double, N>& x) {
-  return std::vector<long double>(x.data(), x.data() + x.size());
-}
-
 /// A random LAVO configuration for a shape: r, w, bases, bias, scale, empty-memory rule.
 struct Config {
   LavoDims dims;

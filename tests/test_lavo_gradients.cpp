@@ -32,19 +32,6 @@ struct LavoShape {
   index_t batch, time, heads, dim, bases, window;
 };
 
-/// A tensor's values rounded to T and widened back: the weights a T kernel computes with.
-template <class T, std::size_t N>
-Tensor<double, N> rounded_to(const Tensor<double, N>& x) {
-  Tensor<double, N> y(x.extents());
-  for (index_t i = 0; i < x.size(); ++i) y.data()[i] = static_cast<double>(static_cast<T>(x.data()[i]));
-  return y;
-}
-
-template <std::size_t N>
-std::vector<long double> widen(const Tensor<double, N>& x) {
-  return std::vector<long double>(x.data(), x.data() + x.size());
-}
-
 /// The weights of one problem: orthonormal or arbitrary bases, a random bias.
 struct LavoWeights {
   Tensor<double, 3> bases;

@@ -185,11 +185,6 @@ struct LinearCase {
   }
 };
 
-template <class T, std::size_t N>
-std::vector<long double> widen(const Tensor<T, N>& x) {
-  return std::vector<long double>(x.data(), x.data() + x.size());
-}
-
 /// LAVO with d = Dv, r = min(L, d), window w and a random relative bias.
 template <class Dir>
 struct LavoCase {

@@ -666,6 +666,33 @@ MultiOutputEntry<4> macchiato_backward_entry(E exec_tag) {
 }
 
 /// backward(queries, keys, values, d_out, {d_queries, d_keys, d_values}) of a
+/// convolutional-compression attention: B and T come from queries and are
+/// reported on keys.
+template <class M, class E>
+MultiOutputEntry<4> conv_backward_entry(E exec_tag) {
+  auto attention = std::make_shared<const typename M::A>(M::make());
+  MultiOutputEntry<4> entry;
+  entry.entry = entry_name<M>("backward", E::name);
+  entry.inputs = sequence_args<M>();
+  entry.inputs.push_back({"d_out", {kB, kT, kH, kDv}});
+  entry.outputs = {{"gradients.d_queries", {kB, kT, kH, kDk}},
+                   {"gradients.d_keys", {kB, kT, kH, kDk}},
+                   {"gradients.d_values", {kB, kT, kH, kDv}}};
+  entry.dim_names = kSequenceDims;
+  entry.invoke = [attention, exec_tag](const In4& in, const std::vector<Out4>& out) {
+    attention->backward(exec_tag, in[0], in[1], in[2], in[3],
+                        ConvCompressedGradients<float>{out[0], out[1], out[2]});
+  };
+  entry.blame = [names = std::vector<std::string>{"queries", "keys", "values", "d_out",
+                                                  "gradients.d_queries", "gradients.d_keys",
+                                                  "gradients.d_values"}](std::size_t arg,
+                                                                         std::size_t dim) {
+    return arg == 0 && dim < 2 ? names[1] : names[arg];
+  };
+  return entry;
+}
+
+/// backward(queries, keys, values, d_out, {d_queries, d_keys, d_values}) of a
 /// LAVO attention (d = kDk for all three): B and T come from queries and are
 /// reported on keys.
 template <class M, class E>
@@ -1453,6 +1480,11 @@ Registry build_registry() {
   // ---- ConvCompressedAttention (reference)
   add_sequence_and_decode<ConvCausal>(registry, exec::reference);
   add_sequence_and_decode<ConvBidirectional>(registry, exec::reference);
+  for (auto backward : {conv_backward_entry<ConvCausal>(exec::reference),
+                        conv_backward_entry<ConvCausal>(exec::cpu),
+                        conv_backward_entry<ConvBidirectional>(exec::reference),
+                        conv_backward_entry<ConvBidirectional>(exec::cpu)})
+    registry.add(backward);
   add_make_state_batch_rows<ConvCausal>(registry);
   add_call_row(rows, entry_name<ConvCausal>("make_state", "-"), "context_capacity 0",
                "context_capacity", [] { (void)ConvCausal::make().make_state<float>(kB, 0); });

@@ -93,6 +93,11 @@ Arrays (each 4-D [B, T, H, D] unless noted; `out` is the forward's output):
       case: causal, causal_local_only (o = F_local while the memory is empty), bidirectional;
   lavo/cross/{queries, source, bases, d_out, out, d_queries, d_source, d_bases}
 
+  conv/<case>/{queries, keys, values, d_out, out, d_queries, d_keys, d_values} and
+      conv/<case>/weights/{<field>_<i>, d_<field>_<i>} for field in conv_weight, conv_bias,
+      level_query, level_key, level_value (i = 0 .. per level) and cross_query, cross_key,
+      cross_value (i = 0); case: causal_l1, causal_l2, bidirectional_l2 (M = 2, default windows).
+
 Usage: .venv-peers/bin/python tests/golden/make_gradient_golden.py
        (needs torch and numpy: bench/peers/setup_peers.sh makes that environment)
 """
@@ -116,6 +121,7 @@ MACCHIATO = dict(B=2, T=9, H=2, L=4, Dk=4, Dv=6, window=3)
 MIXER = dict(B=2, T=7, C=5, K=3)
 LAYER = dict(B=2, T=8, model_dim=6, H=2, L=3, Dk=2, Dv=4, window=3)
 LAVO = dict(B=2, T=10, H=2, d=6, r=4, window=3, S_CROSS=7)
+CONV = dict(B=2, T=9, H=2, Dk=3, Dv=4, M=2)
 SPREAD = 1000.0
 
 
@@ -231,6 +237,49 @@ def lavo_cross(q, source, bases):
     qh, sh = q.permute(0, 2, 1, 3), source.permute(0, 2, 1, 3)
     mean = (sh @ bases.transpose(-1, -2).unsqueeze(0)).mean(2, keepdim=True)
     return lavo_read(qh, mean.expand(-1, -1, qh.shape[2], -1), bases, 1.0 / math.sqrt(d)).permute(0, 2, 1, 3)
+
+
+def conv_compressed(q, k, v, weights, causal, M, L, left, right):
+    """Convolutional-compression attention (paper 003 §4, DESIGN §3.5) over
+    [B, T, H, *]: window attention, L convolutions (kernel = stride = M, with the
+    level's own window attention between them), the block-causal cross read of
+    the top level, o = y0 + cross. `weights` holds the lists conv_weight [H, M,
+    Dv, Dv], conv_bias [H, Dv], level_query / level_key [H, Dk, Dv], level_value
+    [H, Dv, Dv] and cross_query / cross_key [H, Dk, Dv], cross_value [H, Dv, Dv]."""
+    B, T, H, Dk = q.shape
+    Dv = v.shape[3]
+    scale = 1.0 / math.sqrt(Dk)
+
+    def window_attend(qh, kh, vh):  # [B, H, n, *]
+        n = qh.shape[2]
+        t, s = torch.arange(n).reshape(n, 1), torch.arange(n).reshape(1, n)
+        allowed = (s >= t - left) & (s <= t + right) & ((s <= t) if causal else True)
+        scores = scale * qh @ kh.transpose(-1, -2)
+        return torch.softmax(scores.masked_fill(~allowed, -math.inf), dim=-1) @ vh
+
+    def project(x, w):  # x [B, H, n, in], w [H, out, in]
+        return torch.einsum("bhni,hoi->bhno", x, w)
+
+    qh, kh, vh = (x.permute(0, 2, 1, 3) for x in (q, k, v))
+    y0 = window_attend(qh, kh, vh)
+    y = y0
+    for level in range(1, L + 1):
+        n = y.shape[2] // M
+        groups = y[:, :, :n * M].reshape(B, H, n, M, Dv)
+        c = (torch.einsum("bhnid,hiod->bhno", groups, weights["conv_weight"][level - 1])
+             + weights["conv_bias"][level - 1].reshape(1, H, 1, Dv))
+        if level == L:
+            break
+        y = window_attend(project(c, weights["level_query"][level - 1]),
+                          project(c, weights["level_key"][level - 1]),
+                          project(c, weights["level_value"][level - 1]))
+    n = c.shape[2]
+    t, j = torch.arange(T).reshape(T, 1), torch.arange(n).reshape(1, n)
+    visible = ((j + 1) * M ** L - 1 < t) if causal else torch.ones(T, n, dtype=torch.bool)
+    scores = scale * project(y0, weights["cross_query"]) @ project(c, weights["cross_key"]).transpose(-1, -2)
+    # A query that sees no compressed token reads zero (no NaN: masked, not -inf).
+    p = torch.softmax(scores.masked_fill(~visible, -1e30), dim=-1) * visible
+    return (y0 + p @ project(c, weights["cross_value"])).permute(0, 2, 1, 3)
 
 
 def short_conv(x, kernel, bias):
@@ -535,6 +584,35 @@ def main():
     add("lavo/cross", queries=q, source=source, bases=bases, d_out=d_out, out=out,
         d_queries=grads[0], d_source=grads[1], d_bases=grads[2])
 
+    # Convolutional compression (drawn after everything above).
+    B, T, H, Dk, Dv, M = (CONV[x] for x in ("B", "T", "H", "Dk", "Dv", "M"))
+    for name, causal, L in (("causal_l1", True, 1), ("causal_l2", True, 2), ("bidirectional_l2", False, 2)):
+        left, right = M - 1, (0 if causal else M - 1)
+        q, k = normal(B, T, H, Dk, scale=1.5), normal(B, T, H, Dk, scale=1.5)
+        v, d_out = uniform(-1, 1, B, T, H, Dv), normal(B, T, H, Dv)
+        lists = {"conv_weight": [normal(H, M, Dv, Dv, scale=1 / math.sqrt(M * Dv)) for _ in range(L)],
+                 "conv_bias": [normal(H, Dv, scale=0.5) for _ in range(L)],
+                 "level_query": [normal(H, Dk, Dv, scale=1 / math.sqrt(Dv)) for _ in range(L - 1)],
+                 "level_key": [normal(H, Dk, Dv, scale=1 / math.sqrt(Dv)) for _ in range(L - 1)],
+                 "level_value": [normal(H, Dv, Dv, scale=1 / math.sqrt(Dv)) for _ in range(L - 1)],
+                 "cross_query": [normal(H, Dk, Dv, scale=1 / math.sqrt(Dv))],
+                 "cross_key": [normal(H, Dk, Dv, scale=1 / math.sqrt(Dv))],
+                 "cross_value": [normal(H, Dv, Dv, scale=1 / math.sqrt(Dv))]}
+        names = [(field, i) for field, tensors in lists.items() for i in range(len(tensors))]
+        flat = [lists[field][i] for field, i in names]
+
+        def call(q, k, v, *ws, c=causal, levels=L, lo=left, hi=right, names=names):
+            weights = {field: [] for field in lists}
+            for (field, _), w in zip(names, ws):
+                weights[field].append(w)
+            return conv_compressed(q, k, v, {f: (w if f.startswith(("conv", "level")) else w[0])
+                                             for f, w in weights.items()}, c, M, levels, lo, hi)
+        out, grads = gradients(call, d_out, [q, k, v] + flat)
+        add(f"conv/{name}", queries=q, keys=k, values=v, d_out=d_out, out=out, d_queries=grads[0],
+            d_keys=grads[1], d_values=grads[2])
+        for (field, i), w, g in zip(names, flat, grads[3:]):
+            add(f"conv/{name}/weights", **{f"{field}_{i}": w, f"d_{field}_{i}": g})
+
     linear_golden.write_header(
         arrays, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gradient_golden.hpp"),
         generated_by=["// Generated by tests/golden/make_gradient_golden.py (PyTorch autograd, float64,",
@@ -542,7 +620,7 @@ def main():
         namespace="latte::test::gradient_golden",
         constants=[f"// Latte: {LATTE}", f"// Softmax: {SOFTMAX}", f"// Linear: {LINEAR}",
                    f"// Macchiato: {MACCHIATO}", f"// Mixers: {MIXER}", f"// Layer: {LAYER}",
-                   f"// LAVO: {LAVO}"])
+                   f"// LAVO: {LAVO}", f"// Conv compression: {CONV}"])
 
 
 def check_against_numpy(inputs, modules, outputs):

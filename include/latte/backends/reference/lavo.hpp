@@ -395,6 +395,28 @@ void lavo_compression_backward(const T* basis, const double* e, const T* f, inde
   }
 }
 
+/// The initial ring's gradient before the local rows add theirs: a slot the
+/// chunk of `tokens` tokens from `first_position` does not overwrite still
+/// holds, in the state left, what it held before, so it takes d_final's
+/// gradient (zero without one); the other slots start at zero.
+template <Real T>
+void lavo_start_ring_gradient(const LavoCarry<T>& d_initial, const LavoSavedCarry<T>& d_final,
+                              index_t w, index_t d, std::int64_t first_position,
+                              index_t tokens) noexcept {
+  for (index_t slot = 0; slot < w; ++slot) {
+    const bool written = tokens >= w || ((slot - first_position % w + w) % w) < tokens;
+    T* into_k = d_initial.keys + slot * d;
+    T* into_v = d_initial.values + slot * d;
+    if (!written && d_final.keys) {
+      std::copy_n(d_final.keys + slot * d, d, into_k);
+      std::copy_n(d_final.values + slot * d, d, into_v);
+    } else {
+      std::fill_n(into_k, d, T(0));
+      std::fill_n(into_v, d, T(0));
+    }
+  }
+}
+
 /// Causal LAVO backward over [B, T, H, d] at absolute positions
 /// first_position + t: writes dq, dk, dv; accumulates `parameters` per head.
 /// `initial_of(b, h)` is the saved state the forward continued from
@@ -509,21 +531,7 @@ void lavo_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
           d_initial.memory_sum[i] = d_initial.memory_compensation[i] = static_cast<T>(total);
         }
 
-      // The ring: slots the chunk does not overwrite keep d_final's gradient;
-      // the others start at zero and collect the local rows' gradients.
-      if (d_initial.keys)
-        for (index_t slot = 0; slot < w; ++slot) {
-          const bool written = Tn >= w || ((slot - P0 % w + w) % w) < Tn;
-          T* into_k = d_initial.keys + slot * d;
-          T* into_v = d_initial.values + slot * d;
-          if (!written && d_final.keys) {
-            std::copy_n(d_final.keys + slot * d, d, into_k);
-            std::copy_n(d_final.values + slot * d, d, into_v);
-          } else {
-            std::fill_n(into_k, d, T(0));
-            std::fill_n(into_v, d, T(0));
-          }
-        }
+      if (d_initial.keys) lavo_start_ring_gradient(d_initial, d_final, w, d, P0, Tn);
       for (index_t t = 0; t < Tn; ++t) {
         std::fill_n(dk.row(b, t, h), d, T(0));
         std::fill_n(dv.row(b, t, h), d, T(0));

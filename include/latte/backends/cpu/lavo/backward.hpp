@@ -408,18 +408,7 @@ void head_backward(bool causal, const T* q, const T* k, const T* v, const T* g, 
       }
     }
   if (!ends.d_initial.keys) return;
-  for (index_t slot = 0; slot < w; ++slot) {
-    const bool written = Tn >= w || ((slot - P0 % w + w) % w) < Tn;
-    T* into_k = ends.d_initial.keys + slot * d;
-    T* into_v = ends.d_initial.values + slot * d;
-    if (!written && ends.d_final.keys) {
-      std::copy_n(ends.d_final.keys + slot * d, d, into_k);
-      std::copy_n(ends.d_final.values + slot * d, d, into_v);
-    } else {
-      std::fill_n(into_k, d, T(0));
-      std::fill_n(into_v, d, T(0));
-    }
-  }
+  reference::lavo_start_ring_gradient(ends.d_initial, ends.d_final, w, d, P0, Tn);
   for (index_t j = 0; j < pre; ++j) {
     const auto slot = static_cast<index_t>((P0 - pre + j) % w);
     for (index_t e = 0; e < d; ++e) {
@@ -460,6 +449,30 @@ std::vector<BackwardScratch<T>> backward_scratch(int workers, index_t d, index_t
   return scratch;
 }
 
+/// head_backward for every (batch, head) in parallel; `ends_of(b, h)` gives
+/// the causal state's ends (CausalEnds{} when bidirectional).
+template <Real T, class HeadOf, class EndsOf>
+void self_backward(bool causal, TensorView<const T, 4> q, TensorView<const T, 4> k,
+                   TensorView<const T, 4> v, TensorView<const T, 4> d_out, TensorView<T, 4> dq,
+                   TensorView<T, 4> dk, TensorView<T, 4> dv, HeadOf&& head_of, EndsOf&& ends_of,
+                   const reference::LavoParameterGradients& parameters) {
+  const index_t Bn = q.extent(0), Tn = q.extent(1), H = q.extent(2);
+  if (Bn == 0 || Tn == 0) return;
+  const reference::LavoHead<T> first = head_of(0);
+  const index_t d = first.dim, r = first.bases, w = first.window;
+  const int workers = thread_count();
+  auto scratch = backward_scratch<T>(workers, d, r);
+  ParameterPartials partials(parameters, Bn * H, r * d, 2 * w - 1);
+  parallel_for(Bn * H, workers, [&](index_t bh, int worker) {
+    const index_t b = bh / H, h = bh % H;
+    head_backward(causal, q.row(b, 0, h), k.row(b, 0, h), v.row(b, 0, h), d_out.row(b, 0, h),
+                  q.stride(1), dq.row(b, 0, h), dk.row(b, 0, h), dv.row(b, 0, h), dq.stride(1), Tn,
+                  head_of(h), ends_of(b, h), partials.basis_of(bh), partials.bias_of(bh),
+                  scratch[static_cast<std::size_t>(worker)]);
+  });
+  partials.add_to(parameters, Bn * H, H);
+}
+
 }  // namespace lavo_detail
 
 /// Causal LAVO backward (the contract of reference::lavo_causal_backward).
@@ -471,24 +484,13 @@ void lavo_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
                           FinalGradientOf&& final_gradient_of,
                           InitialGradientOf&& initial_gradient_of,
                           const reference::LavoParameterGradients& parameters) {
-  using namespace lavo_detail;
-  const index_t Bn = q.extent(0), Tn = q.extent(1), H = q.extent(2);
-  if (Bn == 0 || Tn == 0) return;
-  const reference::LavoHead<T> first = head_of(0);
-  const index_t d = first.dim, r = first.bases, w = first.window;
-  const int workers = thread_count();
-  auto scratch = backward_scratch<T>(workers, d, r);
-  ParameterPartials partials(parameters, Bn * H, r * d, 2 * w - 1);
-  parallel_for(Bn * H, workers, [&](index_t bh, int worker) {
-    const index_t b = bh / H, h = bh % H;
-    const CausalEnds<T> ends{initial_of(b, h), final_gradient_of(b, h), initial_gradient_of(b, h),
-                             first_position};
-    head_backward(true, q.row(b, 0, h), k.row(b, 0, h), v.row(b, 0, h), d_out.row(b, 0, h),
-                  q.stride(1), dq.row(b, 0, h), dk.row(b, 0, h), dv.row(b, 0, h), dq.stride(1), Tn,
-                  head_of(h), ends, partials.basis_of(bh), partials.bias_of(bh),
-                  scratch[static_cast<std::size_t>(worker)]);
-  });
-  partials.add_to(parameters, Bn * H, H);
+  lavo_detail::self_backward(
+      true, q, k, v, d_out, dq, dk, dv, head_of,
+      [&](index_t b, index_t h) {
+        return lavo_detail::CausalEnds<T>{initial_of(b, h), final_gradient_of(b, h),
+                                          initial_gradient_of(b, h), first_position};
+      },
+      parameters);
 }
 
 /// Bidirectional LAVO backward (the contract of reference::lavo_bidirectional_backward).
@@ -498,22 +500,9 @@ void lavo_bidirectional_backward(TensorView<const T, 4> q, TensorView<const T, 4
                                  TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,
                                  HeadOf&& head_of,
                                  const reference::LavoParameterGradients& parameters) {
-  using namespace lavo_detail;
-  const index_t Bn = q.extent(0), Tn = q.extent(1), H = q.extent(2);
-  if (Bn == 0 || Tn == 0) return;
-  const reference::LavoHead<T> first = head_of(0);
-  const index_t d = first.dim, r = first.bases, w = first.window;
-  const int workers = thread_count();
-  auto scratch = backward_scratch<T>(workers, d, r);
-  ParameterPartials partials(parameters, Bn * H, r * d, 2 * w - 1);
-  parallel_for(Bn * H, workers, [&](index_t bh, int worker) {
-    const index_t b = bh / H, h = bh % H;
-    head_backward(false, q.row(b, 0, h), k.row(b, 0, h), v.row(b, 0, h), d_out.row(b, 0, h),
-                  q.stride(1), dq.row(b, 0, h), dk.row(b, 0, h), dv.row(b, 0, h), dq.stride(1), Tn,
-                  head_of(h), CausalEnds<T>{}, partials.basis_of(bh), partials.bias_of(bh),
-                  scratch[static_cast<std::size_t>(worker)]);
-  });
-  partials.add_to(parameters, Bn * H, H);
+  lavo_detail::self_backward(
+      false, q, k, v, d_out, dq, dk, dv, head_of,
+      [](index_t, index_t) { return lavo_detail::CausalEnds<T>{}; }, parameters);
 }
 
 /// Cross-attention LAVO backward (the contract of reference::lavo_cross_backward).
