@@ -401,9 +401,53 @@ void conv_compressed_forward_with_state(TensorView<const T, 4> q, TensorView<con
   });
 }
 
+namespace conv_backward_detail {
+
+template <Real T>
+using Matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+template <Real T>
+using Rows = Eigen::Map<const Matrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
+template <Real T>
+using MutableRows = Eigen::Map<Matrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
+
+/// `rows` x `cols` rows from `data`, consecutive rows `stride` apart.
+template <Real T>
+Rows<T> rows_of(const T* data, index_t rows, index_t cols, index_t stride) {
+  return Rows<T>(data, rows, cols, Eigen::OuterStride<>(stride));
+}
+template <Real T>
+MutableRows<T> rows_of(T* data, index_t rows, index_t cols, index_t stride) {
+  return MutableRows<T>(data, rows, cols, Eigen::OuterStride<>(stride));
+}
+
+/// into[i] += block(i) in double (a weight's gradient, flat; null: not wanted).
+template <class Block>
+void add_to_double(const Block& block, double* into) {
+  if (!into) return;
+  for (index_t r = 0; r < block.rows(); ++r)
+    for (index_t c = 0; c < block.cols(); ++c) into[r * block.cols() + c] += static_cast<double>(block(r, c));
+}
+
+/// C = b + sum_i Y_i W_i^T over the n complete groups of `source` (rows
+/// `stride` apart; Y_i are rows jM + i): the convolution as M GEMMs.
+template <Real T>
+void convolve(const T* source, index_t stride, index_t n, const T* weights, const T* bias,
+              index_t M, index_t Dv, Matrix<T>& C) {
+  C.resize(n, Dv);
+  C.rowwise() = Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(bias, Dv);
+  for (index_t i = 0; i < M && n > 0; ++i)
+    C.noalias() += rows_of(source + i * stride, n, Dv, M * stride) *
+                   rows_of(weights + i * Dv * Dv, Dv, Dv, Dv).transpose();
+}
+
+}  // namespace conv_backward_detail
+
 /// The cpu backend's parts of reference::conv_compressed_backward: level 0's
 /// window attention on the blocked softmax kernels (FlashAttention-2's
-/// backward), heads in parallel over OpenMP threads.
+/// backward), heads in parallel over OpenMP threads, and each head's levels
+/// and cross read as GEMMs (the convolution as M GEMMs, projections, the
+/// block-causal cross read's backward per 64-query block); the levels' own
+/// window attentions (T / M tokens and fewer) on the reference kernels.
 struct ConvCompressedParts {
   template <bool Causal, class... Args>
   static void window_forward(Args&&... args) {
@@ -416,6 +460,140 @@ struct ConvCompressedParts {
   template <class Body>
   static void for_heads(index_t heads, Body&& body) {
     parallel_for(heads, thread_count(), [&](index_t h, int) { body(h); });
+  }
+
+  template <bool Causal, Real T>
+  static void head_backward(const T* y0, index_t y0_stride, const T* g, index_t g_stride, T* dy0,
+                            index_t dy0_stride, index_t Tn, index_t h,
+                            const reference::ConvCompressedWeights<T>& w, T scale,
+                            const SlidingWindow& window, reference::ConvCompressedLevels<T>& levels,
+                            reference::ConvCompressedWeightGradients* dw) {
+    using namespace conv_backward_detail;
+    using Mat = Matrix<T>;
+    const index_t Dk = w.key_dim, Dv = w.value_dim, M = w.group_size, L = w.levels;
+    const reference::ConvCompressedGradientLayout layout{w.heads, Dk, Dv, M, L};
+    auto flat = [&](std::vector<double> reference::ConvCompressedWeightGradients::*field,
+                    index_t offset) -> double* { return dw ? (dw->*field).data() + offset : nullptr; };
+    auto sequence = [](T* data, index_t n, index_t D) { return TensorView<T, 4>(data, {1, n, 1, D}); };
+    // Forward of the levels: c^(l) = conv(y^(l-1)), y^(l) = window(projections of c^(l)).
+    std::vector<Mat> C(static_cast<std::size_t>(L)), Ql(static_cast<std::size_t>(L)),
+        Kl(static_cast<std::size_t>(L)), Vl(static_cast<std::size_t>(L)), Yl(static_cast<std::size_t>(L));
+    std::vector<index_t> length{Tn};
+    for (index_t level = 1; level <= L; ++level) {
+      const index_t n = length.back() / M;
+      length.push_back(n);
+      const T* source = level == 1 ? y0 : Yl[static_cast<std::size_t>(level - 2)].data();
+      const index_t stride = level == 1 ? y0_stride : Dv;
+      Mat& c = C[static_cast<std::size_t>(level - 1)];
+      convolve(source, stride, n, w.conv(level, h), w.bias(level, h), M, Dv, c);
+      if (level == L) break;
+      const auto at = static_cast<std::size_t>(level - 1);
+      Ql[at].noalias() = c * rows_of(w.query_projection(level, h), Dk, Dv, Dv).transpose();
+      Kl[at].noalias() = c * rows_of(w.key_projection(level, h), Dk, Dv, Dv).transpose();
+      Vl[at].noalias() = c * rows_of(w.value_projection(level, h), Dv, Dv, Dv).transpose();
+      Yl[at].resize(n, Dv);
+      reference::softmax_forward<Causal>(TensorView<const T, 4>(sequence(Ql[at].data(), n, Dk)),
+                                         TensorView<const T, 4>(sequence(Kl[at].data(), n, Dk)),
+                                         TensorView<const T, 4>(sequence(Vl[at].data(), n, Dv)),
+                                         sequence(Yl[at].data(), n, Dv), scale, window);
+    }
+    (void)levels;  // the reference's per-head workspace; these GEMMs keep their own
+    // The cross read's backward, 64 queries at a time (each block sees a prefix of the keys).
+    const Mat& top = C[static_cast<std::size_t>(L - 1)];
+    const index_t n_top = length[static_cast<std::size_t>(L)];
+    const auto Y0 = rows_of(y0, Tn, Dv, y0_stride);
+    const auto G = rows_of(g, Tn, Dv, g_stride);
+    auto dY0 = rows_of(dy0, Tn, Dv, dy0_stride);
+    const auto Wq = rows_of(w.cross_query_projection(h), Dk, Dv, Dv);
+    const auto Wk = rows_of(w.cross_key_projection(h), Dk, Dv, Dv);
+    const auto Wv = rows_of(w.cross_value_projection(h), Dv, Dv, Dv);
+    Mat dC;
+    if (n_top > 0) {
+      const Mat K = top * Wk.transpose(), V = top * Wv.transpose();
+      const Mat Q = Y0 * Wq.transpose();
+      Mat dQ = Mat::Zero(Tn, Dk), dK = Mat::Zero(n_top, Dk), dV = Mat::Zero(n_top, Dv), P, dS;
+      const std::int64_t span = reference::tokens_per_compressed_token(M, L);
+      auto visible = [&](index_t t) {
+        return Causal ? static_cast<index_t>(std::min<std::int64_t>(t / span, n_top)) : n_top;
+      };
+      constexpr index_t rows = 64;
+      for (index_t t0 = 0; t0 < Tn; t0 += rows) {
+        const index_t nq = std::min(rows, Tn - t0), seen = visible(t0 + nq - 1);
+        if (seen == 0) continue;
+        P.noalias() = (Q.middleRows(t0, nq) * K.topRows(seen).transpose()) * scale;
+        dS.noalias() = G.middleRows(t0, nq) * V.topRows(seen).transpose();  // dP
+        for (index_t r = 0; r < nq; ++r) {
+          const index_t count = visible(t0 + r);
+          auto p = P.row(r);
+          if (count == 0) {
+            p.setZero();
+            dS.row(r).setZero();
+            continue;
+          }
+          const T m = p.head(count).maxCoeff();
+          p.head(count) = (p.head(count).array() - m).exp().matrix();
+          p.head(count) /= p.head(count).sum();
+          p.tail(seen - count).setZero();
+          const T row_dot = p.dot(dS.row(r));
+          dS.row(r) = (p.array() * (dS.row(r).array() - row_dot)).matrix();
+        }
+        dQ.middleRows(t0, nq).noalias() = (dS * K.topRows(seen)) * scale;
+        dK.topRows(seen).noalias() += (dS.transpose() * Q.middleRows(t0, nq)) * scale;
+        dV.topRows(seen).noalias() += P.transpose() * G.middleRows(t0, nq);
+      }
+      dY0.noalias() += dQ * Wq;
+      add_to_double(Mat(dQ.transpose() * Y0), flat(&reference::ConvCompressedWeightGradients::cross_query, h * Dk * Dv));
+      add_to_double(Mat(dK.transpose() * top), flat(&reference::ConvCompressedWeightGradients::cross_key, h * Dk * Dv));
+      add_to_double(Mat(dV.transpose() * top), flat(&reference::ConvCompressedWeightGradients::cross_value, h * Dv * Dv));
+      dC.noalias() = dK * Wk;
+      dC.noalias() += dV * Wv;
+    } else {
+      dC = Mat::Zero(0, Dv);
+    }
+    // Down the levels: dc^(level) -> d y^(level - 1) (-> dc^(level - 1) through level - 1's window).
+    Mat dY;
+    for (index_t level = L; level >= 1; --level) {
+      const index_t n = length[static_cast<std::size_t>(level)];
+      const index_t n_below = length[static_cast<std::size_t>(level - 1)];
+      const T* source = level == 1 ? y0 : Yl[static_cast<std::size_t>(level - 2)].data();
+      const index_t stride = level == 1 ? y0_stride : Dv;
+      if (level > 1) dY = Mat::Zero(n_below, Dv);
+      T* d_source = level == 1 ? dy0 : dY.data();
+      const index_t d_stride = level == 1 ? dy0_stride : Dv;
+      if (dw && n > 0) {
+        const Eigen::Matrix<T, 1, Eigen::Dynamic> column_sums = dC.colwise().sum();
+        add_to_double(column_sums, flat(&reference::ConvCompressedWeightGradients::conv_bias, layout.bias(level, h)));
+      }
+      for (index_t i = 0; i < M && n > 0; ++i) {
+        const auto Wi = rows_of(w.conv(level, h) + i * Dv * Dv, Dv, Dv, Dv);
+        rows_of(d_source + i * d_stride, n, Dv, M * d_stride).noalias() += dC * Wi;
+        if (dw)
+          add_to_double(Mat(dC.transpose() * rows_of(source + i * stride, n, Dv, M * stride)),
+                        flat(&reference::ConvCompressedWeightGradients::conv_weight,
+                             layout.conv(level, h) + i * Dv * Dv));
+      }
+      if (level == 1) break;
+      const auto at = static_cast<std::size_t>(level - 2);
+      Mat dq_l = Mat::Zero(n_below, Dk), dk_l = Mat::Zero(n_below, Dk), dv_l = Mat::Zero(n_below, Dv);
+      reference::softmax_backward<Causal>(
+          TensorView<const T, 4>(sequence(Ql[at].data(), n_below, Dk)),
+          TensorView<const T, 4>(sequence(Kl[at].data(), n_below, Dk)),
+          TensorView<const T, 4>(sequence(Vl[at].data(), n_below, Dv)),
+          TensorView<const T, 4>(sequence(dY.data(), n_below, Dv)), sequence(dq_l.data(), n_below, Dk),
+          sequence(dk_l.data(), n_below, Dk), sequence(dv_l.data(), n_below, Dv), scale, window);
+      const Mat& c = C[at];
+      const auto Wql = rows_of(w.query_projection(level - 1, h), Dk, Dv, Dv);
+      const auto Wkl = rows_of(w.key_projection(level - 1, h), Dk, Dv, Dv);
+      const auto Wvl = rows_of(w.value_projection(level - 1, h), Dv, Dv, Dv);
+      dC.noalias() = dq_l * Wql;
+      dC.noalias() += dk_l * Wkl;
+      dC.noalias() += dv_l * Wvl;
+      if (dw) {
+        add_to_double(Mat(dq_l.transpose() * c), flat(&reference::ConvCompressedWeightGradients::level_query, layout.query(level - 1, h)));
+        add_to_double(Mat(dk_l.transpose() * c), flat(&reference::ConvCompressedWeightGradients::level_key, layout.query(level - 1, h)));
+        add_to_double(Mat(dv_l.transpose() * c), flat(&reference::ConvCompressedWeightGradients::level_value, layout.value(level - 1, h)));
+      }
+    }
   }
 };
 

@@ -512,7 +512,8 @@ void conv_compressed_levels_backward(Y0Row&& y0_row, GRow&& g_row, DY0Row&& dy0_
 }
 
 /// The reference backend's parts of the backward: the level-0 window
-/// attention's forward and backward, and a loop over heads.
+/// attention's forward and backward, a loop over heads, and each head's levels
+/// above y^(0) with their backward.
 struct ReferenceConvCompressedParts {
   template <bool Causal, class... Args>
   static void window_forward(Args&&... args) {
@@ -525,6 +526,18 @@ struct ReferenceConvCompressedParts {
   template <class Body>
   static void for_heads(index_t heads, Body&& body) {
     for (index_t h = 0; h < heads; ++h) body(h);
+  }
+  /// One (batch, head)'s levels above y^(0) and their backward (rows with strides).
+  template <bool Causal, Real T>
+  static void head_backward(const T* y0, index_t y0_stride, const T* g, index_t g_stride, T* dy0,
+                            index_t dy0_stride, index_t Tn, index_t h,
+                            const ConvCompressedWeights<T>& w, T scale, const SlidingWindow& window,
+                            ConvCompressedLevels<T>& levels, ConvCompressedWeightGradients* dw) {
+    auto y0_row = [&](index_t t) -> const T* { return y0 + t * y0_stride; };
+    conv_compressed_levels<Causal>(y0_row, Tn, h, w, scale, window, levels);
+    conv_compressed_levels_backward<Causal>(
+        y0_row, [&](index_t t) { return g + t * g_stride; },
+        [&](index_t t) { return dy0 + t * dy0_stride; }, Tn, h, w, scale, window, levels, dw);
   }
 };
 
@@ -548,12 +561,10 @@ void conv_compressed_backward(TensorView<const T, 4> q, TensorView<const T, 4> k
   Parts::for_heads(H, [&](index_t h) {
     ConvCompressedLevels<T> levels;
     for (index_t b = 0; b < B; ++b) {
-      auto y0_row = [&](index_t t) -> const T* { return y0.row(b, t, h); };
       for (index_t t = 0; t < Tn; ++t) std::copy_n(d_out.row(b, t, h), Dv, dy0.row(b, t, h));
-      conv_compressed_levels<Causal>(y0_row, Tn, h, w, scale, window, levels);
-      conv_compressed_levels_backward<Causal>(
-          y0_row, [&](index_t t) { return d_out.row(b, t, h); },
-          [&](index_t t) { return dy0.row(b, t, h); }, Tn, h, w, scale, window, levels, dw);
+      Parts::template head_backward<Causal>(y0.row(b, 0, h), y0.stride(1), d_out.row(b, 0, h),
+                                            d_out.stride(1), dy0.row(b, 0, h), dy0.stride(1), Tn,
+                                            h, w, scale, window, levels, dw);
     }
   });
   Parts::template window_backward<Causal>(q, k, v, TensorView<const T, 4>(dy0), dq, dk, dv, scale,
