@@ -30,32 +30,11 @@ struct ConvShape {
   std::optional<index_t> window_left{}, window_right{};
 };
 
-/// ConvCompressedParams' fields in long double: what the loss perturbs.
-struct ParamsLD {
-  std::vector<TensorLD<4>> conv_weight;
-  std::vector<TensorLD<2>> conv_bias;
-  std::vector<TensorLD<3>> level_query, level_key, level_value;
-  TensorLD<3> cross_query, cross_key, cross_value;
-};
-
 template <class T, std::size_t N>
 Tensor<double, N> rounded_random(Rng& rng, const std::array<index_t, N>& extents, double scale) {
   Tensor<double, N> x = random_tensor<double, N>(rng, extents, scale);
   for (index_t i = 0; i < x.size(); ++i) x.data()[i] = static_cast<double>(static_cast<T>(x.data()[i]));
   return x;
-}
-
-/// Every weight tensor of `p`, in one fixed order (`visit(tensor)`).
-template <class Params, class Visit>
-void for_each_weight(Params& p, Visit&& visit) {
-  for (auto& w : p.conv_weight) visit(w);
-  for (auto& w : p.conv_bias) visit(w);
-  for (auto& w : p.level_query) visit(w);
-  for (auto& w : p.level_key) visit(w);
-  for (auto& w : p.level_value) visit(w);
-  visit(p.cross_query);
-  visit(p.cross_key);
-  visit(p.cross_value);
 }
 
 template <class T, class Dir>

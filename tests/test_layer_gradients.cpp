@@ -4,15 +4,20 @@
 // projection): every element of d_x and of every weight gradient by central
 // differences of <d_out, oracle(x, weights)> on small shapes, random directions
 // on larger ones, fp32 and fp64, with weights accumulated (+=) rather than
-// overwritten; bad buffers refused by name.
+// overwritten. That includes the parameters the mechanisms own (d_weights.attention:
+// LAVO's bias and bases, conv-compression's weights, VAPOR's angles, LeaP
+// modules), the oracle evaluated with them perturbed. Bad buffers refused by name;
+// mechanisms rebuilt from their parameter accessors give the same layer.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <numbers>
 #include <optional>
 #include <random>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "expect_error.hpp"
@@ -20,6 +25,7 @@
 #include "latte/layers/named_layers.hpp"
 #include "latte/layers/rglru.hpp"
 #include "latte/layers/short_conv.hpp"
+#include "linear_support.hpp"
 #include "oracles/conv_compressed_oracle.hpp"
 #include "oracles/latte_oracle.hpp"
 #include "oracles/lavo_oracle.hpp"
@@ -40,6 +46,19 @@ Tensor<T, N> filled(Rng& rng, const std::array<index_t, N>& extents, double scal
 
 template <class T, std::size_t N>
 std::vector<long double> long_doubles(const Tensor<T, N>& x) {
+  return {x.data(), x.data() + x.size()};
+}
+template <class T, std::size_t N>
+std::vector<long double> long_doubles(const TensorView<const T, N>& x) {
+  return {x.data(), x.data() + x.size()};
+}
+template <class T, std::size_t N>
+bool same_elements(const Tensor<T, N>& a, const Tensor<T, N>& b) {
+  return a.extents() == b.extents() && std::equal(a.data(), a.data() + a.size(), b.data());
+}
+/// A tensor's (or module part's) elements as T, for the gradient spans.
+template <class T, class Tensor>
+std::vector<T> as_scalars(const Tensor& x) {
   return {x.data(), x.data() + x.size()};
 }
 
@@ -220,68 +239,187 @@ TensorLD<4> project_ld(const TensorLD<3>& x, const MatrixLD& W, index_t heads, i
   return a;
 }
 
-/// The mechanisms a layer test runs: each builds its attention and evaluates
-/// its explicit oracle on long-double projections.
-template <class Dir>
-struct LatteMechanism {
-  using Attention = LatteAttention<Dir>;
-  static Attention make(const LayerShape& s) { return Attention({s.heads, s.latents, s.value_dim}); }
-  static TensorLD<4> oracle(const LayerShape&, const std::vector<TensorLD<4>>& a) {
-    return latte_oracle(Dir::is_causal, a[0], a[1], a[2]);
+/// The parameters a mechanism owns, as long-double vectors (what the loss perturbs).
+using OwnParameters = std::vector<std::vector<long double>>;
+
+/// The mechanisms a layer test runs: each builds its attention, evaluates its
+/// explicit oracle on long-double projections and its own parameters, and
+/// lists those parameters, their gradients (from d_weights.attention) and names
+/// in one order. Mechanisms without parameters of their own take these hooks.
+struct NoOwnParameters {
+  template <class Attention>
+  static OwnParameters parameters(const Attention&) {
+    return {};
+  }
+  template <class T, class Gradients>
+  static std::vector<std::vector<T>> parameter_gradients(const Gradients&) {
+    return {};
+  }
+  static std::vector<std::string> parameter_names() { return {}; }
+};
+
+/// VAPOR's angles [H, Dv/2], away from 0 and from the default schedule.
+inline Tensor<double, 2> random_angles(index_t heads, index_t value_dim) {
+  Rng rng(77);
+  return uniform_tensor<double, 2>(rng, {heads, value_dim / 2}, 0.2, 1.4);
+}
+
+/// The hooks of a mechanism whose only parameters are VAPOR's angles (when Pos is VAPOR).
+template <class Pos>
+struct AngleParameters {
+  template <class Attention>
+  static OwnParameters parameters(const Attention& attention) {
+    if constexpr (Pos::rotates_values) {
+      if constexpr (requires(const Attention& a) { a.angles(); })
+        return {long_doubles(attention.angles())};
+      else
+        return {long_doubles(attention.latent_angles())};
+    } else {
+      return {};
+    }
+  }
+  template <class T, class Gradients>
+  static std::vector<std::vector<T>> parameter_gradients(const Gradients& d) {
+    if constexpr (Pos::rotates_values)
+      return {as_scalars<T>(d.angles)};
+    else
+      return {};
+  }
+  static std::vector<std::string> parameter_names() {
+    if constexpr (Pos::rotates_values)
+      return {"angles"};
+    else
+      return {};
+  }
+  static std::vector<long double> angles_of(const OwnParameters& p) {
+    return p.empty() ? std::vector<long double>{} : p[0];
   }
 };
-template <class Dir>
-struct MacchiatoMechanism {
-  using Attention = LatteMacchiato<Dir, RunningMax, NoPositional, RoPE>;
+
+template <class Dir, class Pos = NoPositional>
+struct LatteMechanism : AngleParameters<Pos> {
+  using Attention = LatteAttention<Dir, RunningMax, Pos>;
   static Attention make(const LayerShape& s) {
-    return Attention({s.heads, s.latents, s.key_dim, s.value_dim, s.window});
+    if constexpr (Pos::rotates_values)
+      return Attention({s.heads, s.latents, s.value_dim},
+                       VAPOR::params_from(random_angles(s.heads, s.value_dim).cview()));
+    else
+      return Attention({s.heads, s.latents, s.value_dim});
   }
-  static TensorLD<4> oracle(const LayerShape& s, const std::vector<TensorLD<4>>& a) {
+  static TensorLD<4> oracle(const LayerShape&, const OwnParameters& p, const std::vector<TensorLD<4>>& a) {
+    return latte_oracle(Dir::is_causal, a[0], a[1], a[2], AngleParameters<Pos>::angles_of(p));
+  }
+};
+template <class Dir, class LatentPos = NoPositional>
+struct MacchiatoMechanism : AngleParameters<LatentPos> {
+  using Attention = LatteMacchiato<Dir, RunningMax, LatentPos, RoPE>;
+  static Attention make(const LayerShape& s) {
+    const MacchiatoDims dims{s.heads, s.latents, s.key_dim, s.value_dim, s.window};
+    if constexpr (LatentPos::rotates_values)
+      return Attention(dims, {}, VAPOR::params_from(random_angles(s.heads, s.value_dim).cview()));
+    else
+      return Attention(dims);
+  }
+  static TensorLD<4> oracle(const LayerShape& s, const OwnParameters& p, const std::vector<TensorLD<4>>& a) {
     std::vector<long double> key_angles;  // the RoPE schedule base^(-2i/Dk), from its definition
     for (index_t h = 0; h < s.heads; ++h)
       for (index_t i = 0; i < s.key_dim / 2; ++i)
         key_angles.push_back(std::pow(10000.0L, -2.0L * i / (long double)s.key_dim));
     const MacchiatoSpec spec{.causal = Dir::is_causal, .window = s.window,
                              .scale = 1.0L / std::sqrt((long double)s.key_dim)};
-    return macchiato_oracle(spec, a[0], a[1], a[2], a[3], a[4], {}, key_angles);
+    return macchiato_oracle(spec, a[0], a[1], a[2], a[3], a[4], AngleParameters<LatentPos>::angles_of(p),
+                            key_angles);
   }
 };
 template <class Dir>
-struct SoftmaxMechanism {
+struct SoftmaxMechanism : NoOwnParameters {
   using Attention = SoftmaxAttention<Dir>;
   static Attention make(const LayerShape& s) { return Attention({s.heads, s.key_dim, s.value_dim}); }
-  static TensorLD<4> oracle(const LayerShape& s, const std::vector<TensorLD<4>>& a) {
+  static TensorLD<4> oracle(const LayerShape& s, const OwnParameters&, const std::vector<TensorLD<4>>& a) {
     return softmax_oracle(MaskSpec{.causal = Dir::is_causal}, 1.0L / std::sqrt((long double)s.key_dim),
                           a[0], a[1], a[2]);
   }
 };
 template <class Dir>
-struct LinearMechanism {
+struct LinearMechanism : NoOwnParameters {
   using Attention = LinearAttention<Dir, EluPlusOne>;
   static Attention make(const LayerShape& s) { return Attention({s.heads, s.key_dim, s.value_dim}); }
-  static TensorLD<4> oracle(const LayerShape&, const std::vector<TensorLD<4>>& a) {
+  static TensorLD<4> oracle(const LayerShape&, const OwnParameters&, const std::vector<TensorLD<4>>& a) {
     return linear_oracle(LinearOracleSpec{.causal = Dir::is_causal, .feature = oracle_elu_plus_one},
                          a[0], a[1], a[2]);
   }
 };
 
 template <class Dir>
-struct LavoMechanism {  // d = Dv, r = min(L, d), the default seeded bases and zero bias
+struct LeaPMechanism {  // relu features, LeaP modules Dk -> Dk -> 1 (leap_factor 1), clamp_min(0.1)
+  using Attention = LeaPformer<Dir>;
+  static Attention make(const LayerShape& s) {
+    Rng rng(88);
+    LeaPReweight::Params leap{.query_module = random_leap_module(rng, s.key_dim, 1),
+                              .key_module = random_leap_module(rng, s.key_dim, 1),
+                              .leap_factor = 1};
+    return Attention({s.heads, s.key_dim, s.value_dim}, {.reweight = leap});
+  }
+  static OwnParameters parameters(const Attention& attention) {
+    const ModuleLD query(*attention.options().reweight.query_module);
+    const ModuleLD key(*attention.options().reweight.key_module);
+    return {query.w1, query.b1, query.w2, query.b2, key.w1, key.b1, key.w2, key.b2};
+  }
+  static TensorLD<4> oracle(const LayerShape&, const OwnParameters& p, const std::vector<TensorLD<4>>& a) {
+    ModuleLD query, key;
+    query.w1 = p[0], query.b1 = p[1], query.w2 = p[2], query.b2 = p[3];
+    key.w1 = p[4], key.b1 = p[5], key.w2 = p[6], key.b2 = p[7];
+    const LinearOracleSpec spec{.causal = Dir::is_causal,
+                                .feature = oracle_relu,
+                                .query_proportions = query.proportions(a[0], oracle_relu),
+                                .key_proportions = key.proportions(a[1], oracle_relu),
+                                .clamp = true,
+                                .value = 0.1L};
+    return linear_oracle(spec, a[0], a[1], a[2]);
+  }
+  template <class T>
+  static std::vector<std::vector<T>> parameter_gradients(const LeaPModuleGradients& d) {
+    std::vector<std::vector<T>> out;
+    for (const LeaPModule* m : {&d.query_module, &d.key_module}) {
+      out.push_back(as_scalars<T>(m->w1));
+      out.push_back(as_scalars<T>(m->b1));
+      out.push_back(as_scalars<T>(m->w2));
+      out.push_back({static_cast<T>(m->b2)});
+    }
+    return out;
+  }
+  static std::vector<std::string> parameter_names() {
+    return {"query_module.w1", "query_module.b1", "query_module.w2", "query_module.b2",
+            "key_module.w1",   "key_module.b1",   "key_module.w2",   "key_module.b2"};
+  }
+};
+
+template <class Dir>
+struct LavoMechanism {  // d = Dv, r = min(L, d), the default seeded bases and a random bias
   using Attention = Lavo<Dir>;
   static Attention make(const LayerShape& s) {
+    Rng rng(66);
     return Attention({.heads = s.heads, .dim = s.value_dim,
-                      .bases = std::min(s.latents, s.value_dim), .window = s.window});
+                      .bases = std::min(s.latents, s.value_dim), .window = s.window},
+                     {.relative_bias = random_tensor<double, 2>(rng, {s.heads, 2 * s.window - 1}, 0.5)});
   }
-  static TensorLD<4> oracle(const LayerShape& s, const std::vector<TensorLD<4>>& a) {
-    const Attention attention = make(s);
+  static OwnParameters parameters(const Attention& attention) {
+    return {long_doubles(attention.relative_bias()), long_doubles(attention.bases())};
+  }
+  static TensorLD<4> oracle(const LayerShape& s, const OwnParameters& p, const std::vector<TensorLD<4>>& a) {
     LavoOracleSpec spec{.causal = Dir::is_causal,
                         .window = s.window,
-                        .bases = attention.dims().bases,
+                        .bases = std::min(s.latents, s.value_dim),
                         .scale = 1.0L / std::sqrt((long double)s.value_dim)};
-    spec.basis.assign(attention.bases().data(), attention.bases().data() + attention.bases().size());
-    spec.relative_bias.assign(static_cast<std::size_t>(s.heads * (2 * s.window - 1)), 0.0L);
+    spec.relative_bias = p[0];
+    spec.basis = p[1];
     return lavo_oracle(spec, a[0], a[1], a[2]);
   }
+  template <class T>
+  static std::vector<std::vector<T>> parameter_gradients(const LavoParameterGradients<T>& d) {
+    return {as_scalars<T>(d.relative_bias), as_scalars<T>(d.bases)};
+  }
+  static std::vector<std::string> parameter_names() { return {"relative_bias", "bases"}; }
 };
 
 template <class Dir>
@@ -291,28 +429,50 @@ struct ConvCompressedMechanism {  // M = 2, two levels, weights drawn from a fix
     return {.heads = s.heads, .key_dim = s.key_dim, .value_dim = s.value_dim, .group_size = 2,
             .levels = 2};
   }
-  static ConvCompressedParams params(const LayerShape& s) {
+  static Attention make(const LayerShape& s) {
     Rng rng(4242);
     ConvCompressedParams p = ConvCompressedParams::zeros(dims(s));
-    auto fill = [&]<std::size_t N>(Tensor<double, N>& w) { w = random_tensor<double, N>(rng, w.extents(), 0.5); };
-    for (auto& w : p.conv_weight) fill(w);
-    for (auto& w : p.conv_bias) fill(w);
-    for (auto& w : p.level_query) fill(w);
-    for (auto& w : p.level_key) fill(w);
-    for (auto& w : p.level_value) fill(w);
-    fill(p.cross_query);
-    fill(p.cross_key);
-    fill(p.cross_value);
-    return p;
+    for_each_weight(p, [&]<std::size_t N>(Tensor<double, N>& w) {
+      w = random_tensor<double, N>(rng, w.extents(), 0.5);
+    });
+    return Attention(dims(s), p);
   }
-  static Attention make(const LayerShape& s) { return Attention(dims(s), params(s)); }
-  static TensorLD<4> oracle(const LayerShape& s, const std::vector<TensorLD<4>>& a) {
+  /// From the params() accessor: the oracle then also checks that it returns the weights in use.
+  static OwnParameters parameters(const Attention& attention) {
+    OwnParameters out;
+    const ConvCompressedParams p = attention.params();
+    for_each_weight(p, [&](const auto& w) { out.push_back(long_doubles(w)); });
+    return out;
+  }
+  static TensorLD<4> oracle(const LayerShape& s, const OwnParameters& p, const std::vector<TensorLD<4>>& a) {
     const Attention attention = make(s);
     const ConvCompressedSpec spec{.causal = Dir::is_causal, .group_size = 2, .levels = 2,
                                   .window_left = attention.window().left,
                                   .window_right = attention.window().right,
                                   .scale = 1.0L / std::sqrt((long double)s.key_dim)};
-    return conv_compressed_oracle(spec, params(s), a[0], a[1], a[2]).out;
+    ParamsLD params;  // the shapes of zeros(dims), the values of p in for_each_weight's order
+    const ConvCompressedParams shapes = ConvCompressedParams::zeros(dims(s));
+    for (const auto& w : shapes.conv_weight) params.conv_weight.emplace_back(w.extents());
+    for (const auto& w : shapes.conv_bias) params.conv_bias.emplace_back(w.extents());
+    for (const auto& w : shapes.level_query) params.level_query.emplace_back(w.extents());
+    for (const auto& w : shapes.level_key) params.level_key.emplace_back(w.extents());
+    for (const auto& w : shapes.level_value) params.level_value.emplace_back(w.extents());
+    params.cross_query = TensorLD<3>(shapes.cross_query.extents());
+    params.cross_key = TensorLD<3>(shapes.cross_key.extents());
+    params.cross_value = TensorLD<3>(shapes.cross_value.extents());
+    std::size_t next = 0;
+    for_each_weight(params, [&](auto& w) { std::copy(p[next].begin(), p[next].end(), w.data()), ++next; });
+    return conv_compressed_oracle(spec, params, a[0], a[1], a[2]).out;
+  }
+  template <class T>
+  static std::vector<std::vector<T>> parameter_gradients(const ConvCompressedParams& d) {
+    std::vector<std::vector<T>> out;
+    for_each_weight(d, [&](const auto& w) { out.push_back(as_scalars<T>(w)); });
+    return out;
+  }
+  static std::vector<std::string> parameter_names() {
+    return {"conv_weight[0]", "conv_weight[1]", "conv_bias[0]", "conv_bias[1]", "level_query[0]",
+            "level_key[0]",   "level_value[0]", "cross_query",  "cross_key",    "cross_value"};
   }
 };
 
@@ -358,6 +518,7 @@ struct LayerProblem {
   std::optional<Layer> layer;
   Tensor<T, 3> x, d_out, d_x;
   typename Layer::Weights d_weights;
+  std::vector<std::vector<T>> attention_gradients;  // d_weights.attention, as Mechanism lists them
 
   LayerProblem(Rng& rng, const LayerShape& s) : shape(s) {
     const auto attention = Mechanism::make(s);
@@ -371,6 +532,7 @@ struct LayerProblem {
     d_x = Tensor<T, 3>(x.extents());
     d_weights = layer->zero_weights();
     layer->backward(e, x.cview(), d_out.cview(), d_x.view(), &d_weights);
+    attention_gradients = Mechanism::template parameter_gradients<T>(d_weights.attention);
   }
   struct Loss {
     LayerShape shape;
@@ -380,6 +542,7 @@ struct LayerProblem {
     std::vector<std::vector<long double>> mixer;  // the mixer's weights, as mixer_parameters
     std::vector<LayerInput> layer_inputs;
     long double c = 8;
+    OwnParameters attention;  // the mechanism's own parameters, as Mechanism::parameters
     long double operator()() const {
       TensorLD<3> y = x;
       if constexpr (std::is_same_v<Mixer, RGLRU>)
@@ -395,7 +558,7 @@ struct LayerProblem {
       for (std::size_t i = 0; i < layer_inputs.size(); ++i)
         a.push_back(project_ld(layer_inputs[i].from_mixer && Mixer::mixes ? y : x, projections[i],
                                shape.heads, layer_inputs[i].width));
-      const TensorLD<3> out = output_oracle(Mechanism::oracle(shape, a), output);
+      const TensorLD<3> out = output_oracle(Mechanism::oracle(shape, attention, a), output);
       long double total = 0;
       for (index_t i = 0; i < out.size(); ++i) total += d_out.data()[i] * out.data()[i];
       return total;
@@ -405,16 +568,18 @@ struct LayerProblem {
       for (MatrixLD& m : projections) in.emplace_back(m.data(), static_cast<std::size_t>(m.size()));
       in.emplace_back(output.data(), static_cast<std::size_t>(output.size()));
       for (auto& w : mixer) in.emplace_back(w);
+      for (auto& w : attention) in.emplace_back(w);
       return in;
     }
   };
   Loss loss() const {
-    Loss l{shape, to_long_double(x), to_long_double(d_out), {}, {}, {}, {}, 8};
+    Loss l{shape, to_long_double(x), to_long_double(d_out), {}, {}, {}, {}, 8, {}};
     for (const auto& W : layer->weights().projections) l.projections.push_back(W.template cast<long double>());
     l.output = layer->weights().output.template cast<long double>();
     l.mixer = mixer_parameters<Mixer, T>(layer->weights().mixer);
     if constexpr (std::is_same_v<Mixer, RGLRU>) l.c = layer->weights().mixer.c;
     for (const LayerInput& input : layer->inputs()) l.layer_inputs.push_back(input);
+    l.attention = Mechanism::parameters(layer->attention());
     return l;
   }
   std::vector<std::span<const T>> gradients() const {
@@ -422,6 +587,7 @@ struct LayerProblem {
     for (const auto& W : d_weights.projections) out.emplace_back(W.data(), static_cast<std::size_t>(W.size()));
     out.emplace_back(d_weights.output.data(), static_cast<std::size_t>(d_weights.output.size()));
     for (const auto& g : mixer_gradients<Mixer, T>(d_weights.mixer)) out.push_back(g);
+    for (const auto& g : attention_gradients) out.emplace_back(g.data(), g.size());
     return out;
   }
   /// "d_x", "d_weights.projections[<input>]", ..., "d_weights.output", the mixer's.
@@ -432,6 +598,7 @@ struct LayerProblem {
     out.push_back("d_weights.output");
     for (std::size_t i = 0; i < mixer_gradients<Mixer, T>(d_weights.mixer).size(); ++i)
       out.push_back("d_weights.mixer[" + std::to_string(i) + "]");
+    for (const std::string& name : Mechanism::parameter_names()) out.push_back("d_weights.attention." + name);
     return out;
   }
 };
@@ -520,6 +687,26 @@ TEST_CASE("AttentionLayer backward matches the layer oracle's gradients") {
   SUBCASE("Macchiato + ShortConv, bidirectional") {
     layer_cases<double, MacchiatoMechanism<Bidirectional>, ShortConv<3>>(606);
   }
+  SUBCASE("Latte with VAPOR angles + ShortConv, causal") {
+    layer_cases<double, LatteMechanism<Causal, VAPOR>, ShortConv<3>>(615);
+    layer_cases<float, LatteMechanism<Causal, VAPOR>, ShortConv<3>>(616);
+  }
+  SUBCASE("Latte with VAPOR angles, bidirectional") {
+    layer_cases<double, LatteMechanism<Bidirectional, VAPOR>, NoMixer>(617);
+  }
+  SUBCASE("Macchiato (VAPOR latents, RoPE window), causal") {
+    layer_cases<double, MacchiatoMechanism<Causal, VAPOR>, NoMixer>(618);
+    layer_cases<float, MacchiatoMechanism<Causal, VAPOR>, NoMixer>(619);
+  }
+  SUBCASE("LeaPformer (LeaP modules), causal") {
+    // relu (features and hidden units) has a kink at 0 that a central difference
+    // must not straddle: seed 621 puts a query feature within a step of it.
+    layer_cases<double, LeaPMechanism<Causal>, NoMixer>(620);
+    layer_cases<float, LeaPMechanism<Causal>, NoMixer>(623);
+  }
+  SUBCASE("LeaPformer (LeaP modules), bidirectional") {
+    layer_cases<double, LeaPMechanism<Bidirectional>, NoMixer>(622);
+  }
   SUBCASE("softmax, causal") { layer_cases<double, SoftmaxMechanism<Causal>, NoMixer>(607); }
   SUBCASE("linear elu + 1, causal") { layer_cases<double, LinearMechanism<Causal>, NoMixer>(608); }
   SUBCASE("LAVO, causal") {
@@ -561,4 +748,110 @@ TEST_CASE("AttentionLayer backward: bad buffers are refused by name") {
                "d_weights.mixer.bias", "");
   static_assert(LavoLayer<Causal>::trainable && LavoLayer<Bidirectional>::trainable);
   static_assert(ConvCompressedLayer<Causal>::trainable && ConvCompressedLayer<Bidirectional>::trainable);
+}
+
+TEST_CASE("AttentionLayer backward: mechanism parameter gradients, bad buffers refused by name") {
+  const LayerShape s{1, 6, 2, 2, 2, 4, 5, 2};
+  Tensor<float, 3> x({1, 6, 5}), d_out({1, 6, 5}), d_x({1, 6, 5});
+  Rng rng(700);
+  x = random_tensor<float, 3>(rng, x.extents(), 1.0);
+  d_out = random_tensor<float, 3>(rng, d_out.extents(), 1.0);
+  auto backward = [&](const auto& layer, auto& d_weights) {
+    layer.backward(exec::cpu, x.cview(), d_out.cview(), d_x.view(), &d_weights);
+  };
+  auto layer_of = [&](const auto& attention) {
+    using Layer = AttentionLayer<std::decay_t<decltype(attention)>, NoMixer, float>;
+    return Layer(attention, 5, Layer::random_weights(attention, 5, 3));
+  };
+  SUBCASE("LAVO: relative bias and bases") {
+    const auto layer = layer_of(LavoMechanism<Causal>::make(s));
+    auto d_weights = layer.zero_weights();
+    CHECK(d_weights.attention.relative_bias.extents() == std::array<index_t, 2>{2, 3});
+    CHECK(d_weights.attention.bases.extents() == std::array<index_t, 3>{2, 2, 4});
+    backward(layer, d_weights);  // the valid call
+    // An empty field is not wanted: the other still accumulates the same gradient.
+    auto only_bias = layer.zero_weights();
+    only_bias.attention.bases = {};
+    backward(layer, only_bias);
+    CHECK(only_bias.attention.bases.size() == 0);
+    CHECK(same_elements(only_bias.attention.relative_bias, d_weights.attention.relative_bias));
+    auto bad = layer.zero_weights();
+    bad.attention.relative_bias = Tensor<float, 2>({2, 5});
+    expect_error([&] { backward(layer, bad); }, "d_weights.attention.relative_bias", "");
+    bad = layer.zero_weights();
+    bad.attention.bases = Tensor<float, 3>({2, 4, 2});
+    expect_error([&] { backward(layer, bad); }, "d_weights.attention.bases", "");
+  }
+  SUBCASE("conv-compression: every weight") {
+    const auto layer = layer_of(ConvCompressedMechanism<Causal>::make(s));
+    auto d_weights = layer.zero_weights();
+    backward(layer, d_weights);  // the valid call
+    auto skipped = layer.zero_weights();
+    skipped.attention = {};  // not wanted
+    backward(layer, skipped);
+    CHECK(skipped.attention.conv_weight.empty());
+    CHECK(skipped.output == d_weights.output);
+    auto bad = layer.zero_weights();
+    bad.attention = ConvCompressedParams::zeros({.heads = 2, .key_dim = 2, .value_dim = 4, .group_size = 3, .levels = 2});
+    expect_error([&] { backward(layer, bad); }, "d_weights.attention.conv_weight[0]", "");
+    bad.attention = ConvCompressedParams::zeros({.heads = 2, .key_dim = 2, .value_dim = 4, .group_size = 2, .levels = 1});
+    expect_error([&] { backward(layer, bad); }, "d_weights.attention.conv_weight", "");
+    bad = layer.zero_weights();
+    bad.attention.cross_value = Tensor<double, 3>({2, 4, 3});
+    expect_error([&] { backward(layer, bad); }, "d_weights.attention.cross_value", "");
+  }
+  SUBCASE("VAPOR angles (Latte, Macchiato)") {
+    const auto latte = layer_of(LatteMechanism<Causal, VAPOR>::make(s));
+    auto d_weights = latte.zero_weights();
+    CHECK(d_weights.attention.angles.extents() == std::array<index_t, 2>{2, 2});
+    backward(latte, d_weights);  // the valid call
+    d_weights.attention.angles = Tensor<float, 2>({2, 3});
+    expect_error([&] { backward(latte, d_weights); }, "d_weights.attention.angles", "");
+    const auto macchiato = layer_of(MacchiatoMechanism<Causal, VAPOR>::make(s));
+    auto d_macchiato = macchiato.zero_weights();
+    backward(macchiato, d_macchiato);  // the valid call
+    d_macchiato.attention.angles = Tensor<float, 2>({3, 2});
+    expect_error([&] { backward(macchiato, d_macchiato); }, "d_weights.attention.angles", "");
+    static_assert(std::is_same_v<decltype(LatteLayer<Causal>::Weights{}.attention), NoMechanismParameters>);
+  }
+  SUBCASE("LeaP modules") {
+    const auto layer = layer_of(LeaPMechanism<Causal>::make(s));
+    auto d_weights = layer.zero_weights();
+    backward(layer, d_weights);  // the valid call
+    auto bad = layer.zero_weights();
+    bad.attention.query_module.w1 = Tensor<double, 2>({2, 3});
+    expect_error([&] { backward(layer, bad); }, "d_weights.attention.query_module.w1", "");
+    bad = layer.zero_weights();
+    bad.attention.key_module.b1 = Tensor<double, 1>({1});
+    expect_error([&] { backward(layer, bad); }, "d_weights.attention.key_module.b1", "");
+  }
+}
+
+TEST_CASE("AttentionLayer: mechanisms rebuilt from their parameter accessors give the same layer") {
+  // What a training step does after updating the parameters (here: unchanged).
+  const LayerShape s{2, 9, 2, 3, 2, 4, 5, 3};
+  Rng rng(800);
+  const Tensor<double, 3> x = random_tensor<double, 3>(rng, {2, 9, 5}, 1.0);
+  auto same_output = [&](const auto& attention, const auto& rebuilt) {
+    using Layer = AttentionLayer<std::decay_t<decltype(attention)>, NoMixer, double>;
+    const auto weights = Layer::random_weights(attention, 5, 4);
+    Tensor<double, 3> out(x.extents()), again(x.extents());
+    Layer(attention, 5, weights).forward(exec::cpu, x.cview(), out.view());
+    Layer(rebuilt, 5, weights).forward(exec::cpu, x.cview(), again.view());
+    CHECK(same_elements(again, out));
+  };
+  const auto lavo = LavoMechanism<Causal>::make(s);
+  same_output(lavo, Lavo<Causal>(lavo.dims(), {.bases = lavo.bases(), .relative_bias = lavo.relative_bias(),
+                                               .scale = lavo.scale(), .empty_memory = lavo.empty_memory()}));
+  const auto conv = ConvCompressedMechanism<Bidirectional>::make(s);
+  same_output(conv, ConvCompressedAttention<Bidirectional>(conv.dims(), conv.params(), conv.scale()));
+  const auto latte = LatteMechanism<Causal, VAPOR>::make(s);
+  same_output(latte, LatteAttention<Causal, RunningMax, VAPOR>(latte.dims(), VAPOR::params_from(latte.angles())));
+  const auto macchiato = MacchiatoMechanism<Causal, VAPOR>::make(s);
+  same_output(macchiato, LatteMacchiato<Causal, RunningMax, VAPOR, RoPE>(
+                             macchiato.dims(), {.scale = macchiato.scale(), .vapor_scope = macchiato.vapor_scope()},
+                             VAPOR::params_from(macchiato.latent_angles()),
+                             RoPE::params_from(macchiato.window_angles())));
+  const auto leap = LeaPMechanism<Causal>::make(s);
+  same_output(leap, LeaPformer<Causal>(leap.dims(), leap.options()));
 }

@@ -62,35 +62,6 @@ OracleFeatureMap feature_of() {
   else return oracle_feature_map<Map>();
 }
 
-/// A LeaP module's weights as long-double vectors the checks can perturb.
-struct ModuleLD {
-  std::vector<long double> w1, b1, w2, b2;
-  explicit ModuleLD(const LeaPModule& m)
-      : w1(m.w1.data(), m.w1.data() + m.w1.size()), b1(m.b1.data(), m.b1.data() + m.b1.size()),
-        w2(m.w2.data(), m.w2.data() + m.w2.size()), b2{m.b2} {}
-  /// P = sigmoid(W2 relu(W1 phi(x) + b1) + b2) for every row of x (paper 004 eq. 10).
-  std::vector<OracleProportion> proportions(const TensorLD<4>& x,
-                                            const OracleFeatureMap& feature) const {
-    const index_t B = x.extent(0), Tn = x.extent(1), H = x.extent(2);
-    const index_t hidden = static_cast<index_t>(b1.size());
-    std::vector<OracleProportion> p(static_cast<std::size_t>(B * Tn * H));
-    for (index_t b = 0; b < B; ++b)
-      for (index_t t = 0; t < Tn; ++t)
-        for (index_t h = 0; h < H; ++h) {
-          const auto phi = feature(oracle_row(x, b, t, h));
-          const index_t F = static_cast<index_t>(phi.size());
-          long double logit = b2[0];
-          for (index_t j = 0; j < hidden; ++j) {
-            long double pre = b1[j];
-            for (index_t f = 0; f < F; ++f) pre += w1[j * F + f] * phi[f];
-            logit += w2[j] * std::fmax(pre, 0.0L);
-          }
-          p[(b * Tn + t) * H + h] = {1 / (1 + std::exp(-logit)), 1 / (1 + std::exp(logit))};
-        }
-    return p;
-  }
-};
-
 /// Keeps |x| >= 0.01: central differences with steps of 1e-4 must not straddle
 /// relu's kink at 0.
 template <class T, std::size_t N>

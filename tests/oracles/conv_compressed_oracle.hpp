@@ -121,6 +121,27 @@ RowsLD compress(const Params& params, index_t level, index_t h, index_t M, const
   return c;
 }
 
+/// ConvCompressedParams' fields in long double: what the loss perturbs.
+struct ParamsLD {
+  std::vector<TensorLD<4>> conv_weight;
+  std::vector<TensorLD<2>> conv_bias;
+  std::vector<TensorLD<3>> level_query, level_key, level_value;
+  TensorLD<3> cross_query, cross_key, cross_value;
+};
+
+/// Every weight tensor of `p`, in one fixed order (`visit(tensor)`).
+template <class Params, class Visit>
+void for_each_weight(Params& p, Visit&& visit) {
+  for (auto& w : p.conv_weight) visit(w);
+  for (auto& w : p.conv_bias) visit(w);
+  for (auto& w : p.level_query) visit(w);
+  for (auto& w : p.level_key) visit(w);
+  for (auto& w : p.level_value) visit(w);
+  visit(p.cross_query);
+  visit(p.cross_key);
+  visit(p.cross_value);
+}
+
 /// The output and its two parts (local = y0, global = cross) for every (batch, head).
 struct ConvCompressedOracle {
   TensorLD<4> out, local, global;

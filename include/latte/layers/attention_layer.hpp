@@ -34,6 +34,7 @@
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
 #include "latte/layers/layer_inputs.hpp"
+#include "latte/layers/mechanism_parameters.hpp"
 #include "latte/layers/token_mixer.hpp"
 #include "latte/policies/execution.hpp"
 
@@ -42,6 +43,7 @@ namespace latte {
 template <class Attention, TokenMixer Mixer = NoMixer, Real Scalar = float>
 class AttentionLayer {
   using Inputs = LayerInputs<Attention>;
+  using Parameters = MechanismParameters<Attention>;
   static constexpr std::size_t input_count = Inputs::count;
 
  public:
@@ -66,6 +68,12 @@ class AttentionLayer {
     /// [H * Dv, model_dim].
     Matrix output;
     typename Mixer::template Weights<Scalar> mixer{};
+    /// Gradients only (zero_weights(), backward): of the parameters the
+    /// mechanism owns (MechanismParameters<Attention>: LAVO's relative bias and
+    /// bases, conv-compression's weights, VAPOR's angles, LeaP modules; an
+    /// empty struct for the others). Their values are the mechanism's, not
+    /// here: the constructor ignores this member and weights() leaves it empty.
+    typename MechanismParameters<Attention>::template Gradients<Scalar> attention{};
   };
 
   /// Decode state of a causal layer for `batch` sequences.
@@ -220,17 +228,21 @@ class AttentionLayer {
       zeros.projections[i] = Matrix::Zero(weights_.projections[i].rows(), weights_.projections[i].cols());
     zeros.output = Matrix::Zero(weights_.output.rows(), weights_.output.cols());
     zeros.mixer = Mixer::zeros_like(weights_.mixer);
+    zeros.attention = Parameters::template zeros<Scalar>(attention_);
     return zeros;
   }
 
   /// Gradients of a loss whose gradient with respect to out = forward(x) is
   /// d_out [B, T, model_dim], over whole sequences: d_x overwritten and, when
   /// `d_weights` is given (make it with zero_weights()), every weight's
-  /// gradient accumulated into it (+=): projections, output, mixer. The
-  /// forward is recomputed (mix, project, attend), then the output projection,
-  /// the mechanism's backward, the projections and the mixer run backwards.
-  /// Parameters inside the mechanism (learned VAPOR angles, LeaP modules) get
-  /// no gradient here yet (the inputs' gradients do include their paths).
+  /// gradient accumulated into it (+=): projections, output, mixer, and in
+  /// d_weights->attention the parameters the mechanism owns (LAVO's relative
+  /// bias and bases, conv-compression's weights, VAPOR's angles, LeaP
+  /// modules; a field left empty is skipped). The forward is recomputed (mix,
+  /// project, attend), then the output projection, the mechanism's backward,
+  /// the projections and the mixer run backwards. To apply an update to the
+  /// mechanism's parameters, rebuild it from them and the layer from it
+  /// (docs/backward.md "Layers and token mixers").
   /// Extra memory: the activations of one forward and their gradients.
   template <exec::Policy E>
     requires trainable
@@ -259,7 +271,8 @@ class AttentionLayer {
     }
     for (std::size_t i = 0; i < input_count; ++i)
       d_projected[i] = Tensor<Scalar, 4>(projected[i].extents());
-    call_backward(e, projected, d_attended, d_projected, std::make_index_sequence<input_count>{});
+    call_backward(e, projected, d_attended, d_projected, d_weights,
+                  std::make_index_sequence<input_count>{});
     // a_i = src_i W_i: d_src_i += d_a_i W_i^T, dW_i += src_i^T d_a_i.
     Tensor<Scalar, 3> d_mixed({B, Mixer::mixes ? Tn : 0, Mixer::mixes ? model_dim_ : 0});
     for (index_t b = 0; b < B; ++b)
@@ -418,9 +431,10 @@ class AttentionLayer {
   template <exec::Policy E, std::size_t... I>
   void call_backward(E e, const std::array<Tensor<Scalar, 4>, input_count>& projected,
                      const Tensor<Scalar, 4>& d_attended,
-                     std::array<Tensor<Scalar, 4>, input_count>& d_projected,
+                     std::array<Tensor<Scalar, 4>, input_count>& d_projected, Weights* d_weights,
                      std::index_sequence<I...>) const {
-    const typename Attention::template Gradients<Scalar> gradients{d_projected[I].view()...};
+    typename Attention::template Gradients<Scalar> gradients{d_projected[I].view()...};
+    if (d_weights) Parameters::template attach<Scalar>(d_weights->attention, gradients);
     attention_.backward(e, projected[I].cview()..., d_attended.cview(), gradients);
   }
 
@@ -450,6 +464,7 @@ class AttentionLayer {
         throw detail::renamed(error, "d_weights." + error.argument());
       }
     }
+    Parameters::template validate<Scalar>(d_weights->attention, attention_, "d_weights.attention");
   }
 
   template <exec::Policy E, std::size_t... I>

@@ -185,6 +185,21 @@ class ConvCompressedAttention {
     return reference::tokens_per_compressed_token(dims_.group_size, dims_.levels);
   }
 
+  /// The weights as given (fp64, exactly): with dims() and scale() what a
+  /// training step needs to rebuild the op from updated weights,
+  /// ConvCompressedAttention(a.dims(), updated, a.scale()).
+  [[nodiscard]] ConvCompressedParams params() const {
+    ConvCompressedParams params = ConvCompressedParams::zeros(dims_);
+    add_flat(weights_double_, params);
+    return params;
+  }
+
+  /// Throws latte::Error naming `<name>.<field>` unless `params` has the
+  /// shapes ConvCompressedParams::zeros(dims()) has (a gradient buffer's check).
+  void validate_shapes(const ConvCompressedParams& params, const std::string& name) const {
+    validate_params(params, name, false);
+  }
+
   /// "ConvCompressedAttention<causal>/float32": names states and benchmarks.
   template <Real T>
   [[nodiscard]] static std::string kind() {
@@ -231,26 +246,7 @@ class ConvCompressedAttention {
         queries, keys, values, d_out, gradients.d_queries, gradients.d_keys, gradients.d_values,
         weights<T>(), static_cast<T>(scale_), window_, flat ? &*flat : nullptr);
     if (!flat) return;
-    ConvCompressedParams& d = *gradients.d_params;
-    std::size_t i = 0;
-    auto add = [&i](const std::vector<double>& from, auto& tensor) {
-      for (index_t e = 0; e < tensor.size(); ++e) tensor.data()[e] += from[i++];
-    };
-    for (auto& tensor : d.conv_weight) add(flat->conv_weight, tensor);
-    i = 0;
-    for (auto& tensor : d.conv_bias) add(flat->conv_bias, tensor);
-    i = 0;
-    for (auto& tensor : d.level_query) add(flat->level_query, tensor);
-    i = 0;
-    for (auto& tensor : d.level_key) add(flat->level_key, tensor);
-    i = 0;
-    for (auto& tensor : d.level_value) add(flat->level_value, tensor);
-    i = 0;
-    add(flat->cross_query, d.cross_query);
-    i = 0;
-    add(flat->cross_key, d.cross_key);
-    i = 0;
-    add(flat->cross_value, d.cross_value);
+    add_flat(*flat, *gradients.d_params);
   }
 
   /// A fresh decode state for `batch` sequences that can absorb up to
@@ -474,6 +470,29 @@ class ConvCompressedAttention {
                            detail::named(dk, "gradients.d_keys"));
     }, in);
     if (gradients.d_params) validate_params(*gradients.d_params, "gradients.d_params", false);
+  }
+
+  /// into += the flat fp64 weights (fill_weights' layout), tensor by tensor.
+  static void add_flat(const reference::ConvCompressedWeights<double>& flat, ConvCompressedParams& into) {
+    std::size_t i = 0;
+    auto add = [&i](const std::vector<double>& from, auto& tensor) {
+      for (index_t e = 0; e < tensor.size(); ++e) tensor.data()[e] += from[i++];
+    };
+    for (auto& tensor : into.conv_weight) add(flat.conv_weight, tensor);
+    i = 0;
+    for (auto& tensor : into.conv_bias) add(flat.conv_bias, tensor);
+    i = 0;
+    for (auto& tensor : into.level_query) add(flat.level_query, tensor);
+    i = 0;
+    for (auto& tensor : into.level_key) add(flat.level_key, tensor);
+    i = 0;
+    for (auto& tensor : into.level_value) add(flat.level_value, tensor);
+    i = 0;
+    add(flat.cross_query, into.cross_query);
+    i = 0;
+    add(flat.cross_key, into.cross_key);
+    i = 0;
+    add(flat.cross_value, into.cross_value);
   }
 
   template <Real T>

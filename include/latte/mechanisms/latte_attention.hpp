@@ -82,6 +82,12 @@ class LatteAttention {
   }
 
   [[nodiscard]] const LatteDims& dims() const noexcept { return dims_; }
+  /// VAPOR's angles as used, [H, Dv/2] (0 x 0 without VAPOR): rebuild with
+  /// updated ones through VAPOR::params_from(view).
+  [[nodiscard]] TensorView<const double, 2> angles() const noexcept {
+    const bool any = !angles_.empty();
+    return {angles_.data(), {any ? dims_.heads : 0, any ? dims_.value_dim / 2 : 0}};
+  }
 
   /// "LatteAttention<causal,running_max,vapor>/float32": names states and benchmarks.
   template <Real T>

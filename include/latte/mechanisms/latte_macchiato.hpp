@@ -145,6 +145,15 @@ class LatteMacchiato {
   [[nodiscard]] const MacchiatoDims& dims() const noexcept { return dims_; }
   [[nodiscard]] double scale() const noexcept { return scale_; }
   [[nodiscard]] VaporScope vapor_scope() const noexcept { return options_.vapor_scope; }
+  /// The angles as used, for rebuilding with updated ones (Pos::params_from(view)):
+  /// VAPOR's on the latent states [H, Dv/2] and RoPE's on the window [H, Dk/2]
+  /// (0 x 0 under NoPositional).
+  [[nodiscard]] TensorView<const double, 2> latent_angles() const noexcept {
+    return angle_view(latent_angles_, dims_.value_dim);
+  }
+  [[nodiscard]] TensorView<const double, 2> window_angles() const noexcept {
+    return angle_view(key_angles_, dims_.key_dim);
+  }
 
   /// "LatteMacchiato<causal,running_max,vapor[latent_states],rope>/float32": names
   /// states (a state made under one VaporScope is refused by the other).
@@ -533,6 +542,12 @@ class LatteMacchiato {
   }
   [[nodiscard]] index_t window_row() const {
     return detail::checked_sum("dims", {dims_.key_dim, dims_.value_dim});
+  }
+
+  [[nodiscard]] TensorView<const double, 2> angle_view(const std::vector<double>& table,
+                                                     index_t dim) const noexcept {
+    const bool any = !table.empty();
+    return {table.data(), {any ? dims_.heads : 0, any ? dim / 2 : 0}};
   }
 
   /// A positional policy's angle table; its errors are renamed
