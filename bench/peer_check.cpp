@@ -73,6 +73,18 @@ void write(const std::string& dir, const latte::Tensor<T, 4>& out) {
   if (!file) throw std::runtime_error("cannot write " + dir + "/out.bin");
 }
 
+/// A mechanism with (queries, keys, values) inputs: reads them, runs its forward, writes out.
+template <class T, class Attention>
+void qkv_forward(const Inputs& in, const Attention& attention, index_t Dk, index_t Dv) {
+  const index_t B = in["B"], T_ = in["T"], H = in["H"];
+  const auto q = in.tensor<T, 4>("queries", {B, T_, H, Dk});
+  const auto k = in.tensor<T, 4>("keys", {B, T_, H, Dk});
+  const auto v = in.tensor<T, 4>("values", {B, T_, H, Dv});
+  latte::Tensor<T, 4> out({B, T_, H, Dv});
+  attention.forward(latte::exec::cpu, q, k, v, out.view());
+  write(in.dir, out);
+}
+
 template <class T>
 void macchiato(const Inputs& in) {
   const index_t B = in["B"], T_ = in["T"], H = in["H"], L = in["L"], Dk = in["Dk"], Dv = in["Dv"];
@@ -92,23 +104,18 @@ void macchiato(const Inputs& in) {
 
 template <class T>
 void lavo(const Inputs& in) {
-  const index_t B = in["B"], T_ = in["T"], H = in["H"], d = in["d"], r = in["r"], w = in["window"];
+  const index_t H = in["H"], d = in["d"], r = in["r"], w = in["window"];
   latte::LavoParams params;
   params.bases = in.tensor<double, 3>("bases", {H, r, d});
   params.relative_bias = in.tensor<double, 2>("relative_bias", {H, 2 * w - 1});
   const latte::Lavo<latte::Causal> attention({.heads = H, .dim = d, .bases = r, .window = w},
                                              std::move(params));
-  const auto q = in.tensor<T, 4>("queries", {B, T_, H, d});
-  const auto k = in.tensor<T, 4>("keys", {B, T_, H, d});
-  const auto v = in.tensor<T, 4>("values", {B, T_, H, d});
-  latte::Tensor<T, 4> out({B, T_, H, d});
-  attention.forward(latte::exec::cpu, q, k, v, out.view());
-  write(in.dir, out);
+  qkv_forward<T>(in, attention, d, d);
 }
 
 template <class T>
 void conv_compressed(const Inputs& in) {
-  const index_t B = in["B"], T_ = in["T"], H = in["H"], Dk = in["Dk"], Dv = in["Dv"];
+  const index_t H = in["H"], Dk = in["Dk"], Dv = in["Dv"];
   const latte::ConvCompressedDims dims{.heads = H, .key_dim = Dk, .value_dim = Dv,
                                        .group_size = in["M"], .levels = in["levels"]};
   auto params = latte::ConvCompressedParams::zeros(dims);
@@ -125,13 +132,7 @@ void conv_compressed(const Inputs& in) {
   fill("cross_query", params.cross_query);
   fill("cross_key", params.cross_key);
   fill("cross_value", params.cross_value);
-  const latte::ConvCompressedAttention<latte::Causal> attention(dims, params);
-  const auto q = in.tensor<T, 4>("queries", {B, T_, H, Dk});
-  const auto k = in.tensor<T, 4>("keys", {B, T_, H, Dk});
-  const auto v = in.tensor<T, 4>("values", {B, T_, H, Dv});
-  latte::Tensor<T, 4> out({B, T_, H, Dv});
-  attention.forward(latte::exec::cpu, q, k, v, out.view());
-  write(in.dir, out);
+  qkv_forward<T>(in, latte::ConvCompressedAttention<latte::Causal>(dims, params), Dk, Dv);
 }
 
 template <class T>
