@@ -29,7 +29,9 @@ Before any timing, each transcription's forward is checked against latte's own
 weights, at --check-t tokens (conv-compression: at least 2 M^L, so that its cross read
 is exercised), in float32 (max |diff| <= 1e-5 x max(1, max |out|))
 and float64 (<= 1e-10 x that): a mismatch stops the script before it times
-anything. The check's errors go to stderr.
+anything. The check's errors go to stderr. --check-gradients instead compares the
+blocked forms' outputs and autograd gradients with the explicit T x T transcriptions of
+tests/golden/make_gradient_golden.py (float64, small T) and exits.
 
 Timed: with torch.set_num_threads(--threads), the inputs and the learned
 parameters as leaves requiring grad, out = mechanism(...), loss = (out *
@@ -360,6 +362,65 @@ def check(name, T, dtype, tool, seed):
         latte.abs().max().item()
 
 
+def check_gradients():
+    """Outputs and autograd gradients of the blocked forms above against the explicit
+    T x T transcriptions of tests/golden/make_gradient_golden.py (float64, small sizes,
+    windows and groups small enough that several blocks, chunks and levels take part).
+    Returns the largest difference per mechanism."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                    "tests", "golden"))
+    import make_gradient_golden as golden  # sets torch's default dtype to float64
+    generator = torch.Generator().manual_seed(2)
+    b, h, dim = 1, 3, 8
+    normal = lambda *shape: torch.randn(*shape, generator=generator)  # noqa: E731
+    bthd = lambda x: x.permute(0, 2, 1, 3)  # noqa: E731  ([B, H, T, *] <-> [B, T, H, *])
+
+    def largest(function, reference, arguments, d_out):
+        results = []
+        for f in (function, reference):
+            leaves = [x.detach().clone().requires_grad_(True) for x in arguments]
+            out = f(*leaves)
+            results.append([out.detach()] + list(torch.autograd.grad((out * d_out).sum(), leaves)))
+        return max((x - y).abs().max().item() for x, y in zip(*results))
+
+    errors = {}
+    T, w, latents = 300, 130, 5  # w = 130: blocks of 192 queries; 3 chunks of 128
+    args = [normal(b, h, T, latents + 1), 3 * normal(b, h, T, latents), normal(b, h, T, dim),
+            normal(b, h, T, dim), normal(b, h, T, dim)]
+    rope = rope_tables(T, dim, torch.float64)
+    errors["macchiato"] = largest(
+        lambda *x: macchiato(*x, w, rope),
+        lambda *x: bthd(golden.macchiato(*map(bthd, x), True, w, rope=True)),
+        args, normal(b, h, T, dim))
+    T, w, r = 150, 8, 6
+    bases = torch.linalg.qr(normal(h, dim, dim))[0][:, :, :r].transpose(1, 2)
+    errors["lavo"] = largest(
+        lambda q, k, v, P: lavo(q, k, v, P, bases, w),
+        lambda q, k, v, P: bthd(golden.lavo(bthd(q), bthd(k), bthd(v), bases, P, True, w)),
+        [normal(b, h, T, dim) for _ in range(3)] + [normal(h, 2 * w - 1)], normal(b, h, T, dim))
+    T, M, levels = 150, 4, 2
+    shapes = dict(conv_weight=[(h, M, dim, dim)] * levels, conv_bias=[(h, dim)] * levels,
+                  level_query=[(h, dim, dim)], level_key=[(h, dim, dim)],
+                  level_value=[(h, dim, dim)], cross_query=(h, dim, dim),
+                  cross_key=(h, dim, dim), cross_value=(h, dim, dim))
+    flat = [normal(*shape) / math.sqrt(shape[-1]) for field in CONV_FIELDS
+            for shape in (shapes[field] if isinstance(shapes[field], list) else [shapes[field]])]
+
+    def weights(values):
+        out, at = {}, 0
+        for field in CONV_FIELDS:
+            count = len(shapes[field]) if isinstance(shapes[field], list) else 0
+            out[field], at = (list(values[at:at + count]), at + count) if count else \
+                (values[at], at + 1)
+        return out
+    errors["conv_compressed"] = largest(
+        lambda q, k, v, *x: conv_compressed(q, k, v, weights(x), M, levels),
+        lambda q, k, v, *x: bthd(golden.conv_compressed(bthd(q), bthd(k), bthd(v), weights(x),
+                                                        True, M, levels, M - 1, 0)),
+        [normal(b, h, T, dim) for _ in range(3)] + flat, normal(b, h, T, dim))
+    return errors
+
+
 def forward_backward(function, arguments, d_out):
     """The mechanism's forward, then the gradients of (out * d_out).sum() with respect
     to every input and learned parameter."""
@@ -374,7 +435,16 @@ def main():
     arguments.add_argument("--check-t", type=int, default=1024,
                            help="length of the check against latte's forward")
     arguments.add_argument("--latte-peer-check", default="build/bench/latte-peer-check")
+    arguments.add_argument("--check-gradients", action="store_true",
+                           help="only compare outputs and gradients with the explicit T x T "
+                                "transcriptions of tests/golden/make_gradient_golden.py (float64)")
     args = arguments.parse_args()
+    if args.check_gradients:
+        for name, error in check_gradients().items():
+            print(f"{name}: max |blocked - explicit| over the output and every gradient: {error:.2e}")
+            if error > 1e-10:
+                sys.exit(f"torch_mechanisms.py: {name}'s blocked form disagrees with the explicit one")
+        return
     torch.set_num_threads(args.threads)
     mechanisms = args.mechanisms.split(",")
     for name in mechanisms:
