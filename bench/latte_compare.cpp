@@ -2,6 +2,7 @@
 // in one run on this machine (exec::cpu, fp32, B=1, H=8, L=64, D=64).
 //
 //   latte-compare [--t 256,1024,...] [--csv] [--time-cap S] [--min-time S] [--rounds N]
+//                 [--only NAME,...]
 //
 // With --csv it prints the header
 //   mechanism,direction,backend,B,T,H,L,D,seconds,tokens_per_s,gflops,extra_bytes
@@ -16,6 +17,10 @@
 // is spent). With --rounds N the whole sweep over the lengths runs N times and
 // each row keeps its best round: on a shared machine a neighbour's burst can
 // cover every repeat of one run, and rounds minutes apart rarely all meet one.
+//
+// --only NAME,...: run only the rows whose mechanism starts with one of the
+// NAMEs (`--only macchiato,lavo,conv` for those mechanisms' forward, backward
+// and forward + backward rows); the fma_peak row is always measured.
 //
 // FLOP formulas (multiply-add = 2):
 //   latte causal / bidirectional:  4 * B*T*H*L*D
@@ -127,6 +132,14 @@ struct Options {
   double time_cap = 20.0;  // skip a quadratic run predicted to take longer
   double min_time = 0.3;   // repeat a run until this much time was spent (min of repeats)
   int rounds = 1;          // sweeps over the lengths; each row keeps its best
+  std::vector<std::string> only;  // mechanism prefixes to run; empty: every row
+
+  [[nodiscard]] bool wanted(const std::string& mechanism) const {
+    if (only.empty()) return true;
+    for (const std::string& prefix : only)
+      if (mechanism.starts_with(prefix)) return true;
+    return false;
+  }
 };
 
 struct Row {
@@ -259,10 +272,14 @@ int main(int argc, char** argv) {
     else if (flag == "--time-cap") options.time_cap = std::stod(value());
     else if (flag == "--min-time") options.min_time = std::stod(value());
     else if (flag == "--rounds") options.rounds = std::stoi(value());
-    else {
+    else if (flag == "--only") {
+      std::stringstream names(value());
+      for (std::string name; std::getline(names, name, ',');)
+        if (!name.empty()) options.only.push_back(name);
+    } else {
       std::fprintf(stderr,
                    "usage: latte-compare [--t 256,1K,64K,...] [--csv] [--time-cap S] "
-                   "[--min-time S] [--rounds N]\n");
+                   "[--min-time S] [--rounds N] [--only NAME,...]\n");
       return 2;
     }
   }
@@ -313,7 +330,7 @@ int main(int argc, char** argv) {
   };
 
   for (int round = 0; round < options.rounds; ++round) {
-    QuadraticCap softmax_cap, conv_cap, conv_backward_cap;
+    QuadraticCap softmax_cap, conv_cap, conv_backward_cap, conv_forward_backward_cap;
     for (const index_t T : options.lengths) {
       auto q = random_tensor<4>(rng, {B, T, H, L});
       auto k = random_tensor<4>(rng, {B, T, H, L});
@@ -324,6 +341,7 @@ int main(int argc, char** argv) {
       // f() makes, the row reports the time of one.
       auto timed = [&](const char* name, const char* direction, index_t latents, double flops,
                        const std::function<void()>& f, int calls, int max_runs) {
+        if (!options.wanted(name)) return 0.0;
         auto [seconds, extra] = measure(f, options.min_time, max_runs);
         seconds /= calls;
         record({name, direction, B, T, H, latents, D, seconds, flops, extra});
@@ -433,6 +451,7 @@ int main(int argc, char** argv) {
       // Runs that grow like T^2: skipped when the last length predicts a run past the cap.
       auto capped = [&](QuadraticCap& cap, const char* name, double flops,
                         const std::function<void()>& f) {
+        if (!options.wanted(name)) return;
         const double predicted = cap.predicted(T, flops, peak);
         if (predicted <= options.time_cap) {
           cap.record(T, run(name, "causal", flops, f));
@@ -445,27 +464,35 @@ int main(int argc, char** argv) {
              double(B) * H *
                  latte::bench::conv_compressed_forward_flops(T, conv_levels, conv_group, D, D, true),
              [&] { conv_causal.forward(latte::exec::cpu, q, k, v, out.view()); });
-      {  // backward: 2x the forward's FLOPs (as Latte's rows)
+      {  // backward: 2x the forward's FLOPs, forward + backward 3x (as Latte's rows)
+        const double conv_flops =
+            double(B) * H *
+            latte::bench::conv_compressed_forward_flops(T, conv_levels, conv_group, D, D, true);
         auto d_out = random_tensor<4>(rng, {B, T, H, D});
         latte::Tensor<float, 4> dq({B, T, H, L}), dk({B, T, H, L}), dv({B, T, H, D});
-        capped(conv_backward_cap, "conv_compressed_backward",
-               2 * double(B) * H *
-                   latte::bench::conv_compressed_forward_flops(T, conv_levels, conv_group, D, D, true),
-               [&] {
-                 conv_causal.backward(latte::exec::cpu, q, k, v, d_out,
-                                      latte::ConvCompressedGradients<float>{dq.view(), dk.view(), dv.view()});
-               });
+        // The weights' gradients too (accumulated: zeroed once, the sums only grow).
+        auto d_params = latte::ConvCompressedParams::zeros(conv_dims);
+        const latte::ConvCompressedGradients<float> gradients{dq.view(), dk.view(), dv.view(),
+                                                              &d_params};
+        capped(conv_backward_cap, "conv_compressed_backward", 2 * conv_flops, [&] {
+          conv_causal.backward(latte::exec::cpu, q, k, v, d_out, gradients);
+        });
+        capped(conv_forward_backward_cap, "conv_compressed_forward_backward", 3 * conv_flops, [&] {
+          conv_causal.forward(latte::exec::cpu, q, k, v, out.view());
+          conv_causal.backward(latte::exec::cpu, q, k, v, d_out, gradients);
+        });
       }
       capped(softmax_cap, "softmax", 2.0 * B * H * (double(T) * (T + 1) / 2) * (D + D),
              [&] { softmax_causal.forward(latte::exec::cpu, q, k, v, out.view()); });
       // Decode: the state after a context of T tokens, stepped once all the
       // lengths have run (below).
-      if (round == 0) {
+      if (round == 0 && options.wanted("latte_decode_step")) {
         auto state = latte_causal.make_state<float>(B);
         latte_causal.forward(latte::exec::cpu, q, k, v, out.view(), state);
         decode_states.emplace_back(T, std::move(state));
       }
-      if (static_cast<double>(T) * H * 2 * D * sizeof(float) < 4e9) {
+      if (options.wanted("softmax_decode_step") &&
+          static_cast<double>(T) * H * 2 * D * sizeof(float) < 4e9) {
         auto cache = softmax_causal.make_state<float>(B, T + 64);
         // Fill the cache with T tokens directly through steps would be O(T^2); write them instead.
         for (index_t b = 0; b < B; ++b)

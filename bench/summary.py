@@ -29,6 +29,7 @@ def forward_backward_targets(seconds):
             ratio = theirs / mine
             print(f"  {what:<52} T={T:>6}: {ratio:7.1f}x  (target >= {target}x: "
                   f"{'met' if ratio >= target else 'not met'})")
+    mechanism_targets(seconds)
     for forward, backward in (("latte", "latte_backward"), ("linear_elu", "linear_elu_backward")):
         f = seconds[(forward, "causal", ours)].get(16384)
         b = seconds[(backward, "causal", ours)].get(16384)
@@ -37,6 +38,35 @@ def forward_backward_targets(seconds):
                   f"(target <= 3: {'met' if b / f <= 3 else 'not met'})")
         else:
             print(f"  {backward} / {forward} forward at T=16384: -  (row missing)")
+
+
+def mechanism_targets(seconds, lengths=(4096, 16384), target_t=16384):
+    """Issue 26's training targets for the mechanisms beyond Latte, judged at 16K:
+    forward + backward >= 20x faster than PyTorch autograd over a torch transcription
+    of the definition (bench/peers/torch_mechanisms.py, backend torch), and latte's
+    backward within 3x its forward. Other lengths are shown without a verdict."""
+    ours = "latte-cpu"
+    print("mechanisms, forward + backward (issue 26; targets at T=16384):")
+    for label, forward in (("Latte Macchiato (RoPE window)", "macchiato"), ("LAVO", "lavo"),
+                           ("conv-compression (L=2)", "conv_compressed")):
+        row = f"{forward}_forward_backward"
+        for T in lengths:
+            def verdict(ok, target):
+                return f"  (target {target}: {'met' if ok else 'not met'})" if T == target_t else ""
+            mine = seconds[(row, "causal", ours)].get(T)
+            theirs = seconds[(row, "causal", "torch")].get(T)
+            if mine and theirs:
+                ratio = theirs / mine
+                text = f"{ratio:7.1f}x{verdict(ratio >= 20, '>= 20x')}"
+            else:
+                missing = [who for who, x in ((ours, mine), ("torch", theirs)) if not x]
+                text = f"      -  (no {row} row from {' / '.join(missing)})"
+            f = seconds[(forward, "causal", ours)].get(T)
+            b = seconds[(f"{forward}_backward", "causal", ours)].get(T)
+            ratio_text = (f"{b / f:.2f}{verdict(b / f <= 3, '<= 3')}" if f and b
+                          else "-  (row missing)")
+            print(f"  {label:<30} T={T:>6}: torch autograd / latte {text}; "
+                  f"latte backward / forward {ratio_text}")
 
 
 def main(path):

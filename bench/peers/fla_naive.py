@@ -12,26 +12,11 @@ Appends `fla_naive_chunk_forward_backward,causal,fla` rows to latte-compare's CS
 with as many threads as latte uses. FLOPs are 3x latte-compare's linear_elu forward
 (backward = 2x forward, as latte-compare counts its *_forward_backward rows).
 """
-import argparse
-import os
-import time
-
 import torch
 import torch.nn.functional as F
 from fla.ops.linear_attn.naive import naive_chunk_linear_attn
 
-
-def best_time(fn, min_time):
-    fn()  # warm-up
-    best, spent, runs = float("inf"), 0.0, 0
-    while runs < 2 or (spent < min_time and runs < 20):
-        start = time.perf_counter()
-        fn()
-        elapsed = time.perf_counter() - start
-        best, spent, runs = min(best, elapsed), spent + elapsed, runs + 1
-        if elapsed > 2.0:
-            break
-    return best
+from peer_common import best_time, csv_row, lengths, parser
 
 
 def forward_backward(q, k, v, d_out):
@@ -44,16 +29,11 @@ def forward_backward(q, k, v, d_out):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--t", default="1024,4096,16384")
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--time-cap", type=float, default=60.0)
-    parser.add_argument("--min-time", type=float, default=0.3)
-    args = parser.parse_args()
+    args = parser("1024,4096,16384", time_cap=60.0).parse_args()
     torch.set_num_threads(args.threads)
     B, H, D = 1, 8, 64
     previous = None
-    for T in [int(x) for x in args.t.split(",")]:
+    for T in lengths(args.t):
         if T % 64:
             continue  # the naive form splits T into chunks of 64
         if previous and previous[1] * T / previous[0] > args.time_cap:
@@ -62,8 +42,8 @@ def main():
         seconds = best_time(lambda: forward_backward(q, k, v, d_out), args.min_time)
         previous = (T, seconds)
         flops = 3 * float(B) * T * H * (4.0 * D * D + 3.0 * D)
-        print(f"fla_naive_chunk_forward_backward,causal,fla,{B},{T},{H},{D},{D},{seconds:.6e},"
-              f"{B * T / seconds:.6e},{flops / seconds / 1e9:.3f},-1", flush=True)
+        print(csv_row("fla_naive_chunk_forward_backward", "causal", "fla", B, T, H, D, D, seconds,
+                      flops), flush=True)
 
 
 if __name__ == "__main__":

@@ -13,12 +13,12 @@ mode through lax.scan keeps every step's L x D carry (B*H*L*D*4 bytes a token,
 2 GiB at T = 16K; the process peaked at 15 GB resident there, on a 24 GiB
 machine), so it runs up to --backward-max-t.
 """
-import argparse
-import time
 from functools import partial
 
 import jax
 import jax.numpy as jnp
+
+from peer_common import best_time, csv_row, lengths, parser
 
 
 def accumulate(carry, args):  # Listing 1, lines 15-26
@@ -70,19 +70,6 @@ def core_loss(Q, K, V, d_out):
 core_gradients = jax.jit(jax.grad(core_loss, argnums=(0, 1, 2)))
 
 
-def best_time(fn, min_time):
-    jax.block_until_ready(fn())  # compile + warm-up
-    best, spent, runs = float("inf"), 0.0, 0
-    while runs < 2 or (spent < min_time and runs < 10):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        elapsed = time.perf_counter() - start
-        best, spent, runs = min(best, elapsed), spent + elapsed, runs + 1
-        if elapsed > 2.0:
-            break
-    return best
-
-
 def run(lengths, min_time, time_cap, backend, backward_max_t=16384):
     """Times both scans at every T in `lengths` and prints latte-compare CSV rows
     labelled `backend`; a scan is skipped once its extrapolated time passes time_cap."""
@@ -106,20 +93,16 @@ def run(lengths, min_time, time_cap, backend, backward_max_t=16384):
         for name, case_flops, fn in cases:
             if name in previous and previous[name][1] * T / previous[name][0] > time_cap:
                 continue
-            seconds = best_time(fn, min_time)
+            seconds = best_time(fn, min_time, max_runs=10, wait=jax.block_until_ready)
             previous[name] = (T, seconds)
-            print(f"{name},causal,{backend},{B},{T},{H},{L},{D},{seconds:.6e},"
-                  f"{B * T / seconds:.6e},{case_flops / seconds / 1e9:.3f},-1", flush=True)
+            print(csv_row(name, "causal", backend, B, T, H, L, D, seconds, case_flops), flush=True)
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--t", default="256,1024,4096,16384,65536")
-    parser.add_argument("--min-time", type=float, default=0.3)
-    parser.add_argument("--time-cap", type=float, default=60.0)
-    parser.add_argument("--backward-max-t", type=int, default=16384)
-    args = parser.parse_args()
-    run([int(x) for x in args.t.split(",")], args.min_time, args.time_cap, "jax",
+    arguments = parser("256,1024,4096,16384,65536", time_cap=60.0, threads=False)
+    arguments.add_argument("--backward-max-t", type=int, default=16384)
+    args = arguments.parse_args()
+    run(lengths(args.t), args.min_time, args.time_cap, "jax",
         args.backward_max_t)
 
 

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One comparison, side by side on this machine: latte-compare, then the peers
 # (PyTorch SDPA forward and forward + backward, the paper's JAX scan and its
-# jax.grad, flash-linear-attention's naive chunk form under autograd) appending to
-# the same CSV, then the plot and the summary.
+# jax.grad, flash-linear-attention's naive chunk form under autograd, and torch
+# transcriptions of Latte Macchiato, LAVO and conv-compression under autograd,
+# each first checked against latte's forward) appending to the same CSV, then the
+# plot and the summary.
 #   bench/peers/run_all.sh [lengths] [csv]      (defaults: 256..1M, bench/results.csv)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -10,7 +12,7 @@ lengths="${1:-256,1024,4096,16384,65536,262144,1048576}"
 csv="${2:-bench/results.csv}"
 [ -x .venv-peers/bin/python ] || bench/peers/setup_peers.sh
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build build -j "$(nproc)" --target latte-compare >/dev/null
+cmake --build build -j "$(nproc)" --target latte-compare latte-peer-check >/dev/null
 threads="$(nproc)"
 export OMP_NUM_THREADS="$threads"
 build/bench/latte-compare --csv --rounds 5 --t "$lengths" > "$csv"
@@ -19,5 +21,6 @@ peer_lengths=$(echo "$lengths" | tr ',' '\n' | awk '$1 <= 65536' | paste -sd, -)
 .venv-peers/bin/python bench/peers/jax_scan.py --t "$peer_lengths" >> "$csv"
 fla_lengths=$(echo "$lengths" | tr ',' '\n' | awk '$1 <= 16384' | paste -sd, -)
 .venv-peers/bin/python bench/peers/fla_naive.py --threads "$threads" --t "$fla_lengths" >> "$csv"
+.venv-peers/bin/python bench/peers/torch_mechanisms.py --threads "$threads" --t "$fla_lengths" >> "$csv"
 .venv-peers/bin/python bench/plot.py "$csv" docs/scaling.png
 .venv-peers/bin/python bench/summary.py "$csv"

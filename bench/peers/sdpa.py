@@ -9,25 +9,10 @@ training costs a PyTorch user: q, k, v require grad, loss = (out * d_out).sum(),
 then torch.autograd.grad(loss, (q, k, v)). Its FLOPs are 3x the forward's, as
 latte-compare counts its `*_forward_backward` rows (backward = 2x forward).
 """
-import argparse
-import os
-import time
-
 import torch
 import torch.nn.functional as F
 
-
-def best_time(fn, min_time):
-    fn()  # warm-up
-    best, spent, runs = float("inf"), 0.0, 0
-    while runs < 2 or (spent < min_time and runs < 20):
-        start = time.perf_counter()
-        fn()
-        elapsed = time.perf_counter() - start
-        best, spent, runs = min(best, elapsed), spent + elapsed, runs + 1
-        if elapsed > 2.0:
-            break
-    return best
+from peer_common import best_time, csv_row, lengths, parser
 
 
 def forward_backward(q, k, v, d_out):
@@ -38,19 +23,15 @@ def forward_backward(q, k, v, d_out):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--t", default="256,1024,4096,16384,65536")
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--time-cap", type=float, default=20.0)
-    parser.add_argument("--min-time", type=float, default=0.3)
-    parser.add_argument("--window", type=int, default=128)
-    parser.add_argument("--backward-time-cap", type=float, default=600.0,
-                        help="time cap of sdpa_forward_backward (issue 22 asks for it at 64K)")
-    args = parser.parse_args()
+    arguments = parser("256,1024,4096,16384,65536", time_cap=20.0)
+    arguments.add_argument("--window", type=int, default=128)
+    arguments.add_argument("--backward-time-cap", type=float, default=600.0,
+                           help="time cap of sdpa_forward_backward (issue 22 asks for it at 64K)")
+    args = arguments.parse_args()
     torch.set_num_threads(args.threads)
     B, H, D = 1, 8, 64
     previous = {}
-    for T in [int(x) for x in args.t.split(",")]:
+    for T in lengths(args.t):
         q, k, v = (torch.randn(B, H, T, D) for _ in range(3))
         cases = [("sdpa", 2.0 * B * H * (T * (T + 1) / 2) * (2 * D),
                   lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))]
@@ -76,8 +57,7 @@ def main():
                 with torch.inference_mode():
                     seconds = best_time(fn, args.min_time)
             previous[name] = (T, seconds)
-            print(f"{name},causal,torch,{B},{T},{H},0,{D},{seconds:.6e},{B * T / seconds:.6e},"
-                  f"{flops / seconds / 1e9:.3f},-1", flush=True)
+            print(csv_row(name, "causal", "torch", B, T, H, 0, D, seconds, flops), flush=True)
 
 
 if __name__ == "__main__":
