@@ -26,15 +26,16 @@
 //      j = i + below(V/2 - 1 - i), swap(a[i], a[j]); key_i = a[i];
 //   2. values: value_i = V/2 + below(V/2), i = 0 .. K-1;
 //   3. context: token[2i] = key_i, token[2i + 1] = value_i;
-//   4. queries: S = (T - 2K) / 2 slots; a partial Fisher-Yates over
-//      [0, 1, ..., S - 1] picks slot_i for i < K; token[2K + 2 slot_i] = key_i,
-//      token[2K + 2 slot_i + 1] = value_i, and the model must predict value_i
-//      at position 2K + 2 slot_i (the key), the only positions with a label.
+//   4. queries: S = (T - 2K) / 2 slots, Q of them asked (Q = S unless --queries
+//      says fewer); for j < Q a partial Fisher-Yates over [0, 1, ..., S - 1]
+//      picks slot_j, then pair i = below(K): token[2K + 2 slot_j] = key_i,
+//      token[2K + 2 slot_j + 1] = value_i, and the model must predict value_i
+//      at position 2K + 2 slot_j (the key), the only positions with a label.
 // Accuracy is the fraction of those predictions right (argmax), on a held-out
 // set of sequences from the eval stream.
 //
 //   train_lm [--attention macchiato|softmax] [--steps N] [--tokens T] [--pairs K]
-//            [--batch B] [--vocab V] [--lr R] [--seed S] [--eval-every N]
+//            [--queries Q] [--batch B] [--vocab V] [--lr R] [--seed S] [--eval-every N]
 //            [--eval-sequences N] [--csv FILE] [--check-gradient]
 //
 // --check-gradient first compares the whole model's gradient (this file's
@@ -76,6 +77,9 @@ struct SplitMix64 {
 
 struct Task {
   index_t tokens = 256, pairs = 8, vocab = 128;
+  index_t queries = 0;  ///< Q; 0: every slot, (T - 2K) / 2
+  [[nodiscard]] index_t slots() const { return (tokens - 2 * pairs) / 2; }
+  [[nodiscard]] index_t asked() const { return queries == 0 ? slots() : queries; }
 };
 
 /// B sequences: tokens [B * T], labels [B * T] (-1 where nothing is asked).
@@ -96,12 +100,12 @@ void draw_sequence(const Task& task, SplitMix64& rng, int* tokens, int* labels) 
     tokens[2 * i] = keys[i];
     tokens[2 * i + 1] = values[i];
   }
-  const index_t slots = (T - 2 * K) / 2;
+  const index_t slots = task.slots();
   std::vector<index_t> slot(static_cast<std::size_t>(slots));
   std::iota(slot.begin(), slot.end(), index_t{0});
-  for (index_t i = 0; i < K; ++i) {
-    std::swap(slot[i], slot[i + rng.below(slots - i)]);
-    const index_t at = 2 * K + 2 * slot[i];
+  for (index_t j = 0; j < task.asked(); ++j) {
+    std::swap(slot[j], slot[j + rng.below(slots - j)]);
+    const index_t i = rng.below(K), at = 2 * K + 2 * slot[j];
     tokens[at] = keys[i];
     tokens[at + 1] = values[i];
     labels[at] = values[i];
@@ -133,48 +137,45 @@ struct Parameters {
   Matrix unembed;  // [C, V]
 };
 
-/// Every parameter tensor of `p` as (data, size, decayed by AdamW), in one order,
-/// so that weights, gradients and optimiser moments line up.
-template <class Layer, class Visit>
-void for_each_tensor(Parameters<Layer>& p, Visit&& visit) {
-  const auto matrix = [&](auto& m, bool decay) { visit(m.data(), static_cast<index_t>(m.size()), decay); };
-  matrix(p.embedding, false);
-  for (auto& block : p.blocks) {
-    for (auto& projection : block.attention.projections) matrix(projection, true);
-    matrix(block.attention.output, true);
-    auto& mixer = block.attention.mixer;  // RG-LRU: gates decay, biases and Lambda do not
-    matrix(mixer.recurrence_gate, true);
-    matrix(mixer.input_gate, true);
-    matrix(mixer.recurrence_bias, false);
-    matrix(mixer.input_bias, false);
-    matrix(mixer.lambda, false);
-    matrix(block.norm1, false);
-    matrix(block.norm2, false);
-    matrix(block.w1, true);
-    matrix(block.b1, false);
-    matrix(block.w2, true);
-    matrix(block.b2, false);
-  }
-  matrix(p.final_norm, false);
-  matrix(p.unembed, true);
-}
+/// One parameter tensor: its values, their count, and whether AdamW decays it.
+struct Slot {
+  float* data;
+  index_t size;
+  bool decay;
+};
 
-/// Pairs of tensors of two Parameters (weights and gradients, or moments).
-template <class Layer, class Visit>
-void for_each_pair(Parameters<Layer>& a, Parameters<Layer>& b, Visit&& visit) {
-  std::vector<std::pair<float*, index_t>> second;
-  for_each_tensor(b, [&](float* data, index_t n, bool) { second.emplace_back(data, n); });
-  std::size_t i = 0;
-  for_each_tensor(a, [&](float* data, index_t n, bool decay) {
-    visit(data, second[i].first, n, decay);
-    ++i;
-  });
+/// Every parameter tensor of `p`, in one order, so that the slots of weights,
+/// gradients and optimiser moments line up index by index.
+template <class Layer>
+std::vector<Slot> slots_of(Parameters<Layer>& p) {
+  std::vector<Slot> slots;
+  const auto add = [&](auto& m, bool decay) { slots.push_back({m.data(), static_cast<index_t>(m.size()), decay}); };
+  add(p.embedding, false);
+  for (auto& block : p.blocks) {
+    for (auto& projection : block.attention.projections) add(projection, true);
+    add(block.attention.output, true);
+    auto& mixer = block.attention.mixer;  // RG-LRU: gates decay, biases and Lambda do not
+    add(mixer.recurrence_gate, true);
+    add(mixer.input_gate, true);
+    add(mixer.recurrence_bias, false);
+    add(mixer.input_bias, false);
+    add(mixer.lambda, false);
+    add(block.norm1, false);
+    add(block.norm2, false);
+    add(block.w1, true);
+    add(block.b1, false);
+    add(block.w2, true);
+    add(block.b2, false);
+  }
+  add(p.final_norm, false);
+  add(p.unembed, true);
+  return slots;
 }
 
 template <class Layer>
 Parameters<Layer> zeros_like(const Parameters<Layer>& p, const std::vector<Layer>& layers) {
   Parameters<Layer> z = p;
-  for_each_tensor(z, [](float* data, index_t n, bool) { std::fill(data, data + n, 0.0f); });
+  for (const Slot& slot : slots_of(z)) std::fill_n(slot.data, slot.size, 0.0f);
   for (std::size_t l = 0; l < layers.size(); ++l) z.blocks[l].attention = layers[l].zero_weights();
   return z;
 }
@@ -368,29 +369,24 @@ struct AdamW {
     constexpr double beta1 = 0.9, beta2 = 0.98, eps = 1e-8;
     ++t;
     const double c1 = 1 - std::pow(beta1, double(t)), c2 = 1 - std::pow(beta2, double(t));
-    std::vector<float*> ms, vs;
-    for_each_tensor(m, [&](float* p, index_t, bool) { ms.push_back(p); });
-    for_each_tensor(v, [&](float* p, index_t, bool) { vs.push_back(p); });
-    std::size_t k = 0;
-    for_each_pair(weights, gradients, [&](float* w, float* g, index_t n, bool decayed) {
-      float *mk = ms[k], *vk = vs[k];
-      ++k;
-      for (index_t i = 0; i < n; ++i) {
-        mk[i] = float(beta1 * mk[i] + (1 - beta1) * g[i]);
-        vk[i] = float(beta2 * vk[i] + (1 - beta2) * double(g[i]) * g[i]);
-        if (decayed) w[i] -= float(lr * decay * w[i]);
-        w[i] -= float(lr * (mk[i] / c1) / (std::sqrt(vk[i] / c2) + eps));
+    const auto w = slots_of(weights), g = slots_of(gradients), ms = slots_of(m), vs = slots_of(v);
+    for (std::size_t k = 0; k < w.size(); ++k)
+      for (index_t i = 0; i < w[k].size; ++i) {
+        float &mk = ms[k].data[i], &vk = vs[k].data[i], &wk = w[k].data[i];
+        const double gk = g[k].data[i];
+        mk = float(beta1 * mk + (1 - beta1) * gk);
+        vk = float(beta2 * vk + (1 - beta2) * gk * gk);
+        if (w[k].decay) wk -= float(lr * decay * wk);
+        wk -= float(lr * (mk / c1) / (std::sqrt(vk / c2) + eps));
       }
-    });
   }
 };
 
 template <class Layer>
 double norm_of(Parameters<Layer>& p) {
   double sum = 0;
-  for_each_tensor(p, [&](float* data, index_t n, bool) {
-    for (index_t i = 0; i < n; ++i) sum += double(data[i]) * data[i];
-  });
+  for (const Slot& slot : slots_of(p))
+    for (index_t i = 0; i < slot.size; ++i) sum += double(slot.data[i]) * slot.data[i];
   return std::sqrt(sum);
 }
 
@@ -409,19 +405,19 @@ bool check_gradient(Model<Layer>& model, const Task& task, std::uint64_t seed) {
     Parameters<Layer> direction = zeros_like(model.weights, layers);
     std::mt19937_64 engine(rng.next());
     std::normal_distribution<float> normal(0.0f, 1.0f);
-    for_each_tensor(direction, [&](float* data, index_t n, bool) {
-      for (index_t i = 0; i < n; ++i) data[i] = normal(engine);
-    });
+    const auto along = slots_of(direction), g = slots_of(gradients);
     double analytic = 0;
-    for_each_pair(gradients, direction, [&](float* g, float* dir, index_t n, bool) {
-      for (index_t i = 0; i < n; ++i) analytic += double(g[i]) * dir[i];
-    });
+    for (std::size_t k = 0; k < along.size(); ++k)
+      for (index_t i = 0; i < along[k].size; ++i) {
+        along[k].data[i] = normal(engine);
+        analytic += double(g[k].data[i]) * along[k].data[i];
+      }
     const double step = 1e-2 / norm_of(direction) * norm_of(model.weights);
     const auto loss_at = [&](double e) {
       Model<Layer> moved = model;
-      for_each_pair(moved.weights, direction, [&](float* w, float* dir, index_t n, bool) {
-        for (index_t i = 0; i < n; ++i) w[i] += float(e * dir[i]);
-      });
+      const auto w = slots_of(moved.weights);
+      for (std::size_t k = 0; k < w.size(); ++k)
+        for (index_t i = 0; i < w[k].size; ++i) w[k].data[i] += float(e * along[k].data[i]);
       return run(moved, moved.layers(), batch, B, T, nullptr).loss;
     };
     // Richardson: (4 D(e/2) - D(e)) / 3 cancels the e^2 term of the central difference.
@@ -484,9 +480,8 @@ int train(typename Layer::attention_type attention, const Settings& s, const cha
     smoothed = 0.95 * smoothed + 0.05 * r.loss;
     const double norm = norm_of(gradients);
     if (norm > 1.0)  // clip the global norm at 1
-      for_each_tensor(gradients, [&](float* g, index_t n, bool) {
-        for (index_t i = 0; i < n; ++i) g[i] = float(g[i] / norm);
-      });
+      for (const Slot& slot : slots_of(gradients))
+        for (index_t i = 0; i < slot.size; ++i) slot.data[i] = float(slot.data[i] / norm);
     const index_t warmup = std::min<index_t>(100, s.steps / 10 + 1);
     const double progress = double(step - warmup) / double(std::max<index_t>(1, s.steps - warmup));
     const double lr = step <= warmup ? s.lr * double(step) / double(warmup)
@@ -498,7 +493,7 @@ int train(typename Layer::attention_type attention, const Settings& s, const cha
       last_eval = evaluate(model.layers());
       if (csv.is_open())
         csv << label << ',' << step << ',' << seconds << ',' << r.loss << ',' << last_eval.loss << ','
-            << double(last_eval.correct) / double(last_eval.asked) << '\n';
+            << double(last_eval.correct) / double(last_eval.asked) << std::endl;  // a curve to plot mid-run
     }
     const double accuracy = last_eval.asked ? double(last_eval.correct) / double(last_eval.asked) : 0.0;
     if (terminal) {  // a progress bar, redrawn in place
@@ -525,8 +520,9 @@ int train(typename Layer::attention_type attention, const Settings& s, const cha
 
 [[noreturn]] void usage(const char* program) {
   std::fprintf(stderr,
-               "usage: %s [--attention macchiato|softmax] [--steps N] [--tokens T] [--pairs K] [--batch B]\n"
-               "          [--vocab V] [--lr R] [--seed S] [--eval-every N] [--eval-sequences N] [--csv FILE]\n"
+               "usage: %s [--attention macchiato|softmax] [--steps N] [--tokens T] [--pairs K] [--queries Q]\n"
+               "          [--batch B]"
+               " [--vocab V] [--lr R] [--seed S] [--eval-every N] [--eval-sequences N] [--csv FILE]\n"
                "          [--check-gradient]\n",
                program);
   std::exit(2);
@@ -551,6 +547,7 @@ Settings parse(int argc, char** argv) {
     else if (flag == "--steps") s.steps = count();
     else if (flag == "--tokens") s.task.tokens = count();
     else if (flag == "--pairs") s.task.pairs = count();
+    else if (flag == "--queries") s.task.queries = count();
     else if (flag == "--batch") s.batch = count();
     else if (flag == "--vocab") s.task.vocab = count();
     else if (flag == "--eval-every") s.eval_every = count();
@@ -560,10 +557,11 @@ Settings parse(int argc, char** argv) {
     else if (flag == "--csv") s.csv = value;
     else usage(argv[0]);
   }
-  const bool fits = s.task.vocab >= 2 * (s.task.pairs + 1) + 2 && s.task.tokens >= 4 * s.task.pairs;
+  const bool fits = s.task.vocab >= 2 * (s.task.pairs + 1) + 2 && s.task.tokens >= 2 * s.task.pairs + 2 &&
+                    s.task.asked() <= s.task.slots();
   if (!fits || s.lr <= 0 || (s.attention != "macchiato" && s.attention != "softmax")) {
-    std::fprintf(stderr, "train_lm: needs vocab >= 2 (pairs + 1) + 2, tokens >= 4 pairs, lr > 0, "
-                         "attention macchiato or softmax\n");
+    std::fprintf(stderr, "train_lm: needs vocab >= 2 (pairs + 1) + 2, tokens >= 2 pairs + 2, queries <= "
+                         "(tokens - 2 pairs) / 2, lr > 0, attention macchiato or softmax\n");
     std::exit(2);
   }
   return s;
