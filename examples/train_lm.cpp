@@ -201,8 +201,10 @@ struct Model {
     weights.embedding = normal_matrix(rng, vocab, dim, 1.0);
     for (index_t l = 0; l < blocks; ++l) {
       typename Parameters<Layer>::Block block;
-      block.attention = Layer::random_weights(attention, dim, rng.next(),
-                                              latte::RGLRU::Weights<float>::initial(dim, rng.next()));
+      // Two statements, not two next() calls in one argument list (whose order C++ leaves open).
+      const std::uint64_t mixer_seed = rng.next(), projection_seed = rng.next();
+      block.attention = Layer::random_weights(attention, dim, projection_seed,
+                                              latte::RGLRU::Weights<float>::initial(dim, mixer_seed));
       block.norm1 = block.norm2 = Vector::Ones(dim);
       block.w1 = normal_matrix(rng, dim, hidden, 1.0 / std::sqrt(double(dim)));
       block.w2 = normal_matrix(rng, hidden, dim, 1.0 / std::sqrt(double(hidden * 2 * blocks)));
