@@ -132,6 +132,29 @@ namespace detail {
 }  // namespace detail
 #endif
 
+namespace detail {
+// Without AVX-512, xsimd's exp loses the ends: inf just below the overflow
+// threshold and 0 or wrong digits where the result is subnormal (test_numerics on
+// an AVX2-only machine). Lanes of x in those two narrow bands get std::exp; the
+// others (+-inf and NaN included) keep xsimd's result e.
+template <Real T>
+[[nodiscard]] inline batch<T> exp_edges(const batch<T>& x, const batch<T>& e) noexcept {
+  const T normal = std::log(std::numeric_limits<T>::min()) + T(1);
+  const T overflow = std::log(std::numeric_limits<T>::max()) - T(1);
+  const T underflow = std::log(std::numeric_limits<T>::denorm_min()) - T(1);
+  const auto edge = (x < batch<T>(normal) && x > batch<T>(underflow)) ||
+                    (x > batch<T>(overflow) && x < batch<T>(overflow + T(2)));
+  if (!xsimd::any(edge)) return e;
+  alignas(64) T in[width<T>], out[width<T>];
+  x.store_aligned(in);
+  e.store_aligned(out);
+  for (std::size_t i = 0; i < width<T>; ++i)
+    if ((in[i] < normal && in[i] > underflow) || (in[i] > overflow && in[i] < overflow + T(2)))
+      out[i] = std::exp(in[i]);
+  return batch<T>::load_aligned(out);
+}
+}  // namespace detail
+
 template <Real T>
 [[nodiscard]] inline batch<T> exp(const batch<T>& x) noexcept {
 #if defined(__AVX512F__)
@@ -147,11 +170,12 @@ template <Real T>
     const batch<T> bounded =
         xsimd::select(is_number, xsimd::min(xsimd::max(x, batch<T>(-1000.0)), batch<T>(1000.0)),
                       batch<T>(0.0));
-    return xsimd::select(is_number, xsimd::exp(bounded), x);
+    return detail::exp_edges(x, xsimd::select(is_number, xsimd::exp(bounded), x));
   } else {
-    return xsimd::exp(x);
+    return detail::exp_edges(x, xsimd::exp(x));
   }
 }
+
 template <Real T>
 [[nodiscard]] inline batch<T> max(const batch<T>& a, const batch<T>& b) noexcept {
   return xsimd::max(a, b);
