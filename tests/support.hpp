@@ -37,20 +37,33 @@ Tensor<T, N> uniform_tensor(Rng& rng, const std::array<index_t, N>& extents, dou
   return tensor;
 }
 
-/// How many random cases a loop of `full` cases runs: `full`, unless the environment
-/// variable LATTE_TEST_CASE_SCALE holds a positive factor (0.1 → a tenth, at least one
-/// case). Sanitizer builds (scripts/sanitize.sh) run 5-20x slower and use it to stay
-/// within CI time; the seeds are unchanged, so a scaled run checks a prefix of the
-/// full run's cases.
-inline int case_count(int full) {
+/// The factor LATTE_TEST_CASE_SCALE holds (1 when unset): sanitizer builds
+/// (scripts/sanitize.sh) run 5-20x slower and use 0.1 to stay within CI time.
+inline double test_case_scale() {
   const char* text = std::getenv("LATTE_TEST_CASE_SCALE");
-  if (text == nullptr || *text == '\0') return full;
+  if (text == nullptr || *text == '\0') return 1.0;
   char* end = nullptr;
   const double scale = std::strtod(text, &end);
   if (end == text || *end != '\0' || !(scale > 0) || !std::isfinite(scale))
     throw std::invalid_argument("LATTE_TEST_CASE_SCALE: expected a positive number, given \"" +
                                 std::string(text) + "\"");
-  return std::max(1, static_cast<int>(std::lround(full * scale)));
+  return scale;
+}
+
+/// How many random cases a loop of `full` cases runs: `full` times
+/// test_case_scale(), at least one. The seeds are unchanged, so a scaled run
+/// checks a prefix of the full run's cases.
+inline int case_count(int full) {
+  return std::max(1, static_cast<int>(std::lround(full * test_case_scale())));
+}
+
+/// For the exhaustive loops (every shape remainder x every input regime):
+/// whether variant `variant` of `variants` runs for the shape numbered `shape`.
+/// All of them at full scale; in a scaled run (test_case_scale() < 1) one per
+/// shape, rotating with the shape, so every shape is still reached (what a
+/// sanitizer looks at) and every variant on about 1 / variants of the shapes.
+inline bool variant_runs(int shape, int variant, int variants) {
+  return test_case_scale() >= 1.0 || (shape % variants) == variant;
 }
 
 /// T in {1, 2, primes up to 257, 1000}.
