@@ -5,13 +5,15 @@
 #   with venv; clang with its OpenMP runtime (libomp, with the Archer TSan tool)
 #   and its sanitizer / libFuzzer runtimes, for scripts/sanitize.sh (tsan preset)
 #   and scripts/fuzz.sh;
-# - Conan 2 from PyPI into .venv/ (git-ignored), for the package_conan_create test.
+# - Conan 2 from PyPI into .venv/ (git-ignored), for the package_conan_create test;
+# - the Python module's build and test requirements (nanobind, scikit-build-core,
+#   NumPy, pytest) from PyPI into the same .venv/, for python/ and tests/python.
 # Nothing is downloaded at configure or build time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(g++ make cmake ninja-build libeigen3-dev libxsimd-dev doctest-dev libbenchmark-dev
-          python3 python3-venv clang libomp-dev)
+          python3 python3-venv python3-dev clang libomp-dev)
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 sudo_cmd=()
 if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi
@@ -50,4 +52,17 @@ elif python3 -m venv --clear .venv &&
 else
   echo "latte setup: WARNING: could not install $conan_requirement into .venv/;" \
        "the package_conan_create test will fail until it is installed" >&2
+fi
+
+# The Python module (python/) builds with nanobind and is tested with pytest
+# (the python_tests CTest) from this .venv; scripts/test.sh points CMake at it.
+python_requirements=('nanobind>=2.4' 'scikit-build-core>=0.10' 'numpy>=1.21' 'pytest>=7')
+if .venv/bin/python -c 'import nanobind, numpy, pytest, scikit_build_core' 2>/dev/null; then
+  echo "latte setup: nanobind, scikit-build-core, NumPy and pytest present in .venv/"
+elif { [ -x .venv/bin/python ] || python3 -m venv .venv; } &&
+     .venv/bin/python -m pip install --quiet --disable-pip-version-check "${python_requirements[@]}"; then
+  echo "latte setup: installed ${python_requirements[*]} into .venv/"
+else
+  echo "latte setup: WARNING: could not install ${python_requirements[*]} into .venv/;" \
+       "the Python module and python_tests will fail until they are installed" >&2
 fi

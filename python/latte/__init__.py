@@ -1,0 +1,18 @@
+"""latte: linear-time attention kernels (header-only C++20) from Python.
+
+Arrays are NumPy arrays or anything that speaks DLPack / the buffer protocol
+on the CPU (PyTorch tensors included), float32 or float64, read in place:
+nothing is copied, and the GIL is released while a kernel runs. Bad input
+raises latte.Error, a ValueError whose ``argument`` names the argument at fault.
+
+    import numpy as np, latte
+    attention = latte.LatteAttention(heads=4, latents=16, value_dim=32)
+    q = np.random.randn(1, 128, 4, 16).astype(np.float32)   # [B, T, H, L]
+    k = np.random.randn(1, 128, 4, 16).astype(np.float32)
+    v = np.random.randn(1, 128, 4, 32).astype(np.float32)   # [B, T, H, Dv]
+    out = attention.forward(q, k, v)                          # [B, T, H, Dv]
+"""
+
+from ._latte import Error, LatteAttention, LatteState, __version__, build_info
+
+__all__ = ["Error", "LatteAttention", "LatteState", "__version__", "build_info"]

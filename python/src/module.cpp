@@ -1,0 +1,44 @@
+// latte's Python module, latte._latte: the mechanisms' classes (one binding
+// file each), latte.Error, and what the build was compiled with.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <Python.h>
+
+#include <cstdint>
+
+#include "bindings.hpp"
+#include "latte/build_info.hpp"
+#include "latte/core/error.hpp"
+#include "latte/version.hpp"
+
+namespace nb = nanobind;
+
+NB_MODULE(_latte, m) {
+  m.doc() = "latte: linear-time attention kernels (C++), from Python";
+  // latte.Error: a ValueError whose `argument` names the argument at fault.
+  static nb::object error_type = nb::borrow(PyErr_NewExceptionWithDoc(
+      "latte.Error",
+      "Bad input to a latte call. A ValueError; `argument` names the argument at fault "
+      "(\"values\", \"out\", \"dims.heads\", ...), the message says what was expected and what was given.",
+      PyExc_ValueError, nullptr));
+  m.attr("Error") = error_type;
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const latte::Error& error) {
+      nb::object instance = error_type(nb::str(error.what()));
+      instance.attr("argument") = nb::str(error.argument().c_str());
+      PyErr_SetObject(error_type.ptr(), instance.ptr());
+    }
+  });
+  m.attr("__version__") = LATTE_VERSION_STRING;
+  m.def("build_info", [] { return latte::build_info().to_string(); },
+        "How this module was compiled: SIMD instruction set and width, OpenMP, xsimd.");
+  // For the tests: the address nanobind's view of an array reads, to show it is
+  // the array's own memory (no conversion copy) for strided inputs too.
+  m.def("_data_address", [](const latte::python::AnyArray& array) {
+    return reinterpret_cast<std::uintptr_t>(array.data());
+  });
+  latte::python::bind_latte_attention(m);
+}
