@@ -41,4 +41,5 @@ NB_MODULE(_latte, m) {
     return reinterpret_cast<std::uintptr_t>(array.data());
   });
   latte::python::bind_latte_attention(m);
+  latte::python::bind_softmax_attention(m);
 }
