@@ -13,8 +13,8 @@ raises latte.Error, a ValueError whose ``argument`` names the argument at fault.
     out = attention.forward(q, k, v)                          # [B, T, H, Dv]
 """
 
-from ._latte import (Error, KVCache, LatteAttention, LatteState, SoftmaxAttention, __version__,
-                     build_info)
+from ._latte import (CosFormer, CosFormerState, Error, KVCache, LatteAttention, LatteState,
+                     LinearAttention, LinearState, SoftmaxAttention, __version__, build_info)
 
-__all__ = ["Error", "KVCache", "LatteAttention", "LatteState", "SoftmaxAttention", "__version__",
-           "build_info"]
+__all__ = ["CosFormer", "CosFormerState", "Error", "KVCache", "LatteAttention", "LatteState",
+           "LinearAttention", "LinearState", "SoftmaxAttention", "__version__", "build_info"]

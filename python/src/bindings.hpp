@@ -36,5 +36,6 @@ void with_backend(Backend backend, F&& f) {
 
 void bind_latte_attention(nb::module_& m);
 void bind_softmax_attention(nb::module_& m);
+void bind_linear_attention(nb::module_& m);
 
 }  // namespace latte::python
