@@ -13,8 +13,10 @@ raises latte.Error, a ValueError whose ``argument`` names the argument at fault.
     out = attention.forward(q, k, v)                          # [B, T, H, Dv]
 """
 
-from ._latte import (CosFormer, CosFormerState, Error, KVCache, LatteAttention, LatteState,
-                     LinearAttention, LinearState, SoftmaxAttention, __version__, build_info)
+from ._latte import (CosFormer, CosFormerState, Error, KVCache, LatteAttention, LatteMacchiato,
+                     LatteState, LinearAttention, LinearState, MacchiatoState, SoftmaxAttention,
+                     __version__, build_info)
 
-__all__ = ["CosFormer", "CosFormerState", "Error", "KVCache", "LatteAttention", "LatteState",
-           "LinearAttention", "LinearState", "SoftmaxAttention", "__version__", "build_info"]
+__all__ = ["CosFormer", "CosFormerState", "Error", "KVCache", "LatteAttention", "LatteMacchiato",
+           "LatteState", "LinearAttention", "LinearState", "MacchiatoState", "SoftmaxAttention",
+           "__version__", "build_info"]

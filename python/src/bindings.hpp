@@ -37,5 +37,6 @@ void with_backend(Backend backend, F&& f) {
 void bind_latte_attention(nb::module_& m);
 void bind_softmax_attention(nb::module_& m);
 void bind_linear_attention(nb::module_& m);
+void bind_latte_macchiato(nb::module_& m);
 
 }  // namespace latte::python

@@ -143,8 +143,8 @@ class PyMechanism {
   std::string kind(const std::string& dtype) const {
     return std::visit(
         [&](const auto& attention) {
-          using A = std::decay_t<decltype(attention)>;
-          return parse_dtype(dtype) == Dtype::float32 ? A::template kind<float>() : A::template kind<double>();
+          return parse_dtype(dtype) == Dtype::float32 ? attention.template kind<float>()
+                                                      : attention.template kind<double>();
         },
         attention_);
   }
@@ -308,38 +308,36 @@ void bind_state(nb::module_& m, const char* name, const char* doc) {
       });
 }
 
-/// forward / step / backward / load_state / kind / pickling of a family's class.
-/// `cls` is the nb::class_ the caller made (with its constructor and
-/// properties); names of the inputs come from Traits::inputs.
-template <class Traits, class Class>
-void bind_calls(Class& cls) {
+template <std::size_t>
+using ArrayArgument = const AnyArray&;
+
+template <class Traits, class Class, std::size_t... I>
+void bind_calls(Class& cls, std::index_sequence<I...>) {
   using M = PyMechanism<Traits>;
   using S = PyState<Traits>;
-  static_assert(Traits::inputs.size() == 3, "bind_calls names three inputs");
   constexpr auto& in = Traits::inputs;
   cls.def(
          "forward",
-         [](const M& m, const AnyArray& a, const AnyArray& b, const AnyArray& c, std::optional<nb::handle> out,
-            S* state, const std::string& exec) { return m.forward({a, b, c}, out, state, exec); },
-         nb::arg(in[0].name), nb::arg(in[1].name), nb::arg(in[2].name), nb::arg("out") = nb::none(), nb::kw_only(),
-         nb::arg("state") = nb::none(), nb::arg("exec") = "cpu",
+         [](const M& m, ArrayArgument<I>... x, std::optional<nb::handle> out, S* state, const std::string& exec) {
+           return m.forward({x...}, out, state, exec);
+         },
+         nb::arg(in[I].name)..., nb::arg("out") = nb::none(), nb::kw_only(), nb::arg("state") = nb::none(),
+         nb::arg("exec") = "cpu",
          "The output [B, T, H, Dv] (written into `out` when given). With `state` (causal), the sequence "
          "continues from it and the state is left at its end.")
       .def(
           "step",
-          [](const M& m, S& state, const AnyArray& a, const AnyArray& b, const AnyArray& c,
-             std::optional<nb::handle> out, const std::string& exec) { return m.step(state, {a, b, c}, out, exec); },
-          nb::arg("state"), nb::arg(in[0].name), nb::arg(in[1].name), nb::arg(in[2].name),
-          nb::arg("out") = nb::none(), nb::kw_only(), nb::arg("exec") = "cpu",
-          "One token for every sequence of `state`: inputs [B, H, D]; output [B, H, Dv].")
+          [](const M& m, S& state, ArrayArgument<I>... x, std::optional<nb::handle> out, const std::string& exec) {
+            return m.step(state, {x...}, out, exec);
+          },
+          nb::arg("state"), nb::arg(in[I].name)..., nb::arg("out") = nb::none(), nb::kw_only(),
+          nb::arg("exec") = "cpu", "One token for every sequence of `state`: inputs [B, H, D]; output [B, H, Dv].")
       .def(
           "backward",
-          [](const M& m, const AnyArray& a, const AnyArray& b, const AnyArray& c, const AnyArray& d_out,
-             const S* initial_state, const std::string& exec) {
-            return m.backward({a, b, c}, d_out, initial_state, exec);
-          },
-          nb::arg(in[0].name), nb::arg(in[1].name), nb::arg(in[2].name), nb::arg("d_out"), nb::kw_only(),
-          nb::arg("initial_state") = nb::none(), nb::arg("exec") = "cpu",
+          [](const M& m, ArrayArgument<I>... x, const AnyArray& d_out, const S* initial_state,
+             const std::string& exec) { return m.backward({x...}, d_out, initial_state, exec); },
+          nb::arg(in[I].name)..., nb::arg("d_out"), nb::kw_only(), nb::arg("initial_state") = nb::none(),
+          nb::arg("exec") = "cpu",
           "Gradients of a loss whose gradient with respect to the output is d_out: the inputs' "
           "gradients, in call order, then the learned parameters' (see the class). `initial_state`: "
           "the state the forward continued from, as it was before it (causal).")
@@ -348,6 +346,14 @@ void bind_calls(Class& cls) {
       .def("kind", &M::kind, nb::arg("dtype") = "float32", "The C++ type's name, as states record it.")
       .def("__getstate__", [](const M& m) { return Traits::to_tuple(m.config()); })
       .def("__setstate__", [](M& m, nb::tuple t) { new (&m) M(Traits::from_tuple(t)); });
+}
+
+/// forward / step / backward / load_state / kind / pickling of a family's class.
+/// `cls` is the nb::class_ the caller made (with its constructor and
+/// properties); the inputs' names come from Traits::inputs.
+template <class Traits, class Class>
+void bind_calls(Class& cls) {
+  bind_calls<Traits>(cls, std::make_index_sequence<Traits::inputs.size()>{});
 }
 
 }  // namespace latte::python

@@ -43,4 +43,5 @@ NB_MODULE(_latte, m) {
   latte::python::bind_latte_attention(m);
   latte::python::bind_softmax_attention(m);
   latte::python::bind_linear_attention(m);
+  latte::python::bind_latte_macchiato(m);
 }
