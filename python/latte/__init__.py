@@ -14,9 +14,11 @@ raises latte.Error, a ValueError whose ``argument`` names the argument at fault.
 """
 
 from ._latte import (CosFormer, CosFormerState, Error, KVCache, LatteAttention, LatteMacchiato,
-                     LatteState, LinearAttention, LinearState, MacchiatoState, SoftmaxAttention,
+                     LatteState, Lavo, LavoState, LinearAttention, LinearState, MacchiatoState,
+                     SoftmaxAttention,
                      __version__, build_info)
 
 __all__ = ["CosFormer", "CosFormerState", "Error", "KVCache", "LatteAttention", "LatteMacchiato",
-           "LatteState", "LinearAttention", "LinearState", "MacchiatoState", "SoftmaxAttention",
+           "LatteState", "Lavo", "LavoState", "LinearAttention", "LinearState", "MacchiatoState",
+           "SoftmaxAttention",
            "__version__", "build_info"]

@@ -1,7 +1,7 @@
 #pragma once
 // What the binding files of latte's Python module share: the execution tag
-// named by `exec`, the dtype named by a string, and one bind_* function per
-// mechanism (module.cpp calls them).
+// named by `exec` and the dtype named by a string. Each mechanism's file
+// defines one bind_* function, which module.cpp declares and calls.
 #include <nanobind/nanobind.h>
 
 #include <string>
@@ -33,10 +33,5 @@ void with_backend(Backend backend, F&& f) {
   if (dtype == "float64") return Dtype::float64;
   throw Error("dtype", detail::expected_given("dtype", "\"float32\" or \"float64\"", "\"" + dtype + "\""));
 }
-
-void bind_latte_attention(nb::module_& m);
-void bind_softmax_attention(nb::module_& m);
-void bind_linear_attention(nb::module_& m);
-void bind_latte_macchiato(nb::module_& m);
 
 }  // namespace latte::python

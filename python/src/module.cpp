@@ -14,6 +14,14 @@
 
 namespace nb = nanobind;
 
+namespace latte::python {
+void bind_latte_attention(nb::module_& m);
+void bind_softmax_attention(nb::module_& m);
+void bind_linear_attention(nb::module_& m);
+void bind_latte_macchiato(nb::module_& m);
+void bind_lavo(nb::module_& m);
+}  // namespace latte::python
+
 NB_MODULE(_latte, m) {
   m.doc() = "latte: linear-time attention kernels (C++), from Python";
   // latte.Error: a ValueError whose `argument` names the argument at fault.
@@ -44,4 +52,5 @@ NB_MODULE(_latte, m) {
   latte::python::bind_softmax_attention(m);
   latte::python::bind_linear_attention(m);
   latte::python::bind_latte_macchiato(m);
+  latte::python::bind_lavo(m);
 }
