@@ -14,11 +14,11 @@ raises latte.Error, a ValueError whose ``argument`` names the argument at fault.
 """
 
 from ._latte import (CosFormer, CosFormerState, Error, KVCache, LatteAttention, LatteMacchiato,
-                     LatteState, Lavo, LavoState, LinearAttention, LinearState, MacchiatoState,
+                     LatteState, Lavo, LavoState, LeaPformer, LeaPformerState, LinearAttention, LinearState, MacchiatoState,
                      SoftmaxAttention,
                      __version__, build_info)
 
 __all__ = ["CosFormer", "CosFormerState", "Error", "KVCache", "LatteAttention", "LatteMacchiato",
-           "LatteState", "Lavo", "LavoState", "LinearAttention", "LinearState", "MacchiatoState",
+           "LatteState", "Lavo", "LavoState", "LeaPformer", "LeaPformerState", "LinearAttention", "LinearState", "MacchiatoState",
            "SoftmaxAttention",
            "__version__", "build_info"]

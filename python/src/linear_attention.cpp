@@ -1,11 +1,14 @@
-// latte.LinearAttention and latte.CosFormer from Python (mechanism.hpp does
+// latte.LinearAttention, latte.CosFormer and latte.LeaPformer from Python (mechanism.hpp does
 // the calls): LinearAttention<Causal | Bidirectional, Relu | EluPlusOne |
-// Identity> (elu + 1 also with RoPE) and CosFormer<Causal | Bidirectional>.
+// Identity> (elu + 1 also with RoPE), CosFormer<Causal | Bidirectional> and
+// LeaPformer<Causal | Bidirectional> with LeaP modules.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <array>
 #include <optional>
 #include <string>
@@ -16,6 +19,7 @@
 #include "arrays.hpp"
 #include "bindings.hpp"
 #include "latte/mechanisms/cosformer.hpp"
+#include "latte/mechanisms/leapformer.hpp"
 #include "latte/mechanisms/linear_attention.hpp"
 #include "mechanism.hpp"
 
@@ -143,6 +147,130 @@ struct CosFormerTraits : LinearFamilyTraits {
   }
 };
 
+/// A LeaP module's weights as Python gives them: (w1 [hidden, Dk], b1 [hidden],
+/// w2 [hidden], b2), float64; kept flat for pickling.
+struct ModuleWeights {
+  index_t hidden = 0, input_dim = 0;
+  std::vector<double> w1, b1, w2;
+  double b2 = 0;
+
+  [[nodiscard]] LeaPModule module() const {
+    LeaPModule m;
+    m.w1 = Tensor<double, 2>({hidden, input_dim});
+    std::copy(w1.begin(), w1.end(), m.w1.data());
+    m.b1 = Tensor<double, 1>({hidden});
+    std::copy(b1.begin(), b1.end(), m.b1.data());
+    m.w2 = Tensor<double, 1>({hidden});
+    std::copy(w2.begin(), w2.end(), m.w2.data());
+    m.b2 = b2;
+    return m;
+  }
+  [[nodiscard]] nb::tuple to_tuple() const { return nb::make_tuple(hidden, input_dim, w1, b1, w2, b2); }
+  static ModuleWeights from_tuple(nb::tuple t) {
+    return {nb::cast<index_t>(t[0]), nb::cast<index_t>(t[1]), nb::cast<std::vector<double>>(t[2]),
+            nb::cast<std::vector<double>>(t[3]), nb::cast<std::vector<double>>(t[4]), nb::cast<double>(t[5])};
+  }
+};
+
+/// (w1, b1, w2, b2) from Python; the shapes are LeaPModule::validate's to check
+/// (through the attention's constructor), against D / leap_factor hidden units.
+ModuleWeights module_weights(nb::tuple weights, const char* argument) {
+  if (weights.size() != 4)
+    throw Error(argument, detail::expected_given("weights", "(w1, b1, w2, b2)", std::to_string(weights.size()) + " items"));
+  auto flat = [&](nb::handle item, const char* part, std::size_t rank, index_t& rows, index_t& columns) {
+    const std::string name = std::string(argument) + "." + part;
+    const AnyArray array = nb::cast<AnyArray>(item);
+    if (dtype_of(array, name.c_str()) != Dtype::float64 || array.ndim() != rank)
+      throw Error(name, detail::expected_given("array", rank == 2 ? "float64 [hidden, D]" : "float64 [hidden]",
+                                               dtype_name(array.dtype()) + " of rank " + std::to_string(array.ndim())));
+    std::vector<double> values;
+    rows = static_cast<index_t>(array.shape(0));
+    columns = rank == 2 ? static_cast<index_t>(array.shape(1)) : 1;
+    const auto* data = static_cast<const double*>(array.data());
+    for (index_t i = 0; i < rows; ++i)
+      for (index_t j = 0; j < columns; ++j)
+        values.push_back(data[i * array.stride(0) + (rank == 2 ? j * array.stride(1) : 0)]);
+    return values;
+  };
+  ModuleWeights m;
+  index_t rows = 0, columns = 0, unused = 0;
+  m.w1 = flat(weights[0], "w1", 2, m.hidden, m.input_dim);
+  m.b1 = flat(weights[1], "b1", 1, rows, unused);
+  m.w2 = flat(weights[2], "w2", 1, columns, unused);
+  // Other lengths of b1 / w2 than w1's rows: built at w1's size, which
+  // LeaPModule::validate then refuses, naming the part.
+  m.b1.resize(static_cast<std::size_t>(rows));
+  m.w2.resize(static_cast<std::size_t>(columns));
+  m.b2 = nb::cast<double>(weights[3]);
+  return m;
+}
+
+struct LeaPTraits : LinearFamilyTraits {
+  struct Config {
+    index_t heads = 0, key_dim = 0, value_dim = 0;
+    bool causal = true;
+    ModuleWeights query_module, key_module;
+    index_t leap_factor = 4;
+    NormaliserArgument normaliser;
+  };
+  using Any = std::variant<LeaPformer<Causal>, LeaPformer<Bidirectional>>;
+  template <class A>
+  static A build(const Config& c) {
+    typename A::Options options;
+    options.reweight.query_module = c.query_module.module();
+    options.reweight.key_module = c.key_module.module();
+    options.reweight.leap_factor = c.leap_factor;
+    return A(LinearDims{.heads = c.heads, .key_dim = c.key_dim, .value_dim = c.value_dim},
+             with_normaliser(std::move(options), c.normaliser));
+  }
+  static Any make(const Config& c) {
+    if (c.causal) return build<LeaPformer<Causal>>(c);
+    return build<LeaPformer<Bidirectional>>(c);
+  }
+  static index_t value_dim(const Config& c) { return c.value_dim; }
+  static bool causal(const Config& c) { return c.causal; }
+
+  /// The two modules' weight gradients (accumulated from 0, in float64).
+  struct ModuleGradients {
+    LeaPModule query, key;
+  };
+  template <Real T>
+  static ModuleGradients parameter_gradients(const Config& c) {
+    return {c.query_module.module().zeros_like(), c.key_module.module().zeros_like()};
+  }
+  template <Real T, class A>
+  static LinearGradients<T> gradients(const std::array<TensorView<T, 4>, 3>& d, ModuleGradients& p) {
+    return {.d_queries = d[0], .d_keys = d[1], .d_values = d[2], .d_query_module = &p.query,
+            .d_key_module = &p.key};
+  }
+  static void append_parameter_gradients(nb::list& result, const ModuleGradients& p) {
+    for (const LeaPModule* m : {&p.query, &p.key}) {
+      auto w1 = new_array<double, 2>({m->w1.extent(0), m->w1.extent(1)});
+      auto b1 = new_array<double, 1>({m->b1.extent(0)});
+      auto w2 = new_array<double, 1>({m->w2.extent(0)});
+      std::copy_n(m->w1.data(), m->w1.size(), w1.data());
+      std::copy_n(m->b1.data(), m->b1.size(), b1.data());
+      std::copy_n(m->w2.data(), m->w2.size(), w2.data());
+      result.append(nb::make_tuple(std::move(w1), std::move(b1), std::move(w2), m->b2));
+    }
+  }
+
+  static nb::tuple to_tuple(const Config& c) {
+    return nb::make_tuple(c.heads, c.key_dim, c.value_dim, c.causal, c.query_module.to_tuple(),
+                          c.key_module.to_tuple(), c.leap_factor, c.normaliser);
+  }
+  static Config from_tuple(nb::tuple t) {
+    return {nb::cast<index_t>(t[0]),
+            nb::cast<index_t>(t[1]),
+            nb::cast<index_t>(t[2]),
+            nb::cast<bool>(t[3]),
+            ModuleWeights::from_tuple(nb::cast<nb::tuple>(t[4])),
+            ModuleWeights::from_tuple(nb::cast<nb::tuple>(t[5])),
+            nb::cast<index_t>(t[6]),
+            nb::cast<NormaliserArgument>(t[7])};
+  }
+};
+
 /// make_state(batch, *, first_position=0, dtype="float32") of a linear-family class.
 template <class Traits, class Class>
 void bind_make_state(Class& cls) {
@@ -209,6 +337,33 @@ void bind_linear_attention(nb::module_& m) {
       .def_prop_ro("causal", [](const PyCosFormer& a) { return a.config().causal; });
   bind_make_state<CosFormerTraits>(cosformer);
   bind_calls<CosFormerTraits>(cosformer);
+
+  using PyLeaP = PyMechanism<LeaPTraits>;
+  bind_state<LeaPTraits>(m, "LeaPformerState",
+                         "A causal LeaPformer's decode state: the two sin / cos streams' S and z per "
+                         "(sequence, head), and the next position. Picklable.");
+  nb::class_<PyLeaP> leap(m, "LeaPformer",
+                          "LeaPformer (paper 004): cosFormer's re-weighting cos(pi/2 (P_q - P_k)) with "
+                          "proportions P = sigmoid(w2 . relu(w1 relu(x) + b1) + b2) from two LeaP modules on "
+                          "the ReLU features of the queries and of the keys (shared across heads; hidden = "
+                          "Dk / leap_factor). Modules are (w1 [hidden, Dk], b1 [hidden], w2 [hidden], b2) in "
+                          "float64. backward returns (d_queries, d_keys, d_values, d_query_module, "
+                          "d_key_module), each module gradient a (d_w1, d_b1, d_w2, d_b2) tuple.");
+  leap.def(
+          "__init__",
+          [](PyLeaP* self, index_t heads, index_t key_dim, index_t value_dim, nb::tuple query_module,
+             nb::tuple key_module, bool causal, index_t leap_factor, NormaliserArgument normaliser) {
+            new (self) PyLeaP(LeaPTraits::Config{heads, key_dim, value_dim, causal,
+                                                 module_weights(query_module, "query_module"),
+                                                 module_weights(key_module, "key_module"), leap_factor,
+                                                 std::move(normaliser)});
+          },
+          nb::arg("heads"), nb::arg("key_dim"), nb::arg("value_dim"), nb::kw_only(), nb::arg("query_module"),
+          nb::arg("key_module"), nb::arg("causal") = true, nb::arg("leap_factor") = 4,
+          nb::arg("normaliser") = nb::none())
+      .def_prop_ro("causal", [](const PyLeaP& a) { return a.config().causal; });
+  bind_make_state<LeaPTraits>(leap);
+  bind_calls<LeaPTraits>(leap);
 }
 
 }  // namespace latte::python

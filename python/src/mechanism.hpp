@@ -14,9 +14,13 @@
 //   static constexpr std::array<InputSpec, N> inputs
 //   static index_t value_dim(const Config&)
 //   static bool causal(const Config&)
-//   template <Real T> static std::vector<NumpyArray<T>> parameter_gradients(const Config&)
-//   template <Real T, class A> static auto gradients(std::array<TensorView<T, 4>, N>,
-//                                                    std::vector<NumpyArray<T>>&)  (A::Gradients<T>)
+//   template <Real T> static P parameter_gradients(const Config&)   the learned parameters'
+//                               gradients, zeroed (std::vector<NumpyArray<T>>, or any type P
+//                               with static append_parameter_gradients(nb::list&, P&))
+//   template <Real T, class A> static auto gradients(std::array<TensorView<T, 4>, N>, P&)
+//                               A::Gradients<T> pointing at the inputs' and parameters' gradients
+//   template <Real T> static auto state_gradients(const State<T>* initial)   (optional: causal
+//                               backward from an initial state)
 //   static nb::tuple to_tuple(const Config&), static Config from_tuple(nb::tuple)
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -255,7 +259,7 @@ class PyMechanism {
       d_inputs.push_back(new_array<T, 4>(in[i].extents()));
       d_views[i] = view_of_new<T, 4>(d_inputs.back());
     }
-    std::vector<NumpyArray<T>> parameters = Traits::template parameter_gradients<T>(*config_);
+    auto parameters = Traits::template parameter_gradients<T>(*config_);
     std::visit(
         [&](const auto& attention) {
           using A = std::decay_t<decltype(attention)>;
@@ -278,7 +282,10 @@ class PyMechanism {
         attention_);
     nb::list result;
     for (auto& array : d_inputs) result.append(nb::cast(std::move(array)));
-    for (auto& array : parameters) result.append(nb::cast(std::move(array)));
+    if constexpr (requires { Traits::append_parameter_gradients(result, parameters); })
+      Traits::append_parameter_gradients(result, parameters);
+    else
+      for (auto& array : parameters) result.append(nb::cast(std::move(array)));
     return nb::tuple(result);
   }
 
