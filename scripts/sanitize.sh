@@ -10,7 +10,12 @@
 # Build trees: build-asan/ and build-tsan/ (LATTE_SANITIZE_BUILD_ROOT moves them).
 # Either part alone: scripts/sanitize.sh asan | tsan.
 # LATTE_ASAN_TESTS / LATTE_TSAN_TESTS (space-separated test names) narrow a part to
-# those tests (.ci/run narrows TSan to the threaded and decode tests to fit CI's time limit).
+# those tests (.ci/run narrows TSan to the threaded and decode tests to fit CI's time limit);
+# LATTE_ASAN_EXCLUDE leaves the named test programs out of the ASan part, which then
+# builds and runs the other tests/test_*.cpp programs only (.ci/run leaves out
+# test_golden_gradients: its kernels are each under ASan in their own gradient test,
+# and it is the longest compile). Without these variables every test runs: the full
+# run's result is in docs/sanitizers.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,6 +33,17 @@ for name in ${LATTE_TSAN_TESTS:-test_thread_safety test_latte_oracle test_softma
   if [ -f "tests/$name.cpp" ]; then tsan_tests+=("$name"); fi
 done
 asan_tests=(${LATTE_ASAN_TESTS:-})
+asan_exclude=(${LATTE_ASAN_EXCLUDE:-})
+if ((${#asan_exclude[@]})) && ((${#asan_tests[@]} == 0)); then
+  for source in tests/test_*.cpp; do
+    name="$(basename "$source" .cpp)"
+    excluded=0
+    for other in "${asan_exclude[@]}"; do
+      if [ "$name" = "$other" ]; then excluded=1; fi
+    done
+    if ((!excluded)); then asan_tests+=("$name"); fi
+  done
+fi
 
 seconds() { date +%s; }
 
@@ -39,8 +55,11 @@ for part in "${parts[@]}"; do
       echo "== sanitize: ASan + UBSan (clang), every test except label 'package', LATTE_TEST_CASE_SCALE=$scale"
       cmake --preset asan -B "$build" "${options[@]}" >/dev/null
       selection=(-LE package)
+      if ((${#asan_exclude[@]})); then
+        echo "   (every test program but ${asan_exclude[*]}; without LATTE_ASAN_EXCLUDE, every test)"
+      fi
       if ((${#asan_tests[@]})); then
-        echo "   (only ${asan_tests[*]})"
+        echo "   (${#asan_tests[@]} test programs: ${asan_tests[*]})"
         cmake --build "$build" -j "$jobs" --target "${asan_tests[@]}"
         selection=(-R "^($(IFS='|'; echo "${asan_tests[*]}"))\$")
       else

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstddef>
 #include <limits>
+#include <optional>
 #include <random>
 #include <span>
 #include <vector>
@@ -163,22 +164,43 @@ double sum_error(const Tensor<T, N>& first, const Tensor<T, N>& second, const Te
   return relative_error(summed, expected);
 }
 
+/// The oracle's gradients of a problem's loss by central differences, and their
+/// largest entry (gradient_error's floor). They depend on the problem's inputs
+/// only, so one set serves the reference and the cpu run of the same problem
+/// (the differences cost hundreds of oracle evaluations; the runs cost one each).
+struct OracleGradients {
+  GradientValues values;
+  long double largest = 0;
+};
+
+template <class P>
+OracleGradients oracle_gradients(P& problem) {
+  auto loss = problem.loss();
+  OracleGradients expected{central_differences(loss, loss.inputs())};
+  for (const auto& gradient : expected.values)
+    for (const long double x : gradient) expected.largest = std::max(expected.largest, std::fabs(x));
+  return expected;
+}
+
+/// Every element of the kernel's gradients (problem.gradients(): one span per
+/// input of problem.loss(), in the same order, named by `names`) against the
+/// oracle's.
+template <class T, class P>
+void check_every_element(const P& problem, const OracleGradients& expected, const char* const* names) {
+  const auto got = problem.gradients();
+  for (std::size_t j = 0; j < got.size(); ++j) {
+    INFO(std::string(names[j]));
+    CHECK(gradient_error(got[j], expected.values[j], expected.largest) <= Tolerance<T>::gradient);
+  }
+}
+
 /// Every element's gradient against central differences of the oracle's loss.
 /// A problem has loss() (an object with operator() and inputs()) and
 /// gradients() (the kernel's, one span per input, in the same order, named
 /// by `names`).
 template <class T, class P>
 void check_every_element(P& problem, const char* const* names) {
-  auto loss = problem.loss();
-  const GradientValues expected = central_differences(loss, loss.inputs());
-  const auto got = problem.gradients();
-  long double largest = 0;
-  for (const auto& gradient : expected)
-    for (const long double x : gradient) largest = std::max(largest, std::fabs(x));
-  for (std::size_t j = 0; j < got.size(); ++j) {
-    INFO(std::string(names[j]));
-    CHECK(gradient_error(got[j], expected[j], largest) <= Tolerance<T>::gradient);
-  }
+  check_every_element<T>(problem, oracle_gradients(problem), names);
 }
 
 /// A problem's gradients after a run: every one finite, and exactly 0 for
@@ -198,11 +220,13 @@ void check_finite_and_zero_at_minus_inf(const P& problem) {
 /// backends: check_finite_and_zero_at_minus_inf and every element against the oracle.
 template <class T, class P>
 void check_adversarial(P& problem, const char* const* names) {
+  std::optional<OracleGradients> expected;
   for (const bool cpu : {false, true}) {
     if (cpu) problem.run(exec::cpu);
     else problem.run(exec::reference);
+    if (!expected) expected = oracle_gradients(problem);
     check_finite_and_zero_at_minus_inf<T>(problem);
-    check_every_element<T>(problem, names);
+    check_every_element<T>(problem, *expected, names);
   }
 }
 

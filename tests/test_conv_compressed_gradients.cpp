@@ -129,11 +129,11 @@ struct Problem {
 };
 
 template <class T, class P>
-void check_all_elements(P& problem) {
+void check_all_elements(const P& problem, const OracleGradients& expected) {
   const std::vector<std::string> names = problem.names();
   std::vector<const char*> pointers;
   for (const std::string& name : names) pointers.push_back(name.c_str());
-  check_every_element<T>(problem, pointers.data());
+  check_every_element<T>(problem, expected, pointers.data());
 }
 
 template <class T, class Dir>
@@ -149,9 +149,10 @@ void every_element_cases(std::uint64_t seed) {
     CAPTURE(s.levels);
     Problem<T, Dir> problem(rng, s, 1.5);
     problem.run(exec::reference);
-    check_all_elements<T>(problem);
+    const OracleGradients expected = oracle_gradients(problem);  // one set for both runs
+    check_all_elements<T>(problem, expected);
     problem.run(exec::cpu);
-    check_all_elements<T>(problem);
+    check_all_elements<T>(problem, expected);
   }
 }
 

@@ -604,11 +604,11 @@ struct LayerProblem {
 };
 
 template <class T, class P>
-void check_layer_every_element(P& problem) {
+void check_layer_every_element(const P& problem, const OracleGradients& expected) {
   const std::vector<std::string> names = problem.names();
   std::vector<const char*> pointers;
   for (const std::string& name : names) pointers.push_back(name.c_str());
-  check_every_element<T>(problem, pointers.data());
+  check_every_element<T>(problem, expected, pointers.data());
 }
 
 template <class T, class Mechanism, class Mixer>
@@ -619,9 +619,10 @@ void layer_cases(std::uint64_t seed) {
     CAPTURE(s.time);
     LayerProblem<T, Mechanism, Mixer> problem(rng, s);
     problem.run(exec::reference);
-    check_layer_every_element<T>(problem);
+    const OracleGradients expected = oracle_gradients(problem);  // one set for both runs
+    check_layer_every_element<T>(problem, expected);
     problem.run(exec::cpu);
-    check_layer_every_element<T>(problem);
+    check_layer_every_element<T>(problem, expected);
   }
   for (int c = 0; c < case_count(3); ++c) {
     const LayerShape s{2, std::uniform_int_distribution<index_t>(1, 60)(rng), 2, 5, 4, 6, 8, 9};
