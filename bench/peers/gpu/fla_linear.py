@@ -1,10 +1,10 @@
 """flash-linear-attention (fla) peer: chunk_linear_attn and fused_recurrent_linear_attn.
 
-fla is pure Python + Triton. The GPU machine has no network: place its wheel
-(e.g. flash_linear_attention-*.whl, built elsewhere with `pip wheel
-flash-linear-attention --no-deps`) next to this script; scripts/gpu-check.sh
-installs it with `pip install --no-deps --no-index --target <dir>` and puts
-<dir> on PYTHONPATH. Without the wheel this script says so and exits 0.
+fla is pure Python + Triton. The GPU machine has no network: `scripts/gpu-check.sh
+--pack-deps` downloads its wheels (flash-linear-attention and fla-core) into
+build-gpu-deps/wheels/ here; scripts/gpu-check.sh installs them there with
+`pip install --no-deps --no-index --target <dir>` and puts <dir> on PYTHONPATH.
+Without them this script says so and exits 0.
 
 Shapes: fla's benchmark shapes (B, T, H, D) = (4,2048,16,128), (2,16384,16,128),
 (8,1024,8,64); bf16; rows as latte-compare's CSV, mechanism fla_chunk_linear /
