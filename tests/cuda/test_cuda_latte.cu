@@ -269,6 +269,32 @@ TEST_CASE("cuda Latte: prefill in two parts through a device carry == one pass (
   }
 }
 
+TEST_CASE("cuda Latte: bidirectional VAPOR from a first position f sees R^{t-s}, not R^{t-s-f}") {
+  // Regression (issue 24): the state kernel rotated by f + s while the read-out
+  // rotated by the chunk-local t alone. Bidirectional Latte depends on t - s only,
+  // so every first position gives the oracle's output at positions 0..T-1.
+  Rng rng(1411);
+  const index_t B = 1, Tn = 150, H = 2, L = 5, Dv = 8;
+  const auto q = random_tensor<float, 4>(rng, {B, Tn, H, L}, 2.0);
+  const auto k = random_tensor<float, 4>(rng, {B, Tn, H, L}, 2.0);
+  const auto v = uniform_tensor<float, 4>(rng, {B, Tn, H, Dv}, -1, 1);
+  VAPOR::Params params;
+  params.angles = uniform_tensor<double, 2>(rng, {H, Dv / 2}, 0.01, 1.0);
+  std::vector<long double> angles_ld;
+  for (index_t i = 0; i < params.angles.size(); ++i) angles_ld.push_back(params.angles.data()[i]);
+  const auto table = VAPOR::resolve_angles(params, H, Dv);
+  const auto oracle = latte_oracle(false, q, k, v, angles_ld);
+  const DeviceTensor<float, 4> qd(q), kd(k), vd(v);
+  for (long long first : {0LL, 7LL, 1'000'003LL}) {
+    DeviceTensor<float, 4> out(v.extents());
+    cuda::latte_forward<false, VAPOR>(nullptr, qd.cview(), kd.cview(), vd.cview(), out.view(),
+                                      table, first);
+    synchronize();
+    const double error = relative_error(out.to_host(), oracle);
+    CHECK_MESSAGE(error <= Tolerance<float>::relative, "first position " << first);
+  }
+}
+
 TEST_CASE("cuda Latte: strided (time-major) views") {
   Rng rng(1410);
   const index_t B = 2, Tn = 77, H = 3, L = 8, Dv = 10;

@@ -4,6 +4,9 @@
 #include "cuda_test_main.hpp"
 
 #include <cstdio>
+#include <limits>
+#include <utility>
+#include <vector>
 
 #include "cuda_tolerances.hpp"
 #include "oracles/softmax_oracle.hpp"
@@ -81,6 +84,28 @@ TEST_CASE("cuda softmax causal sliding window == oracle") {
 }
 TEST_CASE("cuda softmax bidirectional sliding window == oracle") {
   all_types<Bidirectional, true>("SoftmaxAttention<Bidirectional,sliding_window>", 2131);
+}
+
+TEST_CASE("cuda softmax: window sides near INT64_MAX are unbounded, not overflowed") {
+  // Regression (issue 24): the right bound was t + right, which overflows for right
+  // near INT64_MAX and left rows empty (zero output) where the oracle is defined.
+  Rng rng(2404);
+  const index_t Tn = 70, H = 2, Dk = 8, Dv = 6;
+  const auto q = random_tensor<float, 4>(rng, {1, Tn, H, Dk}, 1.0);
+  const auto k = random_tensor<float, 4>(rng, {1, Tn, H, Dk}, 1.0);
+  const auto v = uniform_tensor<float, 4>(rng, {1, Tn, H, Dv}, -1, 1);
+  const index_t huge = std::numeric_limits<index_t>::max();
+  const long double scale = 1.0L / std::sqrt((long double)Dk);
+  const std::vector<std::pair<index_t, index_t>> sides{
+      {3, huge}, {huge, huge}, {huge, 2}, {huge - 1, huge - 1}};
+  for (const auto& side : sides) {
+    const index_t left = side.first, right = side.second;
+    const SoftmaxAttention<Bidirectional, SlidingWindow> attention({H, Dk, Dv}, {left, right});
+    const double error = relative_error(
+        cuda_forward<float>(attention, q, k, v),
+        softmax_oracle({.causal = false, .left = left, .right = right}, scale, q, k, v));
+    CHECK_MESSAGE(error <= Tolerance<float>::relative, "left " << left << " right " << right);
+  }
 }
 
 TEST_CASE("cuda softmax: rows sum to 1 and large scores stay finite") {

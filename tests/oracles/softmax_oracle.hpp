@@ -16,7 +16,8 @@ struct MaskSpec {
   index_t left = -1;
   index_t right = -1;
   [[nodiscard]] bool allowed(index_t t, index_t s) const {
-    return (!causal || s <= t) && (left < 0 || s >= t - left) && (right < 0 || s <= t + right);
+    // distances compared with the sides, never a side added to t: sides may be near INT64_MAX
+    return (!causal || s <= t) && (left < 0 || t - s <= left) && (right < 0 || s - t <= right);
   }
 };
 

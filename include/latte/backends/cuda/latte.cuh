@@ -322,12 +322,15 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
 }
 
-/// Bidirectional read-out (paper 000 eqs. 5-7): o_t = R^t sum_l p(l|t) vtilde_l / alpha_l
-/// over the state of the whole sequence; a latent with alpha = 0 adds nothing.
+/// Bidirectional read-out (paper 000 eqs. 5-7): o_t = R^{f+t} sum_l p(l|t) vtilde_l / alpha_l
+/// over the state of the whole sequence, at the absolute positions f + t that
+/// latte_chunk_states rotated the values by (R^{-(f+s)}), so o_t sees R^{t-s} v_s for any
+/// first position f; a latent with alpha = 0 adds nothing.
 template <class T, bool Vapor>
 __global__ void __launch_bounds__(kBlockThreads)
     latte_read(View4<const T> q, View4<T> out, long long Tn, int L, int Dv, int C,
-               const double* theta, const float* alpha, const float* memory) {
+               long long first_position, const double* theta, const float* alpha,
+               const float* memory) {
   extern __shared__ float smem[];
   float* P = smem;             // [C][L]
   float* ratio = P + C * L;    // [L][Dv]: vtilde / alpha
@@ -357,7 +360,7 @@ __global__ void __launch_bounds__(kBlockThreads)
       if (pair) y = fmaf(w, ratio[l * Dv + d + 1], y);
     }
     if constexpr (Vapor) {
-      if (pair) rotate_pair(x, y, t0 + t, head_theta[p]);
+      if (pair) rotate_pair(x, y, first_position + t0 + t, head_theta[p]);  // eq. 22
     }
     T* o = out.row(b, t0 + t, h);
     o[d] = from_float<T>(x);
@@ -516,9 +519,8 @@ void latte_forward(cudaStream_t stream, TensorView<const T, 4> q, TensorView<con
   } else {
     auto read = kernels::latte_read<T, vapor>;
     allow_shared_memory(read, plan.read_smem);
-    read<<<chunk_grid, kBlockThreads, plan.read_smem, stream>>>(qd, od, Tn, Li, Dvi, C,
-                                                                theta.data(), final_alpha,
-                                                                final_memory);
+    read<<<chunk_grid, kBlockThreads, plan.read_smem, stream>>>(
+        qd, od, Tn, Li, Dvi, C, first_position, theta.data(), final_alpha, final_memory);
     check_launch("latte_read");
   }
 }

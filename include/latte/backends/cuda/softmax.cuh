@@ -81,7 +81,8 @@ __global__ void __launch_bounds__(256)
   for (int d = lane; d < Dk; d += 32) qs[d] = to_float(q_row[d]);
   __syncwarp();
   const long long lo = left < 0 ? 0 : (t - left > 0 ? t - left : 0);
-  long long hi = right < 0 ? Tn - 1 : (t + right < Tn - 1 ? t + right : Tn - 1);
+  // right compared with the distance to the end, never added to t: right may be near INT64_MAX
+  long long hi = right < 0 || right >= Tn - 1 - t ? Tn - 1 : t + right;
   if (causal && hi > t) hi = t;
   OnlineRow<Slots> row;
   for (long long s0 = lo; s0 <= hi; s0 += 32) {
