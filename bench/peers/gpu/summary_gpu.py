@@ -63,7 +63,7 @@ def main():
     linear = [r for r in rows if r["mechanism"].startswith("linear") and r["backend"].startswith("latte-cuda")]
     print()
     if not fla:
-        print("fla: no rows (wheel not provided next to bench/peers/gpu/fla_linear.py)")
+        print("fla: no rows (its step did not run, or no wheels: scripts/gpu-check.sh --pack-deps)")
     for r in fla:
         mine = [x for x in linear if (x["B"], x["T"], x["H"], x["D"]) == (r["B"], str(r["T"]), r["H"], r["D"])]
         versus = (f"latte/fla = {r['seconds'] / mine[0]['seconds']:.2f}x" if mine
