@@ -17,6 +17,24 @@ namespace latte::test {
 /// Exit code CTest maps to SKIPPED (SKIP_RETURN_CODE in tests/cuda/CMakeLists.txt).
 inline constexpr int kSkipReturnCode = 77;
 
+/// True where these tests run on tests/cuda_host's emulation of CUDA (one host
+/// thread per CUDA thread, on CI's two cores) rather than on a GPU.
+#if defined(LATTE_CUDA_HOST_EMULATION)
+inline constexpr bool kEmulated = true;
+#else
+inline constexpr bool kEmulated = false;
+#endif
+
+/// The cost budget T^2 B H (Dk + Dv) of a random case: the GPU run's, or a small
+/// one on the emulation (T up to ~40 at a few heads), where every barrier wakes
+/// 256 host threads.
+inline constexpr double kCaseBudget = kEmulated ? 3e5 : 6e7;
+
+/// `gpu` on a GPU, `emulated` on the emulation: a fixed case's size.
+inline constexpr index_t gpu_or_emulated(index_t gpu, index_t emulated) {
+  return kEmulated ? emulated : gpu;
+}
+
 /// True when a CUDA device can run kernels; otherwise prints why the test skips.
 inline bool cuda_device_present(const char* test_name) {
   int count = 0;

@@ -38,7 +38,7 @@ void random_cases(const char* label, std::uint64_t seed, int full_cases) {
     const index_t Dk = pick(rng, dims), Dv = pick(rng, dims);
     index_t Tn = 0;
     do Tn = pick(rng, sequence_lengths());
-    while (double(Tn) * double(Tn) * double(B * H) * double(Dk + Dv) > 6e7);
+    while (double(Tn) * double(Tn) * double(B * H) * double(Dk + Dv) > kCaseBudget);
     const auto q = rounded_to<T>(random_tensor<float, 4>(rng, {B, Tn, H, Dk}, 1.0));
     const auto k = rounded_to<T>(random_tensor<float, 4>(rng, {B, Tn, H, Dk}, 1.0));
     const auto v = rounded_to<T>(uniform_tensor<float, 4>(rng, {B, Tn, H, Dv}, -1, 1));
@@ -106,6 +106,37 @@ TEST_CASE("cuda softmax: window sides near INT64_MAX are unbounded, not overflow
         softmax_oracle({.causal = false, .left = left, .right = right}, scale, q, k, v));
     CHECK_MESSAGE(error <= Tolerance<float>::relative, "left " << left << " right " << right);
   }
+}
+
+/// Writes its thread index to dynamic shared memory and reads the last one back.
+__global__ void shared_memory_round_trip(float* out) {
+  float* const shared = cuda::dynamic_shared_floats();
+  shared[threadIdx.x] = static_cast<float>(threadIdx.x);
+  __syncthreads();
+  if (threadIdx.x == 0) out[0] = shared[blockDim.x - 1];
+}
+
+TEST_CASE("cuda launch: configuration errors as the runtime reports them (GPU and emulation)") {
+  DeviceArray<float> out(1);
+  out.fill_bytes(0);
+  (void)cudaGetLastError();
+  cuda::launch(shared_memory_round_trip, dim3(1), dim3(256), 256 * sizeof(float), nullptr,
+               out.data());
+  CHECK(cudaGetLastError() == cudaSuccess);
+  synchronize();
+  CHECK(out.download()[0] == 255.f);
+  // More than the 48 KB default without the opt-in: invalid argument.
+  const std::size_t big = 64 * 1024;
+  cuda::launch(shared_memory_round_trip, dim3(1), dim3(256), big, nullptr, out.data());
+  CHECK(cudaGetLastError() == cudaErrorInvalidValue);
+  REQUIRE(cudaFuncSetAttribute(shared_memory_round_trip, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(big)) == cudaSuccess);
+  cuda::launch(shared_memory_round_trip, dim3(1), dim3(256), big, nullptr, out.data());
+  CHECK(cudaGetLastError() == cudaSuccess);
+  synchronize();
+  // More than 1024 threads in a block: invalid configuration, and check_launch says so.
+  cuda::launch(shared_memory_round_trip, dim3(1), dim3(1025), 0, nullptr, out.data());
+  CHECK_THROWS_AS(cuda::check_launch("shared_memory_round_trip"), latte::Error);
 }
 
 TEST_CASE("cuda softmax: rows sum to 1 and large scores stay finite") {

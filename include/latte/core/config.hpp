@@ -14,6 +14,8 @@
 //   LATTE_CUDA_KERNELS 1 in a translation unit that nvcc compiles with LATTE_WITH_CUDA
 //                      (CMake defines it on latte::latte when a CUDA toolkit is found):
 //                      only there do the .cuh kernels exist and exec::cuda run.
+//                      (LATTE_CUDA_HOST_EMULATION: latte's own CUDA tests compiled as
+//                      host C++ against tests/cuda_host/, never a user's build.)
 
 #if !defined(LATTE_WITH_OPENMP)
 #if defined(_OPENMP)
@@ -37,7 +39,7 @@
 #endif
 #endif
 
-#if defined(__CUDACC__) && defined(LATTE_WITH_CUDA)
+#if (defined(__CUDACC__) && defined(LATTE_WITH_CUDA)) || defined(LATTE_CUDA_HOST_EMULATION)
 #define LATTE_CUDA_KERNELS 1
 #else
 #define LATTE_CUDA_KERNELS 0

@@ -3,7 +3,11 @@
 // bf16; accumulation is always fp32), a strided view of device memory, the
 // VAPOR/RoPE rotation with its angle reduced exactly, a stream-ordered
 // workspace and the device's shared-memory limit.
-// Compiled only by nvcc (see LATTE_CUDA_KERNELS in policies/execution.hpp).
+// Compiled by nvcc (see LATTE_CUDA_KERNELS in policies/execution.hpp), or, for
+// latte's own tests, as host C++ against tests/cuda_host/'s emulation of CUDA
+// (LATTE_CUDA_HOST_EMULATION): every launch goes through launch() and every
+// kernel's dynamic shared memory through dynamic_shared_floats(), the two places
+// where the emulation steps in.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -12,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "latte/backends/cuda/error.hpp"
@@ -149,5 +154,29 @@ __device__ __forceinline__ float warp_sum(float x) {
 }
 
 inline constexpr float kNegInf = -__builtin_huge_valf();
+
+/// kernel<<<grid, block, shared_bytes, stream>>>(args...): the one launch point of
+/// the CUDA backend (under the tests' host emulation, the emulated grid).
+template <class... Params, class... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t shared_bytes,
+            cudaStream_t stream, Args&&... args) {
+#if defined(LATTE_CUDA_HOST_EMULATION)
+  latte_cuda_emulation::launch(kernel, grid, block, shared_bytes, stream,
+                               std::forward<Args>(args)...);
+#else
+  kernel<<<grid, block, shared_bytes, stream>>>(std::forward<Args>(args)...);
+#endif
+}
+
+/// The running block's dynamic shared memory (the launch's shared_bytes), as
+/// floats: one accessor instead of an `extern __shared__` in each kernel.
+__device__ __forceinline__ float* dynamic_shared_floats() {
+#if defined(LATTE_CUDA_HOST_EMULATION)
+  return latte_cuda_emulation::dynamic_shared<float>();
+#else
+  extern __shared__ float latte_dynamic_shared[];
+  return latte_dynamic_shared;
+#endif
+}
 
 }  // namespace latte::cuda

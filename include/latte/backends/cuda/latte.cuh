@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     latte_chunk_states(View4<const T> k, View4<const T> v, long long Tn, int L, int Dv, int C,
                        long long first_position, const double* theta, float* ws_m_local,
                        float* ws_alpha, float* ws_mem) {
-  extern __shared__ float smem[];
+  float* const smem = dynamic_shared_floats();
   float* Ks = smem;        // [C][L]: k, then exp(k - m_c)
   float* Vs = Ks + C * L;  // [C][Dv]: R^{-s} v_s
   const int c = blockIdx.x, chunks = gridDim.x;
@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(kBlockThreads)
                         long long Tn, int L, int Dv, int C, long long first_position,
                         const double* theta, const float* ws_m_in, const float* ws_alpha,
                         const float* ws_mem) {
-  extern __shared__ float smem[];
+  float* const smem = dynamic_shared_floats();
   const int LP = L + 1;           // padded row stride
   float* Ks = smem;               // [C][LP]: k, then E = exp(k - M) for safe latents
   float* W = Ks + C * LP;         // [C][LP]: p(l|t), then p(l|t) / den_{t,l}
@@ -331,7 +331,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     latte_read(View4<const T> q, View4<T> out, long long Tn, int L, int Dv, int C,
                long long first_position, const double* theta, const float* alpha,
                const float* memory) {
-  extern __shared__ float smem[];
+  float* const smem = dynamic_shared_floats();
   float* P = smem;             // [C][L]
   float* ratio = P + C * L;    // [L][Dv]: vtilde / alpha
   const long long h = blockIdx.y, b = blockIdx.z, H = gridDim.y, head = b * H + h;
@@ -374,7 +374,7 @@ template <class T, bool Vapor>
 __global__ void __launch_bounds__(kBlockThreads)
     latte_step_kernel(View4<const T> q, View4<const T> k, View4<const T> v, View4<T> out, int L,
                       int Dv, long long position, const double* theta, LatteDeviceCarry state) {
-  extern __shared__ float smem[];
+  float* const smem = dynamic_shared_floats();
   float* qs = smem;              // [L]
   float* carry_scale = qs + L;   // [L]
   float* weight = carry_scale + L;
@@ -495,12 +495,12 @@ void latte_forward(cudaStream_t stream, TensorView<const T, 4> q, TensorView<con
 
   auto states = kernels::latte_chunk_states<T, vapor>;
   allow_shared_memory(states, plan.states_smem);
-  states<<<chunk_grid, kBlockThreads, plan.states_smem, stream>>>(
+  launch(states, chunk_grid, kBlockThreads, plan.states_smem, stream,
       kd, vd, Tn, Li, Dvi, C, first_position, theta.data(), ws_m_local, ws_alpha, ws_mem);
   check_launch("latte_chunk_states");
 
   const bool continues = Causal && carry.running_max != nullptr;
-  kernels::latte_scan<<<scan_grid, kBlockThreads, 0, stream>>>(
+  launch(kernels::latte_scan, scan_grid, kBlockThreads, 0, stream,
       Li, Dvi, static_cast<int>(plan.chunks), ws_m_local, ws_m_in, ws_alpha, ws_mem,
       continues ? carry : LatteDeviceCarry{}, final_max,
       continues ? carry.normaliser : final_alpha, continues ? carry.memory : final_memory);
@@ -513,13 +513,13 @@ void latte_forward(cudaStream_t stream, TensorView<const T, 4> q, TensorView<con
   if constexpr (Causal) {
     auto outputs = kernels::latte_chunk_outputs<T, vapor>;
     allow_shared_memory(outputs, plan.outputs_smem);
-    outputs<<<chunk_grid, kBlockThreads, plan.outputs_smem, stream>>>(
+    launch(outputs, chunk_grid, kBlockThreads, plan.outputs_smem, stream,
         qd, kd, vd, od, Tn, Li, Dvi, C, first_position, theta.data(), ws_m_in, ws_alpha, ws_mem);
     check_launch("latte_chunk_outputs");
   } else {
     auto read = kernels::latte_read<T, vapor>;
     allow_shared_memory(read, plan.read_smem);
-    read<<<chunk_grid, kBlockThreads, plan.read_smem, stream>>>(
+    launch(read, chunk_grid, kBlockThreads, plan.read_smem, stream,
         qd, od, Tn, Li, Dvi, C, first_position, theta.data(), final_alpha, final_memory);
     check_launch("latte_read");
   }
@@ -547,7 +547,7 @@ void latte_step(cudaStream_t stream, TensorView<const T, 3> q, TensorView<const 
   const std::size_t smem = latte_step_floats(L, Dv) * sizeof(float);
   auto step = kernels::latte_step_kernel<T, Pos::rotates_values>;
   allow_shared_memory(step, smem);
-  step<<<dim3(grid.x, grid.y, grid.z), kBlockThreads, smem, stream>>>(
+  launch(step, dim3(grid.x, grid.y, grid.z), kBlockThreads, smem, stream,
       device_view(q), device_view(k), device_view(v), device_view(out), static_cast<int>(L),
       static_cast<int>(Dv), position, device_theta, state);
   check_launch("latte_step_kernel");

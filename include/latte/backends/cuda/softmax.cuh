@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(256)
     softmax_forward_kernel(View4<const T> q, View4<const T> k, View4<const T> v, View4<T> out,
                            long long Tn, int Dk, int Dv, float scale, bool causal,
                            long long left, long long right) {
-  extern __shared__ float smem[];
+  float* const smem = dynamic_shared_floats();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const long long t = static_cast<long long>(blockIdx.x) * 8 + warp;
   const long long h = blockIdx.y, b = blockIdx.z;
@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(256)
     softmax_step_kernel(View4<const T> q, View4<const T> k, View4<const T> v, View4<T> out,
                         KVDeviceCache<T> cache, int Dk, int Dv, float scale, long long position,
                         long long visible) {
-  extern __shared__ float smem[];
+  float* const smem = dynamic_shared_floats();
   float* qs = smem;                 // [Dk]
   float* partial = qs + Dk;         // [8][Dv]
   float* partial_m = partial + 8 * Dv;
@@ -188,13 +188,13 @@ template <Window Win>
   }
 }
 
-template <int Slots, class Launch>
-void with_value_slots(int slots, Launch&& launch) {
+template <int Slots, class Call>
+void with_value_slots(int slots, Call&& call) {
   if constexpr (Slots > 8) {
     (void)slots;
   } else {
-    if (slots == Slots) launch(std::integral_constant<int, Slots>{});
-    else with_value_slots<Slots * 2>(slots, launch);
+    if (slots == Slots) call(std::integral_constant<int, Slots>{});
+    else with_value_slots<Slots * 2>(slots, call);
   }
 }
 
@@ -213,7 +213,7 @@ void softmax_forward(cudaStream_t stream, TensorView<const T, 4> q, TensorView<c
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                static_cast<int>(plan.smem)),
           "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
-    kernel<<<dim3(plan.grid.x, plan.grid.y, plan.grid.z), 256, plan.smem, stream>>>(
+    launch(kernel, dim3(plan.grid.x, plan.grid.y, plan.grid.z), 256, plan.smem, stream,
         device_view(q), device_view(k), device_view(v), device_view(out), Tn,
         static_cast<int>(Dk), static_cast<int>(Dv), scale, Causal, left, right);
   });
@@ -248,7 +248,7 @@ void softmax_step(cudaStream_t stream, TensorView<const T, 3> q, TensorView<cons
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                static_cast<int>(smem)),
           "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
-    kernel<<<dim3(grid.x, grid.y, grid.z), 256, smem, stream>>>(
+    launch(kernel, dim3(grid.x, grid.y, grid.z), 256, smem, stream,
         device_view(q), device_view(k), device_view(v), device_view(out), cache,
         static_cast<int>(Dk), static_cast<int>(Dv), scale, position, visible);
   });
