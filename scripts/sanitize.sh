@@ -6,9 +6,12 @@
 #     consumer projects, which is slow and not about memory), with the random-case
 #     loops scaled down by LATTE_TEST_CASE_SCALE (default 0.1: tests/support.hpp);
 #  2. the tsan preset (ThreadSanitizer): the tests that run threads
-#     (test_thread_safety) and those that use the cpu backend.
+#     (test_thread_safety) and those that use the cpu backend;
+#  3. cuda-emulated: the CUDA tests on the host emulation of CUDA (tests/cuda_host,
+#     one host thread per CUDA thread) under ASan + UBSan and under TSan, where a
+#     missing barrier in a kernel is a data race.
 # Build trees: build-asan/ and build-tsan/ (LATTE_SANITIZE_BUILD_ROOT moves them).
-# Either part alone: scripts/sanitize.sh asan | tsan.
+# One part alone: scripts/sanitize.sh asan | tsan | cuda-emulated.
 # LATTE_ASAN_TESTS / LATTE_TSAN_TESTS (space-separated test names) narrow a part to
 # those tests (.ci/run narrows TSan to the threaded and decode tests to fit CI's time limit);
 # LATTE_ASAN_EXCLUDE leaves the named test programs out of the ASan part, which then
@@ -19,7 +22,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if (($#)); then parts=("$@"); else parts=(asan tsan); fi
+if (($#)); then parts=("$@"); else parts=(asan tsan cuda-emulated); fi
 root="${LATTE_SANITIZE_BUILD_ROOT:-.}"
 jobs="$(nproc)"
 scale="${LATTE_TEST_CASE_SCALE:-0.1}"
@@ -54,7 +57,7 @@ for part in "${parts[@]}"; do
       build="$root/build-asan"
       echo "== sanitize: ASan + UBSan (clang), every test except label 'package', LATTE_TEST_CASE_SCALE=$scale"
       cmake --preset asan -B "$build" "${options[@]}" >/dev/null
-      selection=(-LE package)
+      selection=(-LE "package|cuda_emulated")  # the emulated CUDA tests: part cuda-emulated
       if ((${#asan_exclude[@]})); then
         echo "   (every test program but ${asan_exclude[*]}; without LATTE_ASAN_EXCLUDE, every test)"
       fi
@@ -80,8 +83,26 @@ for part in "${parts[@]}"; do
       LATTE_TEST_CASE_SCALE="$scale" \
         ctest --test-dir "$build" --output-on-failure -R "$regex" -j "$jobs" --timeout 900
       ;;
+    cuda-emulated)
+      emulated=(test_cuda_host_emulated test_cuda_decode_emulated test_cuda_latte_emulated
+                test_cuda_softmax_emulated)
+      echo "== sanitize: the CUDA tests on the host emulation, ASan + UBSan and TSan, LATTE_TEST_CASE_SCALE=$scale"
+      for preset in asan tsan; do
+        cmake --preset "$preset" -B "$root/build-$preset" "${options[@]}" >/dev/null
+        cmake --build "$root/build-$preset" -j "$jobs" --target "${emulated[@]}"
+      done
+      for name in "${emulated[@]}"; do
+        echo "-- $name (ASan + UBSan)"
+        ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:strict_string_checks=1" \
+        UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" LATTE_TEST_CASE_SCALE="$scale" \
+          "$root/build-asan/tests/cuda_host/$name" --minimal
+        echo "-- $name (TSan)"
+        TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1" LATTE_TEST_CASE_SCALE="$scale" \
+          "$root/build-tsan/tests/cuda_host/$name" --minimal
+      done
+      ;;
     *)
-      echo "sanitize.sh: unknown part '$part' (asan or tsan)" >&2
+      echo "sanitize.sh: unknown part '$part' (asan, tsan or cuda-emulated)" >&2
       exit 2
       ;;
   esac

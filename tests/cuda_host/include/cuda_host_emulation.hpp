@@ -46,7 +46,6 @@
 #include <mutex>
 #include <new>
 #include <semaphore>
-#include <source_location>
 #include <thread>
 #include <tuple>
 #include <type_traits>
@@ -255,10 +254,10 @@ T* dynamic_shared() {
   return reinterpret_cast<T*>(current_block->shared.get());
 }
 
-inline void sync_threads(const std::source_location& site) {
+inline void sync_threads(const char* file, unsigned line) {
   Block& block = *current_block;
-  block.sync_files[current_thread] = site.file_name();
-  block.sync_lines[current_thread] = site.line();
+  block.sync_files[current_thread] = file;
+  block.sync_lines[current_thread] = line;
   block.sync.arrive_and_wait();
 }
 
@@ -393,8 +392,10 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t shared
 
 }  // namespace latte_cuda_emulation
 
-inline void __syncthreads(const std::source_location site = std::source_location::current()) {
-  latte_cuda_emulation::sync_threads(site);
+// The call site by __builtin_FILE / __builtin_LINE (GCC and clang 14 alike;
+// std::source_location needs clang 15 with libstdc++).
+inline void __syncthreads(const char* file = __builtin_FILE(), unsigned line = __builtin_LINE()) {
+  latte_cuda_emulation::sync_threads(file, line);
 }
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
   (void)latte_cuda_emulation::exchange(mask, 0, latte_cuda_emulation::lane());

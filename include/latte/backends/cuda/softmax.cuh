@@ -205,7 +205,8 @@ void softmax_forward(cudaStream_t stream, TensorView<const T, 4> q, TensorView<c
                      const Win& window) {
   const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), Dk = q.extent(3);
   const index_t Dv = v.extent(3);
-  const auto [left, right] = window_sides(window);
+  const std::pair<long long, long long> sides = window_sides(window);
+  const long long left = sides.first, right = sides.second;  // (a lambda below uses them)
   if (B == 0 || Tn == 0) return;
   const SoftmaxPlan plan = plan_softmax(B, Tn, H, Dk, Dv, shared_memory_limit());
   with_value_slots<1>(plan.value_slots, [&](auto slots) {
