@@ -28,6 +28,25 @@ std::vector<long double> oracle_angles(const Tensor<double, 2>& given, index_t H
   return angles;
 }
 
+/// q, k [B, T, H, L] (std 2), v [B, T, H, Dv] in [-1, 1] and learned VAPOR angles
+/// in [0.01, 1]: the kernels' angle table and the oracle's long-double angles.
+struct VaporProblem {
+  Tensor<float, 4> q, k, v;
+  std::vector<double> table;
+  std::vector<long double> oracle_angles;
+};
+VaporProblem random_vapor_problem(Rng& rng, index_t B, index_t Tn, index_t H, index_t L,
+                                  index_t Dv) {
+  VaporProblem p{random_tensor<float, 4>(rng, {B, Tn, H, L}, 2.0),
+                 random_tensor<float, 4>(rng, {B, Tn, H, L}, 2.0),
+                 uniform_tensor<float, 4>(rng, {B, Tn, H, Dv}, -1, 1), {}, {}};
+  VAPOR::Params params;
+  params.angles = uniform_tensor<double, 2>(rng, {H, Dv / 2}, 0.01, 1.0);
+  p.table = VAPOR::resolve_angles(params, H, Dv);
+  p.oracle_angles = oracle_angles(params.angles, H, Dv);
+  return p;
+}
+
 /// Runs LatteAttention<Dir, RunningMax, Pos>::forward(exec::cuda) on T-typed
 /// device copies of q, k, v and returns the output as float.
 template <class T, class Dir, class Pos>
@@ -232,15 +251,10 @@ TEST_CASE("cuda Latte: large L x Dv use smaller chunks and match the reference b
 TEST_CASE("cuda Latte: prefill in two parts through a device carry == one pass (VAPOR at 1e7)") {
   Rng rng(1409);
   const index_t B = 2, Tn = 300, H = 2, L = 6, Dv = 16, split = 131;
-  const auto q = random_tensor<float, 4>(rng, {B, Tn, H, L}, 2.0);
-  const auto k = random_tensor<float, 4>(rng, {B, Tn, H, L}, 2.0);
-  const auto v = uniform_tensor<float, 4>(rng, {B, Tn, H, Dv}, -1, 1);
-  VAPOR::Params params;
-  params.angles = uniform_tensor<double, 2>(rng, {H, Dv / 2}, 0.01, 1.0);
-  std::vector<long double> angles_ld;
-  for (index_t i = 0; i < params.angles.size(); ++i) angles_ld.push_back(params.angles.data()[i]);
-  const auto table = VAPOR::resolve_angles(params, H, Dv);
-  const auto oracle = latte_oracle(true, q, k, v, angles_ld);
+  const VaporProblem p = random_vapor_problem(rng, B, Tn, H, L, Dv);
+  const auto &q = p.q, &k = p.k, &v = p.v;
+  const auto& table = p.table;
+  const auto oracle = latte_oracle(true, q, k, v, p.oracle_angles);
   for (long long first : {0LL, 1'000'003LL, 9'999'700LL}) {
     // Carry starts empty: m = -inf, sums 0.
     DeviceArray<float> running_max(B * H * L), normaliser(B * H * L), memory(B * H * L * Dv);
@@ -277,21 +291,13 @@ TEST_CASE("cuda Latte: bidirectional VAPOR from a first position f sees R^{t-s},
   // rotated by the chunk-local t alone. Bidirectional Latte depends on t - s only,
   // so every first position gives the oracle's output at positions 0..T-1.
   Rng rng(1411);
-  const index_t B = 1, Tn = 150, H = 2, L = 5, Dv = 8;
-  const auto q = random_tensor<float, 4>(rng, {B, Tn, H, L}, 2.0);
-  const auto k = random_tensor<float, 4>(rng, {B, Tn, H, L}, 2.0);
-  const auto v = uniform_tensor<float, 4>(rng, {B, Tn, H, Dv}, -1, 1);
-  VAPOR::Params params;
-  params.angles = uniform_tensor<double, 2>(rng, {H, Dv / 2}, 0.01, 1.0);
-  std::vector<long double> angles_ld;
-  for (index_t i = 0; i < params.angles.size(); ++i) angles_ld.push_back(params.angles.data()[i]);
-  const auto table = VAPOR::resolve_angles(params, H, Dv);
-  const auto oracle = latte_oracle(false, q, k, v, angles_ld);
-  const DeviceTensor<float, 4> qd(q), kd(k), vd(v);
+  const VaporProblem p = random_vapor_problem(rng, 1, 150, 2, 5, 8);
+  const auto oracle = latte_oracle(false, p.q, p.k, p.v, p.oracle_angles);
+  const DeviceTensor<float, 4> qd(p.q), kd(p.k), vd(p.v);
   for (long long first : {0LL, 7LL, 1'000'003LL}) {
-    DeviceTensor<float, 4> out(v.extents());
+    DeviceTensor<float, 4> out(p.v.extents());
     cuda::latte_forward<false, VAPOR>(nullptr, qd.cview(), kd.cview(), vd.cview(), out.view(),
-                                      table, first);
+                                      p.table, first);
     synchronize();
     const double error = relative_error(out.to_host(), oracle);
     CHECK_MESSAGE(error <= Tolerance<float>::relative, "first position " << first);

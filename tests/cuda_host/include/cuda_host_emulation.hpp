@@ -266,7 +266,7 @@ V exchange(unsigned mask, V value, unsigned source_lane) {
   static_assert(sizeof(V) <= 8 && std::is_trivially_copyable_v<V>);
   Warp& w = warp();
   const unsigned present = w.present.load();
-  if ((mask & present) != present || (mask & ~present) != 0)
+  if (mask != present)
     abort_kernel("a warp shuffle whose mask is not the warp's live lanes");
   if (!(present >> (source_lane % 32) & 1u)) abort_kernel("a warp shuffle reads an exited lane");
   const unsigned set = w.parity[lane()];
