@@ -8,6 +8,8 @@
 #include "allocation_counter.hpp"
 #include "support.hpp"
 
+namespace test_allocation {  // every test file's own namespace: tests/CMakeLists.txt
+
 namespace {
 using namespace latte;
 using namespace latte::test;
@@ -76,3 +78,5 @@ TEST_CASE_TEMPLATE("Lavo and ConvCompressed steps allocate nothing", E, exec::re
   auto conv_state = conv.make_state<float>(B, 100);
   CHECK(allocations_in_steps(conv, E{}, conv_state, q, q, q, out, 50) == 0);
 }
+
+}  // namespace test_allocation

@@ -18,6 +18,8 @@
 #include "expect_error.hpp"
 #include "support.hpp"
 
+namespace test_api {  // every test file's own namespace: tests/CMakeLists.txt
+
 namespace {
 using namespace latte::test;
 using latte::index_t;
@@ -587,3 +589,6 @@ TEST_CASE("Calls without an execution tag run on exec::cpu") {
   CHECK(bit_equal(ldq, ldq2));
   CHECK(bit_equal(ldv, ldv2));
 }
+
+}  // namespace test_api
+#undef API_TYPES

@@ -21,6 +21,8 @@
 #include "state_bytes.hpp"
 #include "support.hpp"
 
+namespace test_bad_input {  // every test file's own namespace: tests/CMakeLists.txt
+
 namespace {
 using namespace latte;
 using namespace latte::test;
@@ -1050,3 +1052,11 @@ TEST_CASE("KV cache: a rejected buffer leaves the cache unchanged") {
 }
 
 }  // namespace
+
+}  // namespace test_bad_input
+#undef LATTE_TYPES
+#undef CAUSAL_LATTE_TYPES
+#undef SOFTMAX_TYPES
+#undef ALL_TYPES
+#undef CAUSAL_TYPES
+#undef VAPOR_TYPES

@@ -21,6 +21,8 @@
 #include "state_bytes.hpp"
 #include "support.hpp"
 
+namespace test_conv_compressed {  // every test file's own namespace: tests/CMakeLists.txt
+
 namespace {
 using namespace latte;
 using namespace latte::test;
@@ -947,3 +949,5 @@ TEST_CASE("load_state: truncations, trailing bytes, other kinds and corrupted si
   CHECK_THROWS_AS(state.restore(patched(7, 40)), latte::Error);
   CHECK(state.save() == before);
 }
+
+}  // namespace test_conv_compressed

@@ -21,6 +21,8 @@
 #include "oracles/conv_compressed_oracle.hpp"
 #include "support.hpp"
 
+namespace test_conv_compressed_gradients {  // every test file's own namespace: tests/CMakeLists.txt
+
 namespace {
 using namespace latte;
 using namespace latte::test;
@@ -232,3 +234,5 @@ TEST_CASE("conv-compression backward: empty sequences, and bad gradient buffers 
   attention.backward(exec::reference, none_q.cview(), none_q.cview(), none_v.cview(), none_v.cview(),
                      ConvCompressedGradients<float>{none_dq.view(), none_dk.view(), none_dv.view()});
 }
+
+}  // namespace test_conv_compressed_gradients

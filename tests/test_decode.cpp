@@ -13,6 +13,8 @@
 #include "oracles/softmax_oracle.hpp"
 #include "support.hpp"
 
+namespace test_decode {  // every test file's own namespace: tests/CMakeLists.txt
+
 namespace {
 using namespace latte;
 using namespace latte::test;
@@ -250,3 +252,5 @@ TEST_CASE("Latte state size is independent of the context length") {
     CHECK(state.save().size() == attention.make_state<float>(1).save().size());
   }
 }
+
+}  // namespace test_decode

@@ -32,6 +32,8 @@
 #include "state_bytes.hpp"
 #include "support.hpp"
 
+namespace test_edge_cases {  // every test file's own namespace: tests/CMakeLists.txt
+
 namespace {
 using namespace latte;
 using namespace latte::test;
@@ -1229,3 +1231,5 @@ TEST_CASE_TEMPLATE("values near the largest finite number: exec::cpu stays withi
 }
 
 }  // namespace
+
+}  // namespace test_edge_cases

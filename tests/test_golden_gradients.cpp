@@ -39,6 +39,8 @@
 #include "gradient_check.hpp"
 #include "support.hpp"
 
+namespace test_golden_gradients {  // every test file's own namespace: tests/CMakeLists.txt
+
 namespace {
 using namespace latte;
 using namespace latte::test;
@@ -590,3 +592,5 @@ TEST_CASE("NoStabilizer cannot reproduce the spread case: the golden values need
   std::printf("[golden-grad] NoStabilizer on %s/d_values: max_rel_error=%.3e (expected to fail)\n",
               prefix.c_str(), error);
 }
+
+}  // namespace test_golden_gradients

@@ -14,6 +14,8 @@
 #include "latte/core/checked_size.hpp"
 #include "latte/layers/named_layers.hpp"
 
+namespace test_huge_sizes {  // every test file's own namespace: tests/CMakeLists.txt
+
 namespace {
 
 using latte::index_t;
@@ -268,3 +270,5 @@ TEST_CASE("T = 0 forwards that continue a state leave it as it was and allocate 
   expect_no_allocation(
       [&] { lavo.forward(latte::exec::cpu, in(4), in(4), in(4), result(4), lavo_state); });
 }
+
+}  // namespace test_huge_sizes

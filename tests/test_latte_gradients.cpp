@@ -18,6 +18,8 @@
 #include "oracles/latte_oracle.hpp"
 #include "support.hpp"
 
+namespace test_latte_gradients {  // every test file's own namespace: tests/CMakeLists.txt
+
 namespace {
 using namespace latte;
 using namespace latte::test;
@@ -306,3 +308,5 @@ TEST_CASE("Latte backward: empty sequences, and bad gradient buffers are refused
                                                 .d_initial = &d_initial});
   CHECK(d_initial.field(2)[5] == 3.0f);
 }
+
+}  // namespace test_latte_gradients

@@ -14,6 +14,8 @@
 #include <omp.h>
 #endif
 
+namespace test_latte_oracle {  // every test file's own namespace: tests/CMakeLists.txt
+
 namespace {
 using namespace latte;
 using namespace latte::test;
@@ -226,3 +228,5 @@ TEST_CASE_TEMPLATE("Latte bidirectional cpu == oracle across blocks, segments an
               "max_rel_error=%.3e\n",
               dtype_name<T>(), cases, worst);
 }
+
+}  // namespace test_latte_oracle

@@ -26,6 +26,8 @@
 #include "state_bytes.hpp"
 #include "support.hpp"
 
+namespace test_lavo {  // every test file's own namespace: tests/CMakeLists.txt
+
 namespace {
 using namespace latte;
 using namespace latte::test;
@@ -851,3 +853,5 @@ TEST_CASE("Lavo bad input: load_state") {
   expect_error([&] { target.restore({bytes.data(), bytes.size() - 8}); }, "bytes", "");
   CHECK(target.save() == target_before);
 }
+
+}  // namespace test_lavo

@@ -24,6 +24,8 @@
 #include "oracles/lavo_oracle.hpp"
 #include "support.hpp"
 
+namespace test_lavo_gradients {  // every test file's own namespace: tests/CMakeLists.txt
+
 namespace {
 using namespace latte;
 using namespace latte::test;
@@ -469,3 +471,5 @@ TEST_CASE("LAVO backward: empty sequences, and bad gradient buffers are refused 
   CHECK(d_initial.field(3)[0] == 2.5f);
   CHECK(d_initial.field(4)[0] == 2.5f);
 }
+
+}  // namespace test_lavo_gradients

@@ -35,6 +35,8 @@
 #include "oracles/softmax_oracle.hpp"
 #include "support.hpp"
 
+namespace test_layer_gradients {  // every test file's own namespace: tests/CMakeLists.txt
+
 namespace {
 using namespace latte;
 using namespace latte::test;
@@ -856,3 +858,5 @@ TEST_CASE("AttentionLayer: mechanisms rebuilt from their parameter accessors giv
   const auto leap = LeaPMechanism<Causal>::make(s);
   same_output(leap, LeaPformer<Causal>(leap.dims(), leap.options()));
 }
+
+}  // namespace test_layer_gradients

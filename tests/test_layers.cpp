@@ -24,6 +24,8 @@
 #include "expect_error.hpp"
 #include "support.hpp"
 
+namespace test_layers {  // every test file's own namespace: tests/CMakeLists.txt
+
 using namespace latte;
 using namespace latte::test;
 
@@ -521,3 +523,5 @@ TEST_CASE("A refused prefill leaves the mixer state where it was") {
                      "state", "");
   CHECK(bit_equal(state.mixer.history, history));
 }
+
+}  // namespace test_layers

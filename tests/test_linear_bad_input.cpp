@@ -13,6 +13,8 @@
 #include "linear_support.hpp"
 #include "state_bytes.hpp"
 
+namespace test_linear_bad_input {  // every test file's own namespace: tests/CMakeLists.txt
+
 namespace {
 using namespace latte;
 using namespace latte::test;
@@ -615,3 +617,9 @@ TEST_CASE("restore: a rejected buffer leaves the state unchanged") {
 }
 
 }  // namespace
+
+}  // namespace test_linear_bad_input
+#undef ALL_TYPES
+#undef CAUSAL_TYPES
+#undef BIDIRECTIONAL_TYPES
+#undef LEAP_TYPES

@@ -20,6 +20,8 @@
 #include <omp.h>
 #endif
 
+namespace test_linear_decode {  // every test file's own namespace: tests/CMakeLists.txt
+
 namespace {
 using namespace latte;
 using namespace latte::test;
@@ -544,3 +546,5 @@ TEST_CASE_TEMPLATE("step allocates nothing (every causal configuration)", E, exe
   CHECK(allocations_in_steps(E{}, leap, leap_state, q, k, v, out, 50,
                              StepProportions<float>{p, p}) == 0);
 }
+
+}  // namespace test_linear_decode

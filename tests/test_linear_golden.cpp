@@ -14,6 +14,8 @@
 #include "golden/linear_golden.hpp"
 #include "linear_support.hpp"
 
+namespace test_linear_golden {  // every test file's own namespace: tests/CMakeLists.txt
+
 namespace {
 using namespace latte;
 using namespace latte::test;
@@ -168,3 +170,5 @@ TEST_CASE("golden values are sensitive to the documented conventions") {
       .forward(exec::reference, q, k, v, out.view());
   CHECK(relative_error(out, golden_expected("leapformer/train/causal")) > 1e-3);
 }
+
+}  // namespace test_linear_golden

@@ -20,6 +20,8 @@
 #include "gradient_check.hpp"
 #include "linear_support.hpp"
 
+namespace test_linear_gradients {  // every test file's own namespace: tests/CMakeLists.txt
+
 namespace {
 using namespace latte;
 using namespace latte::test;
@@ -602,3 +604,5 @@ TEST_CASE("linear backward: empty sequences, and bad gradient buffers are refuse
                                              .d_initial = &d_initial});
   CHECK(d_initial.field(0)[5] == 3.0f);
 }
+
+}  // namespace test_linear_gradients

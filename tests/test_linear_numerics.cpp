@@ -10,6 +10,8 @@
 
 #include "linear_support.hpp"
 
+namespace test_linear_numerics {  // every test file's own namespace: tests/CMakeLists.txt
+
 namespace {
 using namespace latte;
 using namespace latte::test;
@@ -170,3 +172,5 @@ TEST_CASE_TEMPLATE("rows sum to one: constant values come back unchanged", T, fl
     for (index_t h = 0; h < H; ++h) worst = std::max(worst, std::fabs(double(cos_out(0, t, h, 0)) - 1.0));
   CHECK(worst <= Tolerance<T>::relative);
 }
+
+}  // namespace test_linear_numerics

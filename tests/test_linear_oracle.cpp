@@ -11,6 +11,8 @@
 
 #include "linear_backends.hpp"
 
+namespace test_linear_oracle {  // every test file's own namespace: tests/CMakeLists.txt
+
 namespace {
 using namespace latte;
 using namespace latte::test;
@@ -243,3 +245,5 @@ TEST_CASE("a user's feature map with its own feature_dim == oracle (float, doubl
   user_map_cases<double, Bidirectional, NoPositional>(552);
   user_map_cases<double, Causal, RoPE>(553);
 }
+
+}  // namespace test_linear_oracle

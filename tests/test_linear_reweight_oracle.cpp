@@ -12,6 +12,8 @@
 
 #include "linear_backends.hpp"
 
+namespace test_linear_reweight_oracle {  // every test file's own namespace: tests/CMakeLists.txt
+
 namespace {
 using namespace latte;
 using namespace latte::test;
@@ -164,3 +166,5 @@ TEST_CASE("compositions: cosFormer + RoPE, LeaP + RoPE == oracle") {
   leap_cases<double, Causal, RoPE>(623, false, 60);
   leap_cases<float, Bidirectional, RoPE>(624, true, 60);
 }
+
+}  // namespace test_linear_reweight_oracle

@@ -28,6 +28,8 @@
 #include "expect_error.hpp"
 #include "support.hpp"
 
+namespace test_macchiato {  // every test file's own namespace: tests/CMakeLists.txt
+
 namespace {
 using namespace latte;
 using namespace latte::test;
@@ -1155,3 +1157,7 @@ TEST_CASE("LatteMacchiato exec::cpu: one head split over time segments continues
     }
   }
 }
+
+}  // namespace test_macchiato
+#undef MACCHIATO_TYPES
+#undef CAUSAL_MACCHIATO_TYPES

@@ -24,6 +24,8 @@
 #include "oracles/macchiato_oracle.hpp"
 #include "support.hpp"
 
+namespace test_macchiato_gradients {  // every test file's own namespace: tests/CMakeLists.txt
+
 namespace {
 using namespace latte;
 using namespace latte::test;
@@ -396,3 +398,5 @@ TEST_CASE("Latte Macchiato backward: empty sequences, and bad gradient buffers a
                      MacchiatoGradients<float>{none_dq.view(), none_dk.view(), none_dwq.view(),
                                                none_dwk.view(), none_dv.view()});
 }
+
+}  // namespace test_macchiato_gradients

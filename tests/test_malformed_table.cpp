@@ -44,6 +44,8 @@
 #include "state_bytes.hpp"
 #include "support.hpp"
 
+namespace test_malformed_table {  // every test file's own namespace: tests/CMakeLists.txt
+
 namespace {
 using namespace latte;
 using namespace latte::test;
@@ -1747,3 +1749,5 @@ TEST_CASE(
 }
 
 }  // namespace
+
+}  // namespace test_malformed_table

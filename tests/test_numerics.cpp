@@ -19,6 +19,8 @@
 #include "oracles/softmax_oracle.hpp"
 #include "support.hpp"
 
+namespace test_numerics {  // every test file's own namespace: tests/CMakeLists.txt
+
 namespace {
 using namespace latte;
 using namespace latte::test;
@@ -535,3 +537,5 @@ TEST_CASE_TEMPLATE("All-zero values give exactly zero output", E, exec::referenc
     for (index_t i = 0; i < out.size(); ++i) CHECK(out.data()[i] == 0.f);
   }
 }
+
+}  // namespace test_numerics

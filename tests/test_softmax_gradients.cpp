@@ -24,6 +24,8 @@
 #include "oracles/softmax_oracle.hpp"
 #include "support.hpp"
 
+namespace test_softmax_gradients {  // every test file's own namespace: tests/CMakeLists.txt
+
 namespace {
 using namespace latte;
 using namespace latte::test;
@@ -488,3 +490,5 @@ TEST_CASE("softmax backward: a NaN key reaches no d_queries row that cannot see 
     }
   }
 }
+
+}  // namespace test_softmax_gradients

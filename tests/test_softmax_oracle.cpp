@@ -8,6 +8,8 @@
 #include "oracles/softmax_oracle.hpp"
 #include "support.hpp"
 
+namespace test_softmax_oracle {  // every test file's own namespace: tests/CMakeLists.txt
+
 namespace {
 using namespace latte;
 using namespace latte::test;
@@ -82,3 +84,5 @@ TEST_CASE("Softmax bidirectional sliding window == oracle") {
   run_oracle_cases<double, Bidirectional, SlidingWindow>(
       "SoftmaxAttention<Bidirectional,SlidingWindow>", 208);
 }
+
+}  // namespace test_softmax_oracle

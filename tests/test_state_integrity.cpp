@@ -22,6 +22,8 @@
 #include "latte/core/crc32c.hpp"
 #include "support.hpp"
 
+namespace test_state_integrity {  // every test file's own namespace: tests/CMakeLists.txt
+
 namespace {
 using namespace latte;
 using namespace latte::test;
@@ -260,3 +262,5 @@ TEST_CASE("CRC-32C: the SSE4.2 instruction path agrees with the portable tables"
 }
 
 }  // namespace
+
+}  // namespace test_state_integrity

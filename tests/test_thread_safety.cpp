@@ -28,6 +28,8 @@
 #include "oracles/softmax_oracle.hpp"
 #include "support.hpp"
 
+namespace test_thread_safety {  // every test file's own namespace: tests/CMakeLists.txt
+
 namespace {
 using namespace latte;
 using namespace latte::test;
@@ -282,3 +284,5 @@ TEST_CASE("forward and step threads mixed on one const Latte object (exec::cpu)"
 }
 
 }  // namespace
+
+}  // namespace test_thread_safety
