@@ -652,6 +652,66 @@ void drive_decode(Fuzz& fuzz, const Features& f, index_t batch, index_t time, in
   if (attempt([&] { step(call, *loaded); })) check_accepted(call, false, what);
 }
 
+/// forward_packed (serving/packed_prefill.hpp) over `Inputs` fuzzed [B, T, H, *]
+/// inputs (B sometimes 2: refused) cut by a fuzzed cu_seqlens (sometimes edited
+/// to be malformed), fresh or with one state per sequence from `make(batch)`
+/// (sometimes of another batch, repeated, null, or one too few). A refused call
+/// must leave every state's saved bytes unchanged; an accepted one is checked
+/// like a forward.
+template <class T, std::size_t Inputs, class Attention, class Make, class StateDemand>
+void drive_packed(Fuzz& fuzz, const Features& f, index_t time, index_t heads, const char* what,
+                  const Attention& a, Make&& make, StateDemand&& state_demand) {
+  using State = std::decay_t<decltype(make(index_t{1}))>;
+  const index_t batch = fuzz.coin(8) ? 2 : 1;
+  const auto values = fuzz.values();
+  auto call = fuzz.call<T, 4>(input_extents<4>(f, batch, time, heads), {batch, time, heads, f.out}, values);
+  std::vector<index_t> cu{0, std::max<index_t>(time, 0)};
+  for (int cuts = fuzz.in().ConsumeIntegralInRange<int>(0, 5); cuts > 0; --cuts)
+    cu.push_back(fuzz.in().ConsumeIntegralInRange<index_t>(0, std::max<index_t>(time, 0)));
+  std::sort(cu.begin(), cu.end());
+  if (fuzz.coin(8))
+    cu[fuzz.in().ConsumeIntegralInRange<std::size_t>(0, cu.size() - 1)] +=
+        fuzz.pick<index_t>({-1, 1, index_t{1} << 40, std::numeric_limits<index_t>::min() / 2});
+  if (fuzz.coin(32)) cu.resize(1);
+  const std::size_t sequences = cu.size() - 1;
+  std::vector<std::optional<State>> states(sequences + 1);
+  std::vector<State*> pointers;
+  if (fuzz.coin(2)) {
+    const std::size_t count = fuzz.coin(16) ? sequences - (sequences > 0) : sequences;
+    for (std::size_t i = 0; i < count; ++i) {
+      const index_t state_batch = fuzz.coin(16) ? 2 : 1;
+      if (!attempt([&] { states[i].emplace(make(state_batch)); }, state_demand(state_batch))) return;
+      pointers.push_back(&*states[i]);
+    }
+    if (pointers.size() >= 2 && fuzz.coin(16)) pointers[1] = pointers[0];
+    if (!pointers.empty() && fuzz.coin(32)) pointers.back() = nullptr;
+  }
+  std::vector<std::vector<std::byte>> before;
+  for (State* state : pointers)
+    if (state) before.push_back(state->save());
+  const auto views = [&]<std::size_t... I>(std::index_sequence<I...>) {
+    return std::make_tuple(call.inputs[I].cview()...);
+  }(std::make_index_sequence<Inputs>{});
+  const std::span<const index_t> offsets(cu);
+  const bool accepted = attempt([&] {
+    if (pointers.empty())
+      latte::forward_packed(a, latte::exec::cpu, offsets, views, call.out.view());
+    else
+      latte::forward_packed(a, latte::exec::cpu, offsets, views, call.out.view(),
+                            std::span<State* const>(pointers));
+  });
+  if (accepted) {
+    if (batch != 1) fail(std::string(what) + ": a packed call of batch 2 was accepted");
+    // Finite while fresh: a state's restored numbers are not fuzzed here, but its position is.
+    check_accepted(call, pointers.empty() && f.finite_bound > 0 && inputs_moderate(call, f.finite_bound), what);
+    return;
+  }
+  std::size_t next = 0;
+  for (State* state : pointers)
+    if (state && state->save() != before[next++])
+      fail(std::string(what) + ": a refused forward_packed moved a state");
+}
+
 // ------------------------------------------------------------- mechanisms --
 
 /// Common sizes of one call.
@@ -726,10 +786,10 @@ void latte_attention(Fuzz& fuzz, const Sizes& s) {
   }
   if constexpr (causal<Dir>) {
     const auto first = first_position(fuzz);
+    const auto make = [&](index_t batch) { return a.template make_state<T>(batch, first); };
+    const auto state_demand = [&](index_t batch) { return demand({batch, s.heads, L, Dv}, sizeof(T)); };  // memory
     drive_decode<T>(
-        fuzz, f, s.batch, s.time, s.heads, "LatteAttention decode",
-        [&](index_t batch) { return a.template make_state<T>(batch, first); },
-        [&](index_t batch) { return demand({batch, s.heads, L, Dv}, sizeof(T)); },  // memory
+        fuzz, f, s.batch, s.time, s.heads, "LatteAttention decode", make, state_demand,
         [&](auto& c, auto& state) {
           a.forward(E{}, c.inputs[0].cview(), c.inputs[1].cview(), c.inputs[2].cview(),
                     c.out.view(), state);
@@ -739,6 +799,7 @@ void latte_attention(Fuzz& fuzz, const Sizes& s) {
                  c.out.view());
         },
         [&](std::span<const std::byte> bytes) { return a.template load_state<T>(bytes); });
+    drive_packed<T, 3>(fuzz, f, s.time, s.heads, "LatteAttention forward_packed", a, make, state_demand);
   }
 }
 
@@ -778,13 +839,13 @@ void softmax_attention(Fuzz& fuzz, const Sizes& s) {
     index_t slots = capacity;
     if constexpr (std::is_same_v<Win, latte::SlidingWindow>)
       if (__builtin_add_overflow(window.left, 1, &slots)) slots = -1;
+    const auto make = [&](index_t batch) { return a.template make_state<T>(batch, capacity); };
+    const auto state_demand = [&](index_t batch) {
+      return slots < 0 ? Demand::overflows
+                       : demand({batch, s.heads, slots, std::max(Dk, Dv)}, sizeof(T));
+    };
     drive_decode<T>(
-        fuzz, f, s.batch, s.time, s.heads, "SoftmaxAttention decode",
-        [&](index_t batch) { return a.template make_state<T>(batch, capacity); },
-        [&](index_t batch) {
-          return slots < 0 ? Demand::overflows
-                           : demand({batch, s.heads, slots, std::max(Dk, Dv)}, sizeof(T));
-        },
+        fuzz, f, s.batch, s.time, s.heads, "SoftmaxAttention decode", make, state_demand,
         [&](auto& c, auto& state) {
           a.forward(E{}, c.inputs[0].cview(), c.inputs[1].cview(), c.inputs[2].cview(),
                     c.out.view(), state);
@@ -794,6 +855,7 @@ void softmax_attention(Fuzz& fuzz, const Sizes& s) {
                  c.out.view());
         },
         [&](std::span<const std::byte> bytes) { return a.template load_state<T>(bytes); });
+    drive_packed<T, 3>(fuzz, f, s.time, s.heads, "SoftmaxAttention forward_packed", a, make, state_demand);
   }
 }
 
@@ -866,14 +928,14 @@ void macchiato(Fuzz& fuzz, const Sizes& s) {
   if constexpr (causal<Dir>) {
     if (!decode) return;
     const auto first = first_position(fuzz);
+    const auto make = [&](index_t batch) { return a.template make_state<T>(batch, first); };
+    const auto state_demand = [&](index_t batch) {  // the latent memory and the ring of w + 1 keys
+      index_t slots = 0;
+      if (__builtin_add_overflow(window, 1, &slots)) return Demand::overflows;
+      return demand({batch, s.heads, L, Dv}, sizeof(T)) | demand({batch, s.heads, slots, Dk}, sizeof(T));
+    };
     drive_decode<T>(
-        fuzz, f, s.batch, s.time, s.heads, "LatteMacchiato decode",
-        [&](index_t batch) { return a.template make_state<T>(batch, first); },
-        [&](index_t batch) {  // the latent memory and the ring of w + 1 keys
-          index_t slots = 0;
-          if (__builtin_add_overflow(window, 1, &slots)) return Demand::overflows;
-          return demand({batch, s.heads, L, Dv}, sizeof(T)) | demand({batch, s.heads, slots, Dk}, sizeof(T));
-        },
+        fuzz, f, s.batch, s.time, s.heads, "LatteMacchiato decode", make, state_demand,
         [&](auto& c, auto& state) {
           a.forward(latte::exec::reference, c.inputs[0].cview(), c.inputs[1].cview(),
                     c.inputs[2].cview(), c.inputs[3].cview(), c.inputs[4].cview(), c.out.view(),
@@ -884,6 +946,7 @@ void macchiato(Fuzz& fuzz, const Sizes& s) {
                  c.inputs[2].cview(), c.inputs[3].cview(), c.inputs[4].cview(), c.out.view());
         },
         [&](std::span<const std::byte> bytes) { return a.template load_state<T>(bytes); });
+    drive_packed<T, 5>(fuzz, f, s.time, s.heads, "LatteMacchiato forward_packed", a, make, state_demand);
   }
 }
 
@@ -1005,10 +1068,10 @@ void linear_attention(Fuzz& fuzz, const Sizes& s) {
   }
   if constexpr (causal<Dir>) {
     const auto first = first_position(fuzz);
+    const auto make = [&](index_t batch) { return a.template make_state<T>(batch, first); };
+    const auto state_demand = [&](index_t batch) { return demand({batch, s.heads, Dk, Dv}, sizeof(T)); };  // memory, F >= Dk
     drive_decode<T>(
-        fuzz, f, s.batch, s.time, s.heads, "LinearAttention decode",
-        [&](index_t batch) { return a.template make_state<T>(batch, first); },
-        [&](index_t batch) { return demand({batch, s.heads, Dk, Dv}, sizeof(T)); },  // memory, F >= Dk
+        fuzz, f, s.batch, s.time, s.heads, "LinearAttention decode", make, state_demand,
         [&](auto& c, auto& state) {
           a.forward(latte::exec::reference, c.inputs[0].cview(), c.inputs[1].cview(),
                     c.inputs[2].cview(), c.out.view(), state);
@@ -1018,6 +1081,7 @@ void linear_attention(Fuzz& fuzz, const Sizes& s) {
                  c.inputs[2].cview(), c.out.view());
         },
         [&](std::span<const std::byte> bytes) { return a.template load_state<T>(bytes); });
+    drive_packed<T, 3>(fuzz, f, s.time, s.heads, "LinearAttention forward_packed", a, make, state_demand);
   }
 }
 
@@ -1089,12 +1153,12 @@ void lavo(Fuzz& fuzz, const Sizes& s) {
                            });
   }
   if constexpr (causal<Dir>) {
+    const auto make = [&](index_t batch) { return a.template make_state<T>(batch); };
+    const auto state_demand = [&](index_t batch) {  // the key ring [w, d] and the memory [r, d]
+      return demand({batch, s.heads, window, d}, sizeof(T)) | demand({batch, s.heads, r, d}, sizeof(T));
+    };
     drive_decode<T>(
-        fuzz, f, s.batch, s.time, s.heads, "Lavo decode",
-        [&](index_t batch) { return a.template make_state<T>(batch); },
-        [&](index_t batch) {  // the key ring [w, d] and the memory [r, d]
-          return demand({batch, s.heads, window, d}, sizeof(T)) | demand({batch, s.heads, r, d}, sizeof(T));
-        },
+        fuzz, f, s.batch, s.time, s.heads, "Lavo decode", make, state_demand,
         [&](auto& c, auto& state) {
           a.forward(latte::exec::reference, c.inputs[0].cview(), c.inputs[1].cview(),
                     c.inputs[2].cview(), c.out.view(), state);
@@ -1104,6 +1168,7 @@ void lavo(Fuzz& fuzz, const Sizes& s) {
                  c.inputs[2].cview(), c.out.view());
         },
         [&](std::span<const std::byte> bytes) { return a.template load_state<T>(bytes); });
+    drive_packed<T, 3>(fuzz, f, s.time, s.heads, "Lavo forward_packed", a, make, state_demand);
   }
 }
 
@@ -1178,16 +1243,16 @@ void conv_compressed(Fuzz& fuzz, const Sizes& s) {
     for (index_t level = 0; level < resolved.levels && span <= capacity; ++level)
       if (__builtin_mul_overflow(span, resolved.group_size, &span)) span = capacity + 1;
     const index_t stored = capacity / span;
+    const auto make = [&](index_t batch) { return a.template make_state<T>(batch, capacity); };
+    const auto state_demand = [&](index_t batch) {
+      return demand({batch, s.heads, resolved.levels, ring, resolved.key_dim}, sizeof(T)) |
+             demand({batch, s.heads, resolved.levels, ring, resolved.value_dim}, sizeof(T)) |
+             demand({batch, s.heads, resolved.levels, resolved.value_dim}, sizeof(T)) |
+             demand({batch, s.heads, stored, resolved.value_dim}, sizeof(T)) |
+             demand({batch, s.heads, stored, resolved.key_dim}, sizeof(T));
+    };
     drive_decode<T>(
-        fuzz, f, s.batch, s.time, s.heads, "ConvCompressedAttention decode",
-        [&](index_t batch) { return a.template make_state<T>(batch, capacity); },
-        [&](index_t batch) {
-          return demand({batch, s.heads, resolved.levels, ring, resolved.key_dim}, sizeof(T)) |
-                 demand({batch, s.heads, resolved.levels, ring, resolved.value_dim}, sizeof(T)) |
-                 demand({batch, s.heads, resolved.levels, resolved.value_dim}, sizeof(T)) |
-                 demand({batch, s.heads, stored, resolved.value_dim}, sizeof(T)) |
-                 demand({batch, s.heads, stored, resolved.key_dim}, sizeof(T));
-        },
+        fuzz, f, s.batch, s.time, s.heads, "ConvCompressedAttention decode", make, state_demand,
         [&](auto& c, auto& state) {
           a.forward(latte::exec::reference, c.inputs[0].cview(), c.inputs[1].cview(),
                     c.inputs[2].cview(), c.out.view(), state);
@@ -1197,6 +1262,7 @@ void conv_compressed(Fuzz& fuzz, const Sizes& s) {
                  c.inputs[2].cview(), c.out.view());
         },
         [&](std::span<const std::byte> bytes) { return a.template load_state<T>(bytes); });
+    drive_packed<T, 3>(fuzz, f, s.time, s.heads, "ConvCompressedAttention forward_packed", a, make, state_demand);
   }
 }
 

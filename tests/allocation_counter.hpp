@@ -35,3 +35,19 @@ void* operator new(std::size_t bytes, std::align_val_t alignment) {
 }
 void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+
+// The nothrow forms too (std::stable_sort's temporary buffer uses them): left to the
+// runtime, a nothrow new would be freed by the delete above, which ASan reports as
+// an alloc-dealloc mismatch.
+void* operator new(std::size_t bytes, const std::nothrow_t&) noexcept {
+  latte::test::allocations.fetch_add(1);
+  return std::malloc(bytes ? bytes : 1);
+}
+void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void* operator new(std::size_t bytes, std::align_val_t alignment, const std::nothrow_t&) noexcept {
+  latte::test::allocations.fetch_add(1);
+  const auto align = static_cast<std::size_t>(alignment);
+  const std::size_t rounded = (bytes + align - 1) / align * align;
+  return std::aligned_alloc(align, rounded ? rounded : align);
+}
+void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }

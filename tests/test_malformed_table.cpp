@@ -497,6 +497,92 @@ void add_state_rows(Registry& registry, const TensorEntry<N>& entry,
 }
 
 /// forward, forward(state), step (+ their state rows) on one backend.
+/// forward_packed: three sequences (2, 0 and kT - 2 tokens) packed as [1, kT, H, F],
+/// each with its own state. The inputs are named by position, as forward_packed
+/// names them; a packed view's B and T are checked by forward_packed (the out's
+/// T is total_T, so an out of another T disagrees with cu_seqlens), H and F by
+/// the mechanism under its own names.
+template <class M>
+struct PackedContext {
+  typename M::A attention = M::make();
+  std::vector<StateOf<M>> states;
+  std::vector<StateOf<M>*> pointers;
+  std::vector<index_t> cu_seqlens;
+};
+
+template <class M, class E>
+TensorEntry<4> packed_entry(E exec_tag, std::shared_ptr<PackedContext<M>> context) {
+  TensorEntry<4> entry;
+  entry.entry = entry_name<M>("forward_packed", E::name);
+  const std::vector<Arg<4>> own = sequence_args<M>(1, kT);
+  for (std::size_t j = 0; j < own.size(); ++j)
+    entry.inputs.push_back({"inputs[" + std::to_string(j) + "]", own[j].extents});
+  entry.out = sequence_out<M>(1, kT);
+  entry.dim_names = kSequenceDims;
+  entry.prepare = [context] {
+    context->states.clear();
+    for (int i = 0; i < 3; ++i) context->states.push_back(M::template make_state<float>(context->attention, 1));
+    context->pointers.clear();
+    for (auto& state : context->states) context->pointers.push_back(&state);
+    context->cu_seqlens = {0, 2, 2, kT};
+  };
+  entry.invoke = [context, exec_tag](const In4& in, Out4 out) {
+    spread<M::arity>(
+        [&](auto... x) {
+          forward_packed(context->attention, exec_tag, std::span<const index_t>(context->cu_seqlens),
+                         std::make_tuple(x...), out, std::span<StateOf<M>* const>(context->pointers));
+        },
+        in);
+  };
+  entry.state_bytes = [context] {
+    std::vector<std::byte> bytes;
+    for (const auto& state : context->states) {
+      const std::vector<std::byte> one = state.save();
+      bytes.insert(bytes.end(), one.begin(), one.end());
+    }
+    return bytes;
+  };
+  std::vector<std::string> names;
+  for (const Arg<4>& arg : own) names.push_back(arg.name);
+  entry.blame = [names](std::size_t arg, std::size_t dim) -> std::optional<std::string> {
+    const bool input = arg < names.size();
+    if (dim == 0) return input ? "inputs[" + std::to_string(arg) + "]" : std::string("out");
+    if (dim == 1) return input ? "inputs[" + std::to_string(arg) + "]" : std::string("cu_seqlens");
+    return input ? names[arg] : std::string("out");
+  };
+  return entry;
+}
+
+/// The packed entry, and its calls with a malformed cu_seqlens or set of states.
+template <class M, class E>
+void add_packed(Registry& registry, E exec_tag) {
+  auto context = std::make_shared<PackedContext<M>>();
+  const TensorEntry<4> entry = packed_entry<M>(exec_tag, context);
+  registry.add(entry);
+  const auto row = [&](std::string case_name, std::string argument, std::function<void(PackedContext<M>&)> edit) {
+    add_context_row(registry.rows, entry, std::move(case_name), std::move(argument),
+                    [context, edit = std::move(edit)] { edit(*context); });
+  };
+  row("cu_seqlens[0] = 1", "cu_seqlens", [](auto& c) { c.cu_seqlens = {1, 2, 2, kT}; });
+  row("cu_seqlens decreasing", "cu_seqlens", [](auto& c) { c.cu_seqlens = {0, 3, 2, kT}; });
+  row("cu_seqlens[N] = total_T - 1", "cu_seqlens", [](auto& c) { c.cu_seqlens = {0, 2, 2, kT - 1}; });
+  row("cu_seqlens of one offset", "cu_seqlens", [](auto& c) { c.cu_seqlens = {kT}; });
+  row("cu_seqlens[1] = -2^62", "cu_seqlens", [](auto& c) { c.cu_seqlens = {0, -(index_t{1} << 62), 2, kT}; });
+  row("one state too few", "states", [](auto& c) { c.pointers.pop_back(); });
+  row("the same state for two sequences", "states", [](auto& c) { c.pointers[2] = c.pointers[0]; });
+  row("a null state", "states", [](auto& c) { c.pointers[1] = nullptr; });
+  row("a state of batch 2", "states[1]", [](auto& c) {
+    c.states[1] = M::template make_state<float>(c.attention, 2);
+  });
+  row("a default-constructed state", "states[2]", [](auto& c) { c.states[2] = StateOf<M>{}; });
+  row("a state of an attention with H + 1 heads", "states[0]", [](auto& c) {
+    c.states[0] = M::template make_state<float>(M::make(kH + 1), 1);
+  });
+  if constexpr (HasOtherKind<M>)
+    row("a state of another attention type (kind)", "states[1]",
+        [](auto& c) { c.states[1] = M::other_kind_state(1); });
+}
+
 template <class M, class E>
 void add_sequence_and_decode(Registry& registry, E exec_tag) {
   registry.add(forward_entry<M>(exec_tag));
@@ -509,6 +595,7 @@ void add_sequence_and_decode(Registry& registry, E exec_tag) {
     const auto step = step_entry<M>(exec_tag, step_context);
     registry.add(step);
     add_state_rows<M>(registry, step, step_context);
+    add_packed<M>(registry, exec_tag);
   }
 }
 

@@ -28,4 +28,6 @@
 #include "latte/policies/reweight.hpp"
 #include "latte/policies/stabilizer.hpp"
 #include "latte/policies/window.hpp"
+#include "latte/serving/packed_prefill.hpp"
+#include "latte/serving/state_pool.hpp"
 #include "latte/version.hpp"

@@ -535,6 +535,11 @@ class ConvCompressedAttention {
                          detail::named(v, "values"));
   }
 
+ public:
+  /// Throws latte::Error unless `state` belongs to this attention (kind and sizes)
+  /// and can take `new_tokens` more tokens of `batch` sequences (capacity): the
+  /// check every call with a state makes first. Public so that a caller running
+  /// many states (forward_packed) checks them all before any of them moves.
   /// Allocation-free on success (step calls it per token).
   template <Real T>
   void validate_state(const State<T>& state, index_t batch, index_t new_tokens) const {
@@ -556,6 +561,7 @@ class ConvCompressedAttention {
                                              s.context_capacity));
   }
 
+ private:
   ConvCompressedDims dims_;
   SlidingWindow window_{};
   double scale_ = 1.0;

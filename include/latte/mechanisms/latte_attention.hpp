@@ -448,6 +448,11 @@ class LatteAttention {
                          detail::named(k, "key_logits"), detail::named(v, "values"));
   }
 
+ public:
+  /// Throws latte::Error unless `state` belongs to this attention (kind and sizes)
+  /// and can take `new_tokens` more tokens of `batch` sequences (capacity): the
+  /// check every call with a state makes first. Public so that a caller running
+  /// many states (forward_packed) checks them all before any of them moves.
   /// Allocation-free on success (step calls it per token).
   template <Real T>
   void validate_state(const State<T>& state, index_t batch, index_t new_tokens = 1) const {
@@ -460,6 +465,7 @@ class LatteAttention {
     state.require_room(new_tokens);
   }
 
+ private:
   LatteDims dims_;
   detail::KindNames kinds_{kind<float>(), kind<double>()};
   std::vector<double> angles_;  // [H * (Dv/2)] for VAPOR, empty otherwise

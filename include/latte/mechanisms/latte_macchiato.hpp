@@ -641,6 +641,11 @@ class LatteMacchiato {
                          detail::named(wk, "window_keys"), detail::named(v, "values"));
   }
 
+ public:
+  /// Throws latte::Error unless `state` belongs to this attention (kind and sizes)
+  /// and can take `new_tokens` more tokens of `batch` sequences (capacity): the
+  /// check every call with a state makes first. Public so that a caller running
+  /// many states (forward_packed) checks them all before any of them moves.
   /// Allocation-free on success (step calls it per token).
   template <Real T>
   void validate_state(const State<T>& state, index_t batch, index_t new_tokens) const {
@@ -661,6 +666,7 @@ class LatteMacchiato {
                                *state.field(5)));
   }
 
+ private:
   MacchiatoDims dims_;
   MacchiatoOptions options_;
   double scale_ = 1.0;

@@ -613,6 +613,11 @@ class Lavo {
                          detail::named(v, "values"));
   }
 
+ public:
+  /// Throws latte::Error unless `state` belongs to this attention (kind and sizes)
+  /// and can take `new_tokens` more tokens of `batch` sequences (capacity): the
+  /// check every call with a state makes first. Public so that a caller running
+  /// many states (forward_packed) checks them all before any of them moves.
   /// Allocation-free on success (step calls it per token).
   template <Real T>
   void validate_state(const State<T>& state, index_t batch, index_t new_tokens) const {
@@ -625,6 +630,7 @@ class Lavo {
     state.require_room(new_tokens);
   }
 
+ private:
   LavoDims dims_;
   LavoEmptyMemory empty_memory_;
   Tensor<double, 3> bases_;

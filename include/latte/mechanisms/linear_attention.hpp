@@ -566,6 +566,11 @@ class LinearAttention {
                                   key_length == query_length ? "[B, T, H]" : "[B, S, H]", out);
   }
 
+ public:
+  /// Throws latte::Error unless `state` belongs to this attention (kind and sizes)
+  /// and can take `new_tokens` more tokens of `batch` sequences (capacity): the
+  /// check every call with a state makes first. Public so that a caller running
+  /// many states (forward_packed) checks them all before any of them moves.
   /// Allocation-free on success (step calls it per token).
   template <Real T>
   void validate_state(const State<T>& state, index_t batch, index_t new_tokens) const {
@@ -583,6 +588,7 @@ class LinearAttention {
       (void)cosformer_length(static_cast<index_t>(state.position() + new_tokens), 0);
   }
 
+ private:
   template <Real T>
   void validate_step(State<T>& state, const TensorView<const T, 3>& q,
                      const TensorView<const T, 3>& k, const TensorView<const T, 3>& v,

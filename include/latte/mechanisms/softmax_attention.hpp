@@ -361,6 +361,11 @@ class SoftmaxAttention {
                          detail::named(v, "values"));
   }
 
+ public:
+  /// Throws latte::Error unless `state` belongs to this attention (kind and sizes)
+  /// and can take `new_tokens` more tokens of `batch` sequences (capacity): the
+  /// check every call with a state makes first. Public so that a caller running
+  /// many states (forward_packed) checks them all before any of them moves.
   /// Allocation-free on success (step calls it per token).
   template <Real T>
   void validate_state(const State<T>& state, index_t batch, index_t new_tokens) const {
@@ -380,6 +385,7 @@ class SoftmaxAttention {
                                ">= " + std::to_string(needed), state.capacity()));
   }
 
+ private:
   SoftmaxDims dims_;
   Win window_;
   detail::KindNames kinds_{kind<float>(), kind<double>()};
