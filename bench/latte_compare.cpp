@@ -47,6 +47,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -321,7 +322,7 @@ int main(int argc, char** argv) {
   // A run's row, or in a later round the faster of it and the row it repeats.
   auto record = [&](const Row& row) {
     for (Row& r : rows)
-      if (r.mechanism == row.mechanism && r.direction == row.direction && r.T == row.T) {
+      if (r.mechanism == row.mechanism && r.direction == row.direction && r.B == row.B && r.T == row.T) {
         r.seconds = std::min(r.seconds, row.seconds);
         r.extra_bytes = std::max(r.extra_bytes, row.extra_bytes);
         return;
@@ -547,6 +548,93 @@ int main(int argc, char** argv) {
                       4.0 * B * H * L * D, extra[i]});
   }
 
+  // Serving (docs/serving.md). Decode throughput: N live sequences stepped together
+  // through a StatePool, one token each per call (B = N, T = 1, tokens/s = N /
+  // seconds), contexts drawn log-uniformly from 256..16K; causal Latte against the
+  // softmax KV-cache step. A step's cost does not depend on what the states hold,
+  // only on where they are: Latte's states are advanced to their context (the
+  // carry's size is O(L * Dv) at any position), the KV caches are written in full
+  // to their context (a real cache's memory traffic) and advanced. Packed prefill:
+  // fifty prompts log-uniform in 64..4K plus one 64K prompt through
+  // forward_packed, against one forward over a sequence of the same total length.
+  if (options.wanted("serving")) {
+    std::mt19937 serving_rng(11);
+    std::uniform_real_distribution<double> log_context(std::log(256.0), std::log(16384.0));
+    constexpr int max_steps = 16;  // timed calls per pool: each advances every slot by one
+    for (const index_t live : {index_t{1}, index_t{8}, index_t{64}, index_t{256}}) {
+      std::vector<index_t> contexts;
+      double context_sum = 0;
+      for (index_t i = 0; i < live; ++i) {
+        contexts.push_back(static_cast<index_t>(std::llround(std::exp(log_context(serving_rng)))));
+        context_sum += double(contexts.back());
+      }
+      auto q1 = random_tensor<3>(rng, {live, H, L}), k1 = random_tensor<3>(rng, {live, H, L});
+      auto v1 = random_tensor<3>(rng, {live, H, D});
+      latte::Tensor<float, 3> o1({live, H, D});
+      const auto inputs = std::make_tuple(q1.cview(), k1.cview(), v1.cview());
+      {
+        latte::StatePool<latte::LatteAttention<latte::Causal>, float> pool(latte_causal, live);
+        std::vector<latte::PoolSlot> slots;
+        for (index_t i = 0; i < live; ++i) {
+          slots.push_back(pool.acquire());
+          pool.state(slots.back()).advance(contexts[static_cast<std::size_t>(i)]);
+        }
+        const auto [seconds, extra] = measure([&] { pool.step(latte::exec::cpu, slots, inputs, o1.view()); },
+                                              options.min_time, max_steps);
+        record({"latte_pool_step", "causal", live, 1, H, L, D, seconds, 4.0 * live * H * L * D, extra});
+        if (!options.csv) std::fprintf(stderr, "  %-22s N=%-8td %10.6f s\n", "latte_pool_step", live, seconds);
+      }
+      {
+        // A StatePool sizes every slot alike, and KV caches of 16K tokens for 256
+        // slots would hold 4x the tokens these contexts have: each cache is made at
+        // its own capacity instead and the caches stepped side by side, as the pool steps.
+        std::vector<latte::KVCache<float>> caches;
+        caches.reserve(static_cast<std::size_t>(live));
+        for (index_t i = 0; i < live; ++i) {
+          const index_t context = contexts[static_cast<std::size_t>(i)];
+          caches.push_back(softmax_causal.make_state<float>(1, context + max_steps));
+          for (index_t h = 0; h < H; ++h) {
+            auto slots = caches.back().slots(0, h);
+            std::fill(slots.keys, slots.keys + context * D, 0.01f * float(h + 1));
+            std::fill(slots.values, slots.values + context * D, 0.02f);
+          }
+          caches.back().advance(context);
+        }
+        const auto [seconds, extra] = measure([&] {
+          latte::cpu::parallel_for(live, latte::cpu::thread_count(), [&](index_t n, int) {
+            const auto row = [n](const auto& view) { return latte::detail::batch_row(view, n); };
+            softmax_causal.step(latte::exec::cpu, caches[static_cast<std::size_t>(n)], row(q1.cview()),
+                                row(k1.cview()), row(v1.cview()), row(o1.view()));
+          });
+        }, options.min_time, max_steps);
+        record({"softmax_pool_step", "causal", live, 1, H, D, D, seconds, 2.0 * H * context_sum * (D + D), extra});
+        if (!options.csv) std::fprintf(stderr, "  %-22s N=%-8td %10.6f s\n", "softmax_pool_step", live, seconds);
+      }
+    }
+    {
+      std::uniform_real_distribution<double> log_prompt(std::log(64.0), std::log(4096.0));
+      std::vector<index_t> cu_seqlens{0, 65536};
+      for (int i = 0; i < 50; ++i)
+        cu_seqlens.push_back(cu_seqlens.back() + static_cast<index_t>(std::llround(std::exp(log_prompt(serving_rng)))));
+      const index_t total = cu_seqlens.back();
+      auto q = random_tensor<4>(rng, {1, total, H, L}), k = random_tensor<4>(rng, {1, total, H, L});
+      auto v = random_tensor<4>(rng, {1, total, H, D});
+      latte::Tensor<float, 4> out({1, total, H, D});
+      const double flops = 4.0 * total * H * L * D;
+      for (int repeat = 0; repeat < 2; ++repeat) {  // interleaved, each row keeps its best
+        const auto [one, one_extra] = measure([&] { latte_causal.forward(latte::exec::cpu, q, k, v, out.view()); },
+                                              options.min_time);
+        record({"latte_one_sequence", "causal", 1, total, H, L, D, one, flops, one_extra});
+        const auto [packed, packed_extra] = measure([&] {
+          latte::forward_packed(latte_causal, latte::exec::cpu, cu_seqlens,
+                                std::make_tuple(q.cview(), k.cview(), v.cview()), out.view());
+        }, options.min_time);
+        record({"latte_forward_packed", "causal", 1, total, H, L, D, packed, flops, packed_extra});
+      }
+      if (!options.csv) std::fprintf(stderr, "  packed prefill: 51 prompts, %td tokens\n", total);
+    }
+  }
+
   peak = std::max(peak, fma_peak_gflops(8));
   rows.front().flops = peak * 1e9;
 
@@ -571,6 +659,12 @@ int main(int argc, char** argv) {
       if (s.mechanism == (r.mechanism.find("decode") != std::string::npos ? "softmax_decode_step"
                                                                           : "softmax") &&
           s.T == r.T)
+        baseline = s.seconds;
+    // Serving rows: the pool step against the KV-cache step of as many sequences,
+    // packed prefill against one sequence of the same total length.
+    for (const Row& s : rows)
+      if ((r.mechanism == "latte_pool_step" && s.mechanism == "softmax_pool_step" && s.B == r.B) ||
+          (r.mechanism == "latte_forward_packed" && s.mechanism == "latte_one_sequence" && s.T == r.T))
         baseline = s.seconds;
     char versus[32] = "-";
     if (baseline > 0) std::snprintf(versus, sizeof versus, "%.1fx faster", baseline / r.seconds);
