@@ -712,6 +712,91 @@ void drive_packed(Fuzz& fuzz, const Features& f, index_t time, index_t heads, co
       fail(std::string(what) + ": a refused forward_packed moved a state");
 }
 
+/// StatePool (serving/state_pool.hpp) of a fuzzed slot count (sometimes 0 or -1:
+/// refused), then a fuzzed run of acquire (a full pool refused), release (and the
+/// same handle again: refused), step over fuzzed slot lists (live, repeated,
+/// released, another pool's, default) with fuzzed [N, H, *] views (sometimes a
+/// row too many), and restore of corrupted saved bytes. A refused call must leave
+/// every live slot's saved bytes unchanged; an accepted step is checked like a
+/// forward (its positions may be anything, so not for finiteness).
+template <class T, class Attention, class... StateArgs>
+void drive_pool(Fuzz& fuzz, const Features& f, index_t heads, const char* what, const Attention& a,
+                StateArgs... state_args) {
+  using Pool = latte::StatePool<Attention, T>;
+  std::optional<Pool> pool, other;
+  const index_t slots = fuzz.coin(16) ? fuzz.pick<index_t>({0, -1}) : fuzz.size(1, 4);
+  if (!attempt([&] { pool.emplace(a, slots, state_args...); }, Demand::over_cap)) return;
+  if (!attempt([&] { other.emplace(a, 1, state_args...); }, Demand::over_cap)) return;
+  const latte::PoolSlot foreign = other->acquire();
+  std::vector<latte::PoolSlot> live, released;
+  const auto live_bytes = [&] {
+    std::vector<std::vector<std::byte>> bytes;
+    for (const latte::PoolSlot& slot : live) bytes.push_back(pool->save(slot));
+    return bytes;
+  };
+  const auto refused_unchanged = [&](const std::vector<std::vector<std::byte>>& before) {
+    if (live_bytes() != before) fail(std::string(what) + ": a refused StatePool call changed a live slot");
+  };
+  for (int op = fuzz.in().ConsumeIntegralInRange<int>(1, 8); op > 0; --op) {
+    const auto before = live_bytes();
+    switch (fuzz.in().ConsumeIntegralInRange<int>(0, 3)) {
+      case 0: {
+        latte::PoolSlot slot;
+        if (attempt([&] { slot = pool->acquire(); })) {
+          live.push_back(slot);
+        } else {
+          if (pool->live() != pool->capacity()) fail(std::string(what) + ": acquire refused with a free slot");
+          refused_unchanged(before);
+        }
+        break;
+      }
+      case 1: {
+        if (live.empty()) break;
+        const std::size_t i = fuzz.in().ConsumeIntegralInRange<std::size_t>(0, live.size() - 1);
+        const latte::PoolSlot slot = live[i];
+        if (!attempt([&] { pool->release(slot); })) fail(std::string(what) + ": release of a live slot refused");
+        live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
+        released.push_back(slot);
+        const auto after = live_bytes();
+        if (attempt([&] { pool->release(slot); })) fail(std::string(what) + ": a double release was accepted");
+        refused_unchanged(after);
+        break;
+      }
+      case 2: {
+        std::vector<latte::PoolSlot> chosen;
+        for (const latte::PoolSlot& slot : live)
+          if (fuzz.coin(2)) chosen.push_back(slot);
+        bool bad = false;
+        if (!chosen.empty() && fuzz.coin(8)) chosen.push_back(chosen.front()), bad = true;
+        if (!released.empty() && fuzz.coin(8)) chosen.push_back(released.back()), bad = true;
+        if (fuzz.coin(16)) chosen.push_back(foreign), bad = true;
+        if (fuzz.coin(16)) chosen.push_back(latte::PoolSlot{}), bad = true;
+        const auto N = static_cast<index_t>(chosen.size());
+        const index_t rows = fuzz.coin(8) ? N + 1 : N;
+        const auto values = fuzz.values();
+        auto call = fuzz.call<T, 3>(input_extents<3>(f, rows, 0, heads), {rows, heads, f.out}, values);
+        const auto views = [&]<std::size_t... I>(std::index_sequence<I...>) {
+          return std::make_tuple(call.inputs[I].cview()...);
+        }(std::make_index_sequence<3>{});
+        if (attempt([&] { pool->step(latte::exec::cpu, chosen, views, call.out.view()); })) {
+          if (bad || rows != N) fail(std::string(what) + ": a step over bad slots or rows was accepted");
+          check_accepted(call, false, what);
+        } else {
+          refused_unchanged(before);
+        }
+        break;
+      }
+      default: {
+        if (live.empty()) break;
+        const latte::PoolSlot slot = live[fuzz.in().ConsumeIntegralInRange<std::size_t>(0, live.size() - 1)];
+        const std::vector<std::byte> bytes = fuzz.corrupt(pool->save(slot));
+        if (!attempt([&] { pool->restore(slot, bytes); })) refused_unchanged(before);
+        break;
+      }
+    }
+  }
+}
+
 // ------------------------------------------------------------- mechanisms --
 
 /// Common sizes of one call.
@@ -800,6 +885,7 @@ void latte_attention(Fuzz& fuzz, const Sizes& s) {
         },
         [&](std::span<const std::byte> bytes) { return a.template load_state<T>(bytes); });
     drive_packed<T, 3>(fuzz, f, s.time, s.heads, "LatteAttention forward_packed", a, make, state_demand);
+    drive_pool<T>(fuzz, f, s.heads, "LatteAttention StatePool", a, first);
   }
 }
 
