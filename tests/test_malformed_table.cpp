@@ -1,7 +1,8 @@
 // The malformed-call table (issue 7, item 1): every public entry point of every
 // mechanism x every malformed case, in one place, checked the same way.
 //
-// Entry points: forward, forward with a state, make_state, step, State::restore,
+// Entry points: forward, forward with a state, forward_packed, StatePool (LatteAttention),
+// make_state, step, State::restore,
 // backward (SoftmaxAttention, LatteAttention, LatteMacchiato, LinearAttention and
 // its cross_backward, reference + cpu; malformed_backward.hpp),
 // load_state and the constructors of LatteAttention (reference + cpu),
@@ -583,6 +584,68 @@ void add_packed(Registry& registry, E exec_tag) {
         [](auto& c) { c.states[1] = M::other_kind_state(1); });
 }
 
+/// StatePool (exec::cpu, a pool of 3 slots: two live, one released): every refused
+/// call names its argument and leaves every live slot's saved bytes unchanged.
+template <class M>
+void add_pool_rows(Registry& registry) {
+  using Pool = StatePool<typename M::A, float>;
+  struct Context {
+    typename M::A attention = M::make();
+    Pool pool{attention, 3};
+    Pool other{attention, 1};
+    PoolSlot a, b, released;
+    Context() {
+      a = pool.acquire();
+      b = pool.acquire();
+      released = pool.acquire();
+      pool.release(released);
+    }
+    std::vector<std::vector<std::byte>> bytes() const { return {pool.save(a), pool.save(b)}; }
+  };
+  const std::string entry = entry_name<M>("StatePool", "cpu");
+  const auto row = [&](std::string case_name, std::string argument, std::function<void(Context&)> call) {
+    registry.rows.push_back({entry, std::move(case_name), std::move(argument), [call] {
+                               auto c = std::make_shared<Context>();
+                               const auto before = c->bytes();
+                               return attempt([&] { call(*c); }, [&] { return c->bytes() == before; });
+                             }});
+  };
+  const auto step = [](Context& c, std::vector<PoolSlot> slots, index_t rows, index_t out_rows) {
+    Tensor<float, 3> q({rows, kH, kL}, 0.5f), k({rows, kH, kL}, 0.25f), v({rows, kH, kDv}, 1.0f);
+    Tensor<float, 3> out({out_rows, kH, kDv});
+    c.pool.step(exec::cpu, slots, std::make_tuple(q.cview(), k.cview(), v.cview()), out.view());
+  };
+  add_call_row(registry.rows, entry, "0 slots", "slots",
+               [] { Pool(M::make(), 0); });
+  row("acquire from a full pool", "pool", [](Context& c) {
+    (void)c.pool.acquire();
+    (void)c.pool.acquire();
+  });
+  row("release a released slot", "slot", [](Context& c) { c.pool.release(c.released); });
+  row("release a default handle", "slot", [](Context& c) { c.pool.release(PoolSlot{}); });
+  row("release another pool's slot", "slot", [](Context& c) { c.pool.release(c.other.acquire()); });
+  row("save a slot index out of range", "slot", [](Context& c) {
+    PoolSlot slot = c.a;
+    slot.index = 7;
+    (void)c.pool.save(slot);
+  });
+  row("step: a slot twice", "slots", [step](Context& c) { step(c, {c.a, c.b, c.a}, 3, 3); });
+  row("step: a released slot", "slots", [step](Context& c) { step(c, {c.a, c.released}, 2, 2); });
+  row("step: out with a row too many", "out", [step](Context& c) { step(c, {c.a, c.b}, 2, 3); });
+  row("step: inputs with a row too few", "inputs[0]", [step](Context& c) { step(c, {c.a, c.b}, 1, 2); });
+  row("restore damaged bytes", "bytes", [](Context& c) {
+    std::vector<std::byte> bytes = c.pool.save(c.a);
+    bytes[bytes.size() / 2] ^= std::byte{1};
+    c.pool.restore(c.a, bytes);
+  });
+  row("forward_packed into a released slot", "slots", [](Context& c) {
+    Tensor<float, 4> q({1, 4, kH, kL}, 0.5f), k({1, 4, kH, kL}, 0.25f), v({1, 4, kH, kDv}, 1.0f), out({1, 4, kH, kDv});
+    const std::vector<index_t> cu{0, 2, 4};
+    c.pool.forward_packed(exec::cpu, std::vector<PoolSlot>{c.a, c.released}, cu,
+                          std::make_tuple(q.cview(), k.cview(), v.cview()), out.view());
+  });
+}
+
 template <class M, class E>
 void add_sequence_and_decode(Registry& registry, E exec_tag) {
   registry.add(forward_entry<M>(exec_tag));
@@ -909,6 +972,7 @@ Registry build_registry() {
   add_call_row(rows, entry_name<LatteVapor>("make_state", "-"), "first_position -1",
                "first_position", [] { (void)LatteVapor::make().make_state<float>(kB, -1); });
   add_state_bytes_rows<LatteVapor>(registry);
+  add_pool_rows<LatteVapor>(registry);
   {
     const std::string ctor = entry_name<LatteVapor>("LatteAttention()", "-");
     using A = LatteVapor::A;
