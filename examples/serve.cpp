@@ -14,6 +14,8 @@
 //        (defaults: 64 requests, 16 slots, prompts 64..2048, up to 256 new tokens)
 #include <latte/attention.hpp>
 
+#include "example_support.hpp"
+
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -28,6 +30,7 @@
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using example::random_tensor;
 using latte::index_t;
 using Attention = latte::LatteAttention<latte::Causal, latte::RunningMax, latte::VAPOR>;
 
@@ -69,14 +72,6 @@ Options parse(int argc, char** argv) {
     std::exit(2);
   }
   return o;
-}
-
-template <std::size_t N>
-latte::Tensor<float, N> random_tensor(std::mt19937& rng, const std::array<index_t, N>& extents) {
-  latte::Tensor<float, N> t(extents);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (index_t i = 0; i < t.size(); ++i) t.data()[i] = normal(rng);
-  return t;
 }
 
 double seconds_since(Clock::time_point start) {

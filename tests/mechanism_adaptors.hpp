@@ -36,6 +36,22 @@ std::vector<T> as_scalars(const Tensor& x) {
   return {x.data(), x.data() + x.size()};
 }
 
+template <class A>
+inline constexpr bool state_needs_capacity = false;  // KV caches and context buffers are sized up front
+template <class Dir, class Win>
+inline constexpr bool state_needs_capacity<SoftmaxAttention<Dir, Win>> = true;
+template <class Dir>
+inline constexpr bool state_needs_capacity<ConvCompressedAttention<Dir>> = true;
+
+/// A fresh batch-1 decode state; `capacity` tokens where the state is sized up front.
+template <class T, class A>
+typename A::template State<T> fresh_state(const A& attention, index_t capacity) {
+  if constexpr (state_needs_capacity<A>)
+    return attention.template make_state<T>(1, capacity);
+  else
+    return attention.template make_state<T>(1);
+}
+
 /// The sizes of a test problem (not every mechanism reads every field).
 struct LayerShape {
   index_t batch, time, heads, latents, key_dim, value_dim, model_dim, window;

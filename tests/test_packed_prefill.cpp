@@ -35,21 +35,6 @@ namespace {
 using namespace latte;
 using namespace latte::test;
 
-template <class A>
-inline constexpr bool state_needs_capacity = false;  // KV caches and context buffers are sized up front
-template <class Dir, class Win>
-inline constexpr bool state_needs_capacity<SoftmaxAttention<Dir, Win>> = true;
-template <class Dir>
-inline constexpr bool state_needs_capacity<ConvCompressedAttention<Dir>> = true;
-
-template <class T, class A>
-typename A::template State<T> fresh_state(const A& attention, index_t capacity) {
-  if constexpr (state_needs_capacity<A>)
-    return attention.template make_state<T>(1, capacity);
-  else
-    return attention.template make_state<T>(1);
-}
-
 /// One sequence's tokens of every input: [1, tokens, H, width] each.
 template <class T>
 using Streams = std::vector<Tensor<T, 4>>;
@@ -292,20 +277,16 @@ TEST_CASE("forward_packed: bad calls are refused by name and leave every state u
   expect_error([&] { call({0, 4, 9}, {&a, &a}); }, "states", "the same state");
   expect_error([&] { call({0, 4, 9}, {&a, nullptr}); }, "states", "null");
   expect_error([&] { call({0, 4, 9}, {&a, &two}); }, "states[1]", "");
+  const auto call_on = [&](const Tensor<float, 4>& keys, const Tensor<float, 4>& values) {
+    std::vector<index_t> cu{0, 4, 9};
+    forward_packed(attention, exec::cpu, std::span<const index_t>(cu),
+                   std::make_tuple(q.cview(), keys.cview(), values.cview()), out.view(),
+                   std::span<State* const>(states));
+  };
   const Tensor<float, 4> short_k = random_tensor<float, 4>(rng, {1, 8, 2, 3}, 1.0);
-  expect_error([&] {
-    std::vector<index_t> cu{0, 4, 9};
-    forward_packed(attention, exec::cpu, std::span<const index_t>(cu),
-                   std::make_tuple(q.cview(), short_k.cview(), v.cview()), out.view(),
-                   std::span<State* const>(states));
-  }, "inputs[1]", "total_T");
+  expect_error([&] { call_on(short_k, v); }, "inputs[1]", "total_T");
   const Tensor<float, 4> wide_v = random_tensor<float, 4>(rng, {1, 9, 2, 5}, 1.0);
-  expect_error([&] {
-    std::vector<index_t> cu{0, 4, 9};
-    forward_packed(attention, exec::cpu, std::span<const index_t>(cu),
-                   std::make_tuple(q.cview(), k.cview(), wide_v.cview()), out.view(),
-                   std::span<State* const>(states));
-  }, "values", "");
+  expect_error([&] { call_on(k, wide_v); }, "values", "");
   CHECK(a.save() == bytes_a);
   CHECK(b.save() == bytes_b);
   // A KV cache without room for its sequence: refused before any other state moves.

@@ -38,26 +38,12 @@ using namespace latte::test;
 constexpr index_t kLongest = 96;  // tokens a request may absorb (KV-cache / context capacity)
 constexpr index_t kSlots = 5;
 
-template <class A>
-inline constexpr bool state_needs_capacity = false;
-template <class Dir, class Win>
-inline constexpr bool state_needs_capacity<SoftmaxAttention<Dir, Win>> = true;
-template <class Dir>
-inline constexpr bool state_needs_capacity<ConvCompressedAttention<Dir>> = true;
-
 template <class T, class A>
 StatePool<A, T> make_pool(const A& attention) {
   if constexpr (state_needs_capacity<A>)
     return StatePool<A, T>(attention, kSlots, kLongest);
   else
     return StatePool<A, T>(attention, kSlots);
-}
-template <class T, class A>
-typename A::template State<T> make_state(const A& attention) {
-  if constexpr (state_needs_capacity<A>)
-    return attention.template make_state<T>(1, kLongest);
-  else
-    return attention.template make_state<T>(1);
 }
 
 /// Calls f(std::make_tuple(views[0], ..., views[K - 1])).
@@ -185,7 +171,7 @@ struct PoolRun {
       refused_unchanged([&] { (void)pool.acquire(); }, "pool");
       return;
     }
-    Request<T, A> r{pool.acquire(), make_state<T>(attention), {}, Tensor<T, 4>({1, 0, heads, value_dim}), 0};
+    Request<T, A> r{pool.acquire(), fresh_state<T>(attention, kLongest), {}, Tensor<T, 4>({1, 0, heads, value_dim}), 0};
     for (index_t w : widths) r.tokens.push_back(Tensor<T, 4>({1, 0, heads, w}));
     live.push_back(std::move(r));
   }
