@@ -27,6 +27,7 @@
 
 #include "latte/backends/cpu/parallel.hpp"
 #include "latte/core/error.hpp"
+#include "latte/core/half_float.hpp"
 #include "latte/core/shape_check.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
@@ -115,8 +116,9 @@ void check_packed(const TensorView<T, N>& view, std::string_view argument, index
 /// order (q, k, v; Macchiato's five; LeaP's proportions [1, total_T, H] too),
 /// each [1, total_T, H, *]; `out` [1, total_T, H, Dv]. With `states` (one per
 /// sequence, batch 1, distinct), sequence i continues from *states[i] and leaves
-/// it at its end; without, every sequence starts fresh at position 0.
-template <class Attention, exec::Policy E, Real T, class... Inputs>
+/// it at its end; without, every sequence starts fresh at position 0. With
+/// bf16 / fp16 activations, pass HalfPrecision(attention) (half_precision.hpp).
+template <class Attention, exec::Policy E, Activation T, class... Inputs>
   requires(Attention::direction::is_causal)
 void forward_packed(const Attention& attention, E e, std::span<const index_t> cu_seqlens,
                     const std::tuple<Inputs...>& inputs, TensorView<T, 4> out,
@@ -196,7 +198,7 @@ void forward_packed(const Attention& attention, E e, std::span<const index_t> cu
 }
 
 /// The same, each sequence starting fresh (no states).
-template <class Attention, exec::Policy E, Real T, class... Inputs>
+template <class Attention, exec::Policy E, Activation T, class... Inputs>
   requires(Attention::direction::is_causal)
 void forward_packed(const Attention& attention, E e, std::span<const index_t> cu_seqlens,
                     const std::tuple<Inputs...>& inputs, TensorView<T, 4> out) {
