@@ -31,6 +31,8 @@
 //                                  the contexts taking turns after all lengths ran)
 //   linear causal (elu+1, cosFormer): B*T*H*(4*E*D + 3*E), E = expanded features
 //                                  (Dk for elu+1, 2*Dk for cosFormer; the L column)
+//   bf16 rows (latte_bf16, against latte_fp32 on the same values): latte's
+//                                  formula; T >= 16K up to 64K only
 //   macchiato (L latents, window 128 with RoPE), LAVO (r = 64 bases in the L
 //   column, window 64), conv-compression (levels 2, group M = 64 in the L
 //   column): the models of bench/flop_models.hpp.
@@ -635,6 +637,40 @@ int main(int argc, char** argv) {
     }
   }
 
+  // bf16 activations (serving/half_precision.hpp): causal and bidirectional Latte
+  // reading bf16 inputs and writing a bf16 output (fp32 sums and state), against
+  // the fp32 forward on the same values, interleaved; T >= 16K up to 64K.
+  if (options.wanted("bf16")) {
+    for (const index_t T : options.lengths) {
+      if (T < 16384 || T > 65536) continue;
+      auto q = random_tensor<4>(rng, {B, T, H, L}), k = random_tensor<4>(rng, {B, T, H, L});
+      auto v = random_tensor<4>(rng, {B, T, H, D});
+      latte::Tensor<float, 4> out({B, T, H, D});
+      auto to_bf16 = [](const latte::Tensor<float, 4>& x) {
+        latte::Tensor<latte::bfloat16, 4> y(x.extents());
+        for (index_t i = 0; i < x.size(); ++i) y.data()[i] = latte::bfloat16(x.data()[i]);
+        return y;
+      };
+      const auto q16 = to_bf16(q), k16 = to_bf16(k), v16 = to_bf16(v);
+      latte::Tensor<latte::bfloat16, 4> out16({B, T, H, D});
+      const double flops = 4.0 * B * T * H * L * D;
+      for (int repeat = 0; repeat < 2; ++repeat) {
+        auto both = [&](const auto& attention, const char* direction) {
+          const auto [fp32, fp32_extra] = measure([&] { attention.forward(latte::exec::cpu, q, k, v, out.view()); },
+                                                  options.min_time);
+          record({"latte_fp32", direction, B, T, H, L, D, fp32, flops, fp32_extra});
+          const auto [bf16, bf16_extra] = measure([&] {
+            attention.forward(latte::exec::cpu, q16.cview(), k16.cview(), v16.cview(), out16.view());
+          }, options.min_time);
+          record({"latte_bf16", direction, B, T, H, L, D, bf16, flops, bf16_extra});
+        };
+        both(latte_causal, "causal");
+        both(latte_bidirectional, "bidirectional");
+      }
+      if (!options.csv) std::fprintf(stderr, "  bf16 forward T=%td\n", T);
+    }
+  }
+
   peak = std::max(peak, fma_peak_gflops(8));
   rows.front().flops = peak * 1e9;
 
@@ -664,7 +700,9 @@ int main(int argc, char** argv) {
     // packed prefill against one sequence of the same total length.
     for (const Row& s : rows)
       if ((r.mechanism == "latte_pool_step" && s.mechanism == "softmax_pool_step" && s.B == r.B) ||
-          (r.mechanism == "latte_forward_packed" && s.mechanism == "latte_one_sequence" && s.T == r.T))
+          (r.mechanism == "latte_forward_packed" && s.mechanism == "latte_one_sequence" && s.T == r.T) ||
+          (r.mechanism == "latte_bf16" && s.mechanism == "latte_fp32" && s.T == r.T &&
+           s.direction == r.direction))
         baseline = s.seconds;
     char versus[32] = "-";
     if (baseline > 0) std::snprintf(versus, sizeof versus, "%.1fx faster", baseline / r.seconds);

@@ -7,10 +7,12 @@
 // pool.step advances every live request by one token, each at its own position.
 // Requests that have their tokens retire and free their slots. The model around
 // the attention is left out: the "next token"'s query / key / value projections
-// are random here, as are the prompts'.
+// are random here, as are the prompts'. With --bf16 1 the prompts arrive in
+// bfloat16, as a server keeps its activations, and are prefilled through
+// latte::HalfPrecision (fp32 sums and states; docs/serving.md).
 //
 // Usage: serve [--requests N] [--slots S] [--min-prompt P] [--max-prompt P]
-//              [--max-new T] [--seed S]
+//              [--max-new T] [--seed S] [--bf16 0|1]
 //        (defaults: 64 requests, 16 slots, prompts 64..2048, up to 256 new tokens)
 #include <latte/attention.hpp>
 
@@ -45,6 +47,7 @@ struct Options {
   int requests = 64, slots = 16;
   index_t min_prompt = 64, max_prompt = 2048, max_new = 256;
   unsigned seed = 1;
+  bool bf16 = false;
 };
 
 Options parse(int argc, char** argv) {
@@ -62,6 +65,7 @@ Options parse(int argc, char** argv) {
     else if (flag == "--max-prompt") o.max_prompt = value;
     else if (flag == "--max-new") o.max_new = value;
     else if (flag == "--seed") o.seed = unsigned(value);
+    else if (flag == "--bf16") o.bf16 = value != 0;
     else {
       std::fprintf(stderr, "serve: unknown flag %s\n", flag.c_str());
       std::exit(2);
@@ -72,6 +76,12 @@ Options parse(int argc, char** argv) {
     std::exit(2);
   }
   return o;
+}
+
+latte::Tensor<latte::bfloat16, 4> to_bf16(const latte::Tensor<float, 4>& x) {
+  latte::Tensor<latte::bfloat16, 4> y(x.extents());
+  for (index_t i = 0; i < x.size(); ++i) y.data()[i] = latte::bfloat16(x.data()[i]);
+  return y;
 }
 
 double seconds_since(Clock::time_point start) {
@@ -115,10 +125,22 @@ int main(int argc, char** argv) {
       auto q = random_tensor<4>(rng, {1, total, H, L}), k = random_tensor<4>(rng, {1, total, H, L});
       auto v = random_tensor<4>(rng, {1, total, H, D});
       latte::Tensor<float, 4> out({1, total, H, D});
-      const auto start = Clock::now();
-      pool.forward_packed(latte::exec::cpu, admitted, cu_seqlens, std::make_tuple(q.cview(), k.cview(), v.cview()),
-                          out.view());
-      prefill_seconds += seconds_since(start);
+      if (o.bf16) {
+        // The prompts in bf16; the admitted slots' fp32 states continue from them.
+        const auto q16 = to_bf16(q), k16 = to_bf16(k), v16 = to_bf16(v);
+        latte::Tensor<latte::bfloat16, 4> out16({1, total, H, D});
+        std::vector<Attention::State<float>*> states;
+        for (const latte::PoolSlot& slot : admitted) states.push_back(&pool.state(slot));
+        const auto start = Clock::now();
+        latte::forward_packed(latte::HalfPrecision(attention), latte::exec::cpu, cu_seqlens,
+                              std::make_tuple(q16.cview(), k16.cview(), v16.cview()), out16.view(), states);
+        prefill_seconds += seconds_since(start);
+      } else {
+        const auto start = Clock::now();
+        pool.forward_packed(latte::exec::cpu, admitted, cu_seqlens, std::make_tuple(q.cview(), k.cview(), v.cview()),
+                            out.view());
+        prefill_seconds += seconds_since(start);
+      }
       prompt_tokens += total;
       ++prefills;
     }
@@ -142,8 +164,8 @@ int main(int argc, char** argv) {
         ++retired;
       }
   }
-  std::printf("serve: %d requests through %d slots (causal Latte + VAPOR, H=%td L=%td D=%td, fp32, exec::cpu)\n",
-              retired, o.slots, H, L, D);
+  std::printf("serve: %d requests through %d slots (causal Latte + VAPOR, H=%td L=%td D=%td, %s prompts, exec::cpu)\n",
+              retired, o.slots, H, L, D, o.bf16 ? "bf16" : "fp32");
   std::printf("  prefill: %td prompt tokens in %d packed calls, %.3f s, %.0f tokens/s\n", prompt_tokens, prefills,
               prefill_seconds, double(prompt_tokens) / prefill_seconds);
   std::printf("  decode:  %td tokens in %d steps over the live requests, %.3f s, %.0f tokens/s\n", decoded_tokens,

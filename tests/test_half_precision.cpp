@@ -240,6 +240,11 @@ struct HalfProblem {
   }
 };
 
+template <class Attention>
+inline constexpr bool is_latte = false;
+template <class Dir, class Stab, class Pos>
+inline constexpr bool is_latte<LatteAttention<Dir, Stab, Pos>> = true;
+
 /// A fresh fp32 state for `batch` sequences, `capacity` tokens where it is sized up front.
 template <class A>
 auto fresh_state_batch(const A& attention, index_t batch, index_t capacity) {
@@ -254,10 +259,15 @@ void half_cases(E e, std::uint64_t seed, double logit_scale = 1.0) {
   using Attention = typename Mechanism::Attention;
   Rng rng(seed);
   // batch, time, heads, latents, key_dim, value_dim, model_dim (unused), window
-  const LayerShape shapes[] = {{2, 37, 2, 3, 4, 4, 0, 2}, {1, 70, 3, 5, 2, 6, 0, 3}, {2, 19, 1, 8, 6, 18, 0, 1}};
+  // For Latte, which reads 16-bit rows itself on exec::cpu, a fourth shape: one
+  // head of 520 tokens, long enough for its kernels to split time across threads
+  // (staged rows crossing the segments' edges).
+  const LayerShape shapes[] = {{2, 37, 2, 3, 4, 4, 0, 2}, {1, 70, 3, 5, 2, 6, 0, 3}, {2, 19, 1, 8, 6, 18, 0, 1},
+                               {1, 520, 1, 16, 4, 32, 0, 4}};
+  constexpr int shape_count = is_latte<Attention> ? 4 : 3;
   double worst = 0;
-  for (int c = 0; c < case_count(3); ++c) {
-    const LayerShape& s = shapes[c % 3];
+  for (int c = 0; c < case_count(shape_count); ++c) {
+    const LayerShape& s = shapes[c % shape_count];
     CAPTURE(c);
     const HalfProblem<H, Mechanism> problem(rng, s, logit_scale);
     const TensorLD<4> oracle = problem.oracle();
@@ -388,11 +398,20 @@ TEST_CASE("HalfPrecision: bad calls are refused by name, the output untouched") 
   expect_error([&] { half.forward(exec::cpu, q.cview(), k.cview(), short_v.cview(), out.view()); }, "values");
   CHECK(untouched());
   // What only the 16-bit views show: aliasing, a null pointer, a strided feature axis.
-  expect_error([&] { half.forward(exec::cpu, q.cview(), k.cview(), TensorView<const bfloat16, 4>(out.view()), out.view()); }, "out", "aliases");
+  for (bool cpu : {false, true}) {
+    auto call = [&](auto e) { half.forward(e, q.cview(), k.cview(), TensorView<const bfloat16, 4>(out.view()), out.view()); };
+    expect_error([&] { cpu ? call(exec::cpu) : call(exec::reference); }, "out", "alias");
+  }
+  CHECK(untouched());
+  // (exec::reference goes through HalfPrecision's conversion, which names arguments by
+  // place; LatteAttention reads bf16 itself on exec::cpu and names them.)
+  expect_error([&] {
+    half.forward(exec::reference, q.cview(), TensorView<const bfloat16, 4>(nullptr, k.extents()), v.cview(), out.view());
+  }, "inputs[1]", "null");
   CHECK(untouched());
   expect_error([&] {
     half.forward(exec::cpu, q.cview(), TensorView<const bfloat16, 4>(nullptr, k.extents()), v.cview(), out.view());
-  }, "inputs[1]", "null");
+  }, "key_logits", "null");
   CHECK(untouched());
   expect_error([&] {
     half.forward(exec::reference, TensorView<const bfloat16, 4>(q.data(), {1, 5, 2, 2}, {40, 8, 4, 2}), k.cview(),

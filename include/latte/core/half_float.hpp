@@ -119,6 +119,10 @@ concept HalfFloat = std::same_as<std::remove_const_t<T>, bfloat16> ||
 template <class T>
 concept Activation = Real<T> || HalfFloat<T>;
 
+/// The type an activation type is computed (summed, kept in states) in.
+template <Activation T>
+using compute_type_t = std::conditional_t<HalfFloat<T>, float, std::remove_const_t<T>>;
+
 template <HalfFloat T>
 constexpr const char* half_dtype_name() noexcept {
   if constexpr (std::same_as<std::remove_const_t<T>, bfloat16>) return "bfloat16";

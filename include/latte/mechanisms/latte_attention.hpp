@@ -29,6 +29,7 @@
 #include "latte/backends/cpu/latte.hpp"
 #include "latte/backends/reference/latte.hpp"
 #include "latte/core/checked_size.hpp"
+#include "latte/core/half_float.hpp"
 #include "latte/core/shape_check.hpp"
 #include "latte/core/state_storage.hpp"
 #include "latte/core/tensor_view.hpp"
@@ -113,21 +114,14 @@ class LatteAttention {
       forward_cuda(e, query_logits, key_logits, values, out);
 #endif
     } else if constexpr (Dir::is_causal) {
-      const index_t L = dims_.latents, Dv = dims_.value_dim;
-      std::vector<T> carries(static_cast<std::size_t>(detail::checked_count<T>(
-          "query_logits", {query_logits.extent(0), dims_.heads, carry_size()})));
-      auto carry_of = [&](index_t b, index_t h) {
-        T* base = carries.data() + (b * dims_.heads + h) * carry_size();
-        const reference::LatteCarry<T> carry{base, base + L, base + 2 * L};
-        reference::latte_reset<Stab>(carry, L, Dv);
-        return carry;
-      };
-      if constexpr (std::is_same_v<E, exec::cpu_t>)
-        cpu::latte_causal_forward<Stab, Pos>(query_logits, key_logits, values, out, angles_, 0,
-                                             carry_of);
-      else
-        reference::latte_causal_forward<Stab, Pos>(query_logits, key_logits, values, out,
-                                                   angles_, 0, carry_of);
+      with_fresh_carries<T>(query_logits.extent(0), [&](auto&& carry_of) {
+        if constexpr (std::is_same_v<E, exec::cpu_t>)
+          cpu::latte_causal_forward<Stab, Pos>(query_logits, key_logits, values, out, angles_, 0,
+                                               carry_of);
+        else
+          reference::latte_causal_forward<Stab, Pos>(query_logits, key_logits, values, out,
+                                                     angles_, 0, carry_of);
+      });
     } else if constexpr (std::is_same_v<E, exec::cpu_t>) {
       cpu::latte_bidirectional_forward<Stab, Pos>(query_logits, key_logits, values, out, angles_);
     } else {
@@ -135,6 +129,40 @@ class LatteAttention {
                                                         angles_);
     }
     (void)e;
+  }
+
+  /// exec::cpu with bf16 / fp16 activations (latte::bfloat16, latte::float16):
+  /// the kernels widen each row exactly to fp32 as they read it, sum in fp32
+  /// and round each output once (docs/numerics.md, "16-bit activations").
+  /// Causal states are fp32 (make_state<float>). Other mechanisms, and
+  /// exec::reference, take 16-bit activations through HalfPrecision
+  /// (serving/half_precision.hpp).
+  template <HalfFloat H>
+  void forward(exec::cpu_t, std::type_identity_t<TensorView<const H, 4>> query_logits,
+               std::type_identity_t<TensorView<const H, 4>> key_logits,
+               std::type_identity_t<TensorView<const H, 4>> values, TensorView<H, 4> out) const {
+    validate_sequence(query_logits, key_logits, values, out);
+    if (out.empty()) return;
+    if constexpr (Dir::is_causal)
+      with_fresh_carries<float>(query_logits.extent(0), [&](auto&& carry_of) {
+        cpu::latte_causal_forward<Stab, Pos>(query_logits, key_logits, values, out, angles_, 0, carry_of);
+      });
+    else
+      cpu::latte_bidirectional_forward<Stab, Pos>(query_logits, key_logits, values, out, angles_);
+  }
+  template <HalfFloat H>
+    requires(Dir::is_causal)
+  void forward(exec::cpu_t, std::type_identity_t<TensorView<const H, 4>> query_logits,
+               std::type_identity_t<TensorView<const H, 4>> key_logits,
+               std::type_identity_t<TensorView<const H, 4>> values, TensorView<H, 4> out,
+               State<float>& state) const {
+    validate_sequence(query_logits, key_logits, values, out);
+    validate_state(state, query_logits.extent(0), query_logits.extent(1));
+    if (out.empty()) return;
+    cpu::latte_causal_forward<Stab, Pos>(query_logits, key_logits, values, out, angles_,
+                                         state.position(),
+                                         [&](index_t b, index_t h) { return state.carry(b, h); });
+    state.advance(query_logits.extent(1));
   }
 
 #if LATTE_CUDA_KERNELS
@@ -422,6 +450,21 @@ class LatteAttention {
     detail::require_backward_states(
         states, kind<T>(), State<T>::sizes_for(batch, dims_.heads, dims_.latents, dims_.value_dim),
         tokens);
+  }
+
+  /// Calls run(carry_of) with carry_of(b, h) the fresh carry of (b, h), for
+  /// `batch` sequences (a causal forward without a state).
+  template <Real T, class Run>
+  void with_fresh_carries(index_t batch, Run&& run) const {
+    const index_t L = dims_.latents, Dv = dims_.value_dim;
+    std::vector<T> carries(static_cast<std::size_t>(
+        detail::checked_count<T>("query_logits", {batch, dims_.heads, carry_size()})));
+    run([&](index_t b, index_t h) {
+      T* base = carries.data() + (b * dims_.heads + h) * carry_size();
+      const reference::LatteCarry<T> carry{base, base + L, base + 2 * L};
+      reference::latte_reset<Stab>(carry, L, Dv);
+      return carry;
+    });
   }
 
   /// One (batch, head)'s carry: alpha, m [L] and vtilde [L x Dv].

@@ -2,16 +2,20 @@
 // bf16 / fp16 activations for any mechanism: HalfPrecision(attention) takes the
 // same calls as the attention (forward, forward from a state, step, and through
 // them forward_packed), with its activations (inputs and output) in
-// latte::bfloat16 or latte::float16. Each 16-bit input is widened exactly to
-// fp32, the attention runs its fp32 kernel (every sum in fp32, the state in
-// fp32), and the output is rounded once to the 16-bit type, to nearest even.
+// latte::bfloat16 or latte::float16. Where the attention reads 16-bit rows
+// itself (LatteAttention's forward on exec::cpu: each block of rows widened in
+// cache as the kernel reaches it), the call goes straight to it. Otherwise each
+// 16-bit input is widened exactly to fp32, the attention runs its fp32 kernel
+// (every sum in fp32, the state in fp32), and the output is rounded once to the
+// 16-bit type, to nearest even. Either way the output is the fp32 kernel's on
+// the rounded inputs, rounded once.
 // So the result is the fp32 result on the rounded inputs, rounded: its error
 // against the exact attention of the rounded inputs is at most the fp32 bound
 // plus one rounding, u |o| with u = 2^-8 (bf16) or 2^-11 (fp16)
 // (docs/numerics.md, "16-bit activations").
 //
-// Workspace: one fp32 copy of the call's 16-bit inputs and output, freed when
-// the call returns. States are the mechanism's fp32 states
+// Workspace of the converting path: one fp32 copy of the call's 16-bit inputs
+// and output, freed when the call returns. States are the mechanism's fp32 states
 // (attention.make_state<float>(...)), saved and restored as usual.
 //
 // Inputs that are already fp32 views (LeaPformer's given proportions, say) pass
@@ -105,6 +109,11 @@ class HalfPrecision {
   template <exec::Policy E, class... Args>
   void forward(E e, Args&&... args) const {
     static_assert(sizeof...(Args) >= 2, "forward(exec, inputs..., out[, state])");
+    if constexpr (requires { attention_->forward(e, std::forward<Args>(args)...); }) {
+      // The attention reads 16-bit rows itself (LatteAttention on exec::cpu).
+      attention_->forward(e, std::forward<Args>(args)...);
+      return;
+    }
     auto all = std::forward_as_tuple(std::forward<Args>(args)...);
     constexpr std::size_t n = sizeof...(Args);
     using Last = std::remove_cvref_t<std::tuple_element_t<n - 1, std::tuple<Args...>>>;

@@ -35,6 +35,7 @@
 
 #include "latte/backends/cpu/block_contractions.hpp"
 #include "latte/backends/cpu/column_exps.hpp"
+#include "latte/backends/cpu/half_conversion.hpp"
 #include "latte/backends/cpu/memory_pass.hpp"
 #include "latte/backends/cpu/parallel.hpp"
 #include "latte/backends/cpu/prefetch.hpp"
@@ -43,6 +44,7 @@
 #include "latte/backends/cpu/simd.hpp"
 #include "latte/backends/reference/latte.hpp"
 #include "latte/core/checked_size.hpp"
+#include "latte/core/half_float.hpp"
 #include "latte/core/huge_page_allocator.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
@@ -71,13 +73,18 @@ inline constexpr int shift_headroom = 8;
 /// rotation of each of `stage_tokens` positions as interleaved cos / sin rows).
 template <Real T>
 struct LatteScratch {
-  LatteScratch(index_t L, index_t Dv, bool rotates_values)
+  LatteScratch(index_t L, index_t Dv, bool rotates_values, bool stages_rows = false)
       : carry_scale(stage_tokens * L), weight(stage_tokens * L), gamma(stage_tokens * L),
         rotated(rotates_values ? 4 * Dv : 0),
         rotation_cos(rotates_values ? stage_tokens * Dv : 0),
         rotation_sin(rotates_values ? stage_tokens * Dv : 0),
+        staged_queries(stages_rows ? staged_tokens * L : 0), staged_keys(stages_rows ? staged_tokens * L : 0),
+        staged_values(stages_rows ? staged_tokens * Dv : 0), staged_out(stages_rows ? staged_tokens * Dv : 0),
         rotation(rotates_values ? Dv / 2 : 0, stage_tokens) {}
+  /// Tokens whose 16-bit rows the scan widens into the staged_* rows at a time.
+  static constexpr index_t staged_tokens = 64;
   AlignedVector<T> carry_scale, weight, gamma, rotated, rotation_cos, rotation_sin;
+  AlignedVector<T> staged_queries, staged_keys, staged_values, staged_out;  // 16-bit inputs only
   RunRotations<T> rotation;  // fills rotation_cos / rotation_sin, one row per position
 };
 
@@ -480,6 +487,38 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
   }
 }
 
+/// The scan over 16-bit activations: `staged_tokens` tokens at a time, their
+/// rows widened (exactly) into fp32 rows of the worker's scratch, scanned as a
+/// [1, n, 1, *] sequence by the fp32 scan above, and the outputs rounded back.
+template <Stabilizer Stab, Positional Pos, HalfFloat In>
+void scan(const TensorView<const In, 4>& q, const TensorView<const In, 4>& k,
+          const TensorView<const In, 4>& v, const TensorView<In, 4>& out, index_t b, index_t h,
+          index_t t0, index_t t1, LatteCarry<float> carry, const double* theta,
+          std::int64_t position, bool read, LatteScratch<float>& scratch) noexcept {
+  const index_t L = q.extent(3), Dv = v.extent(3);
+  float *queries = scratch.staged_queries.data(), *keys = scratch.staged_keys.data();
+  float *values = scratch.staged_values.data(), *outs = scratch.staged_out.data();
+  for (index_t t = t0; t < t1; t += LatteScratch<float>::staged_tokens) {
+    const index_t n = std::min(LatteScratch<float>::staged_tokens, t1 - t);
+    for (index_t r = 0; r < n; ++r) {
+      if (t + r + 8 < t1) {  // rows of one head lie H rows apart: 4 KiB pages hold a few
+        prefetch_token_rows(b, t + r + 8, h, k, v);
+        if (read) prefetch_token_rows(b, t + r + 8, h, q, out);
+      }
+      widen_row(k.row(b, t + r, h), keys + r * L, L);
+      widen_row(v.row(b, t + r, h), values + r * Dv, Dv);
+      if (read) widen_row(q.row(b, t + r, h), queries + r * L, L);
+    }
+    scan<Stab, Pos>(TensorView<const float, 4>(queries, {1, n, 1, L}),
+                    TensorView<const float, 4>(keys, {1, n, 1, L}),
+                    TensorView<const float, 4>(values, {1, n, 1, Dv}),
+                    TensorView<float, 4>(outs, {1, n, 1, Dv}), 0, 0, 0, n, carry, theta,
+                    position + (t - t0), read, scratch);
+    if (read)
+      for (index_t r = 0; r < n; ++r) narrow_row(outs + r * Dv, out.row(b, t + r, h), Dv);
+  }
+}
+
 /// carry_into <- the state after the tokens of `carry_into` followed by those of `later`
 /// (both with sums scaled by exp(-their reference)).
 template <Real T>
@@ -500,11 +539,13 @@ void merge_carry(LatteCarry<T> carry_into, LatteCarry<const T> later, index_t L,
 }
 
 /// Causal Latte over [B, T, H, *], continuing from carry_of(b, h) at `first_position`.
-template <Stabilizer Stab, Positional Pos, Real T, class CarryOf>
-void latte_causal_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
-                          TensorView<const T, 4> v, TensorView<T, 4> out,
+/// With bf16 / fp16 activations the sums and the carries are fp32.
+template <Stabilizer Stab, Positional Pos, Activation In, class CarryOf>
+void latte_causal_forward(TensorView<const In, 4> q, TensorView<const In, 4> k,
+                          TensorView<const In, 4> v, TensorView<In, 4> out,
                           const std::vector<double>& angles, std::int64_t first_position,
                           CarryOf&& carry_of) {
+  using T = compute_type_t<In>;
   const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), L = q.extent(3);
   const index_t Dv = v.extent(3), pairs = Dv / 2, heads = B * H;
   if (Tn == 0 || heads == 0) return;
@@ -516,7 +557,7 @@ void latte_causal_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
   const index_t segments =
       heads >= workers ? 1 : std::clamp<index_t>(Tn / min_segment, 1, workers);
   std::vector<LatteScratch<T>> scratch(static_cast<std::size_t>(workers),
-                                       LatteScratch<T>(L, Dv, Pos::rotates_values));
+                                       LatteScratch<T>(L, Dv, Pos::rotates_values, HalfFloat<In>));
 
   if (segments == 1) {
     interleave_heads(
@@ -594,10 +635,14 @@ void latte_causal_step(TensorView<const T, 3> q, TensorView<const T, 3> k,
 }
 
 /// Bidirectional Latte (eqs. 5-7; VAPOR eq. 22) in blocks of `block` tokens.
-template <Stabilizer Stab, Positional Pos, Real T>
-void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
-                                 TensorView<const T, 4> v, TensorView<T, 4> out,
+/// With bf16 / fp16 activations each block's rows are widened (exactly) into
+/// the fp32 blocks the contractions read, the outputs rounded back per block.
+template <Stabilizer Stab, Positional Pos, Activation In>
+void latte_bidirectional_forward(TensorView<const In, 4> q, TensorView<const In, 4> k,
+                                 TensorView<const In, 4> v, TensorView<In, 4> out,
                                  const std::vector<double>& angles) {
+  using T = compute_type_t<In>;
+  constexpr bool staged = HalfFloat<In>;
   constexpr T lowest = -std::numeric_limits<T>::infinity();
   const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), L = q.extent(3);
   const index_t Dv = v.extent(3), pairs = Dv / 2, heads = B * H;
@@ -705,6 +750,7 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
     const index_t begin = time_range(item).first, end = time_range(item).second;
     const index_t segment = item % segments;
     AlignedVector<T> keys(block * L), values(block * Dv), block_max(L), block_sum(L);
+    AlignedVector<T> staged_keys(staged ? block * L : 0);
     std::vector<RotationStepper<T>> rotation(Pos::rotates_values ? last - first : 0,
                                              RotationStepper<T>(Pos::rotates_values ? pairs : 0));
     for (index_t j = 0; j < static_cast<index_t>(rotation.size()); ++j)
@@ -724,12 +770,32 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
         // H * Dv apart: a block of them would share a few L1 sets): copied in
         // the pass over the key rows below, or here, with prefetches ahead, by
         // the range's first `items_ahead` items, which nothing requested.
-        const RowCopy<T> value_rows{v.row(b, t0, h), v.stride(1), Dv, values.data()};
-        if (unrequested)
+        // 16-bit rows: keys and values widened into contiguous blocks here.
+        const T* key;
+        index_t key_stride;
+        RowCopy<T> value_rows{nullptr, 0, Dv, values.data()};
+        const RowCopy<T>* copies_values = nullptr;  // value rows copied in the key pass
+        if constexpr (staged) {
           for (index_t r = 0; r < n; ++r) {
-            prefetch_ahead(k, v, b, h, t0, r, n);
-            value_rows.copy_row(r);
+            if (unrequested) prefetch_ahead(k, v, b, h, t0, r, n);
+            widen_row(k.row(b, t0 + r, h), staged_keys.data() + r * L, L);
+            widen_row(v.row(b, t0 + r, h), values.data() + r * Dv, Dv);
           }
+          key = staged_keys.data();
+          key_stride = L;
+        } else {
+          value_rows.from = v.row(b, t0, h);
+          value_rows.stride = v.stride(1);
+          if (unrequested)
+            for (index_t r = 0; r < n; ++r) {
+              prefetch_ahead(k, v, b, h, t0, r, n);
+              value_rows.copy_row(r);
+            }
+          else
+            copies_values = &value_rows;
+          key = k.row(b, t0, h);
+          key_stride = k_stride;
+        }
         // e_{s,l} = exp(k_{s,l} - shift_l) into the contiguous block `keys`,
         // their column sums and the block's column maxima, in one pass over
         // the key rows. The shift is set `shift_headroom` above the column
@@ -738,15 +804,14 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
         // (as RunningMax's eq. 21, once per block) and the block's exponentials
         // are taken again. In the first block of a state the maxima come first,
         // from a pass of their own.
-        const T* key = k.row(b, t0, h);
         if (first_block) {
-          column_max_rows(key, k_stride, n, L, block_max.data());
+          column_max_rows(key, key_stride, n, L, block_max.data());
           move_shifts(block_max.data(), max_j, shift_j, alpha, memory_j);
         }
-        shifted_column_exps(key, k_stride, n, L, shift_j, keys.data(), block_sum.data(),
-                            block_max.data(), unrequested ? nullptr : &value_rows);
+        shifted_column_exps(key, key_stride, n, L, shift_j, keys.data(), block_sum.data(),
+                            block_max.data(), copies_values);
         if (!first_block && move_shifts(block_max.data(), max_j, shift_j, alpha, memory_j))
-          shifted_column_exps(key, k_stride, n, L, shift_j, keys.data(), block_sum.data(),
+          shifted_column_exps(key, key_stride, n, L, shift_j, keys.data(), block_sum.data(),
                               block_max.data());
         if constexpr (Pos::rotates_values)  // R^{-s} v_s
           for (index_t r = 0; r < n; ++r) {
@@ -802,6 +867,7 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
     const index_t first = head_range(item).first, last = head_range(item).second;
     const index_t begin = time_range(item).first, end = time_range(item).second;
     AlignedVector<T> gamma(block * L), row_scale(block);
+    AlignedVector<T> staged_queries(staged ? block * L : 0), staged_out(staged ? block * Dv : 0);
     std::vector<RotationStepper<T>> rotation(Pos::rotates_values ? last - first : 0,
                                              RotationStepper<T>(Pos::rotates_values ? pairs : 0));
     for (index_t j = 0; j < static_cast<index_t>(rotation.size()); ++j)
@@ -817,8 +883,15 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
           const index_t rows = std::min(stage_tokens, n - r0);
           if (unrequested)
             for (index_t r = r0; r < r0 + rows; ++r) prefetch_ahead(q, out, b, h, t0, r, n);
-          latent_softmax_exps(q.row(b, t0 + r0, h), q_stride, rows, L, gamma.data() + r0 * L,
-                              row_scale.data() + r0);
+          if constexpr (staged) {
+            for (index_t r = r0; r < r0 + rows; ++r)
+              widen_row(q.row(b, t0 + r, h), staged_queries.data() + r * L, L);
+            latent_softmax_exps(staged_queries.data() + r0 * L, L, rows, L, gamma.data() + r0 * L,
+                                row_scale.data() + r0);
+          } else {
+            latent_softmax_exps(q.row(b, t0 + r0, h), q_stride, rows, L, gamma.data() + r0 * L,
+                                row_scale.data() + r0);
+          }
         }
         // p(l|t) = e_{t,l} / beta_t before the contraction, not after: the sum
         // of p(l|t) M_l is bounded by max |M_l|, the sum of e_{t,l} M_l only by
@@ -828,14 +901,25 @@ void latte_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 4
           for (index_t l = 0; l < L; ++l) gamma[r * L + l] *= inverse;
           row_scale[r] = T(1);
         }
+        T* out_rows;
+        index_t out_stride;
+        if constexpr (staged) {
+          out_rows = staged_out.data();
+          out_stride = Dv;
+        } else {
+          out_rows = out.row(b, t0, h);
+          out_stride = out.stride(1);
+        }
         read_memory_rows(gamma.data(), n, L, memory.data() + state_of(j, 0) * L * Dv, Dv,
-                         out.row(b, t0, h), out.stride(1), row_scale.data(),
+                         out_rows, out_stride, row_scale.data(),
                          prefetch_item_ahead(q, out, j, t0, first, last, end, (n + 3) / 4));
         if constexpr (Pos::rotates_values)
           for (index_t i = 0; i < n; ++i) {
-            rotation[j - first].rotate(out.row(b, t0 + i, h), /*forward=*/true);  // R^t
+            rotation[j - first].rotate(out_rows + i * out_stride, /*forward=*/true);  // R^t
             rotation[j - first].next();
           }
+        if constexpr (staged)
+          for (index_t i = 0; i < n; ++i) narrow_row(out_rows + i * Dv, out.row(b, t0 + i, h), Dv);
       }
     }
   };
