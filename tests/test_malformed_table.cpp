@@ -2,6 +2,8 @@
 // mechanism x every malformed case, in one place, checked the same way.
 //
 // Entry points: forward, forward with a state, forward_packed, StatePool (LatteAttention),
+// the same four with bf16 activations (HalfPrecision; LatteAttention's own bf16 forward
+// on exec::cpu) for Latte, softmax, Macchiato, the linear family, LAVO and conv-compression,
 // make_state, step, State::restore,
 // backward (SoftmaxAttention, LatteAttention, LatteMacchiato, LinearAttention and
 // its cross_backward, reference + cpu; malformed_backward.hpp),
@@ -41,6 +43,7 @@
 #include <vector>
 
 #include "malformed_backward.hpp"
+#include "half_shadow.hpp"
 #include "malformed_cases.hpp"
 #include "state_bytes.hpp"
 #include "support.hpp"
@@ -662,6 +665,71 @@ void add_sequence_and_decode(Registry& registry, E exec_tag) {
   }
 }
 
+// ---------------------------------------------------- 16-bit activations --
+
+/// The bf16 twin of an fp32 entry: the same rows, the call made on bf16 twins
+/// of its buffers (half_shadow.hpp) through HalfPrecision, or LatteAttention's
+/// own bf16 forward on exec::cpu. Where HalfPrecision converts (every other
+/// call), it checks the 16-bit views before the attention sees its fp32 copies
+/// and names them by place (inputs[j]); their extents are the attention's to
+/// check, under its own names.
+template <std::size_t N, class Call>
+TensorEntry<N> bf16_entry(TensorEntry<N> entry, bool named_by_place, Call call) {
+  entry.entry += " (bf16)";
+  if (named_by_place) {
+    std::vector<std::string> names;
+    for (const auto& arg : entry.inputs) names.push_back(arg.name);
+    names.push_back(entry.out.name);
+    entry.blame = [names, blame = entry.blame](std::size_t arg, std::size_t dim) -> std::optional<std::string> {
+      return blame ? blame(arg, dim) : std::optional<std::string>(names[arg]);
+    };
+    for (std::size_t j = 0; j < entry.inputs.size(); ++j) entry.inputs[j].name = "inputs[" + std::to_string(j) + "]";
+  }
+  entry.invoke = [call](const std::vector<TensorView<const float, N>>& in, TensorView<float, N> out) {
+    call_in_bf16(in, out, call);
+  };
+  return entry;
+}
+
+template <class A>
+inline constexpr bool is_latte_attention = false;
+template <class Dir, class Stab, class Pos>
+inline constexpr bool is_latte_attention<LatteAttention<Dir, Stab, Pos>> = true;
+
+/// forward, forward(state), step and forward_packed with bf16 activations.
+template <class M, class E>
+void add_bf16_entries(Registry& registry, E exec_tag) {
+  constexpr bool reads_bf16 = is_latte_attention<typename M::A> && std::is_same_v<E, exec::cpu_t>;
+  auto attention = std::make_shared<const typename M::A>(M::make());
+  registry.add(bf16_entry(forward_entry<M>(exec_tag), !reads_bf16, [attention, exec_tag](const auto& in, const auto& out) {
+    spread<M::arity>([&](auto... x) { HalfPrecision(*attention).forward(exec_tag, x..., out); }, in);
+  }));
+  if constexpr (requires { M::template make_state<float>(M::make(), 1); }) {
+    auto context = std::make_shared<StatefulContext<M>>();
+    const auto with_state =
+        bf16_entry(forward_state_entry<M>(exec_tag, context), !reads_bf16, [context, exec_tag](const auto& in, const auto& out) {
+          spread<M::arity>([&](auto... x) { HalfPrecision(context->attention).forward(exec_tag, x..., out, context->state); },
+                           in);
+        });
+    registry.add(with_state);
+    if (reads_bf16) add_state_rows<M>(registry, with_state, context);
+    auto step_context = std::make_shared<StatefulContext<M>>();
+    registry.add(bf16_entry(step_entry<M>(exec_tag, step_context), true, [step_context, exec_tag](const auto& in, const auto& out) {
+      spread<M::arity>(
+          [&](auto... x) { HalfPrecision(step_context->attention).step(exec_tag, step_context->state, x..., out); }, in);
+    }));
+    auto packed = std::make_shared<PackedContext<M>>();
+    registry.add(bf16_entry(packed_entry<M>(exec_tag, packed), false, [packed, exec_tag](const auto& in, const auto& out) {
+      spread<M::arity>(
+          [&](auto... x) {
+            forward_packed(HalfPrecision(packed->attention), exec_tag, std::span<const index_t>(packed->cu_seqlens),
+                           std::make_tuple(x...), out, std::span<StateOf<M>* const>(packed->pointers));
+          },
+          in);
+    }));
+  }
+}
+
 /// make_state: batch 0 and -1.
 template <class M>
 void add_make_state_batch_rows(Registry& registry) {
@@ -973,6 +1041,10 @@ Registry build_registry() {
                "first_position", [] { (void)LatteVapor::make().make_state<float>(kB, -1); });
   add_state_bytes_rows<LatteVapor>(registry);
   add_pool_rows<LatteVapor>(registry);
+  add_bf16_entries<LatteVapor>(registry, exec::reference);
+  add_bf16_entries<LatteVapor>(registry, exec::cpu);
+  add_bf16_entries<LatteBidirectional>(registry, exec::reference);
+  add_bf16_entries<LatteBidirectional>(registry, exec::cpu);
   {
     const std::string ctor = entry_name<LatteVapor>("LatteAttention()", "-");
     using A = LatteVapor::A;
@@ -1028,6 +1100,8 @@ Registry build_registry() {
   add_sequence_and_decode<SoftmaxCausal>(registry, exec::cpu);
   add_sequence_and_decode<SoftmaxWindowed>(registry, exec::reference);
   add_sequence_and_decode<SoftmaxWindowed>(registry, exec::cpu);
+  add_bf16_entries<SoftmaxCausal>(registry, exec::cpu);
+  add_bf16_entries<SoftmaxWindowed>(registry, exec::cpu);
   registry.add(latte_backward_entry<LatteVapor>(exec::reference));
   registry.add(latte_backward_entry<LatteVapor>(exec::cpu));
   registry.add(latte_backward_entry<LatteBidirectional>(exec::reference));
@@ -1104,6 +1178,7 @@ Registry build_registry() {
   // ---- LatteMacchiato (reference)
   add_sequence_and_decode<Macchiato>(registry, exec::reference);
   add_sequence_and_decode<MacchiatoBidirectional>(registry, exec::reference);
+  add_bf16_entries<Macchiato>(registry, exec::cpu);
   for (auto backward : {macchiato_backward_entry<Macchiato>(exec::reference),
                         macchiato_backward_entry<Macchiato>(exec::cpu),
                         macchiato_backward_entry<MacchiatoBidirectional>(exec::reference),
@@ -1186,6 +1261,7 @@ Registry build_registry() {
   add_sequence_and_decode<LinearBidirectional>(registry, exec::reference);
   add_sequence_and_decode<LinearElu>(registry, exec::cpu);
   add_sequence_and_decode<LinearBidirectional>(registry, exec::cpu);
+  add_bf16_entries<LinearElu>(registry, exec::cpu);
   add_make_state_batch_rows<LinearElu>(registry);
   add_call_row(rows, entry_name<LinearElu>("make_state", "-"), "first_position -1",
                "first_position", [] { (void)LinearElu::make().make_state<float>(kB, -1); });
@@ -1564,6 +1640,7 @@ Registry build_registry() {
   // ---- Lavo (reference)
   add_sequence_and_decode<LavoCausal>(registry, exec::reference);
   add_sequence_and_decode<LavoBidirectional>(registry, exec::reference);
+  add_bf16_entries<LavoCausal>(registry, exec::cpu);
   add_make_state_batch_rows<LavoCausal>(registry);
   add_state_bytes_rows<LavoCausal>(registry);
   for (auto backward : {lavo_backward_entry<LavoCausal>(exec::reference),
@@ -1633,6 +1710,7 @@ Registry build_registry() {
   // ---- ConvCompressedAttention (reference)
   add_sequence_and_decode<ConvCausal>(registry, exec::reference);
   add_sequence_and_decode<ConvBidirectional>(registry, exec::reference);
+  add_bf16_entries<ConvCausal>(registry, exec::cpu);
   for (auto backward : {conv_backward_entry<ConvCausal>(exec::reference),
                         conv_backward_entry<ConvCausal>(exec::cpu),
                         conv_backward_entry<ConvBidirectional>(exec::reference),
