@@ -55,6 +55,7 @@
 
 #include "latte/attention.hpp"
 #include "memory_cap.hpp"
+#include "../tests/half_shadow.hpp"
 #include "../tests/state_bytes.hpp"
 
 namespace latte_fuzz {
@@ -547,6 +548,30 @@ void drive_forward(Fuzz& fuzz, const Features& f, index_t batch, index_t time, i
     check_accepted(call, f.finite_bound > 0 && inputs_moderate(call, f.finite_bound), what);
 }
 
+/// forward(inputs..., out) with bf16 activations: a fuzzed fp32 call whose buffers
+/// are twinned in bf16 (tests/half_shadow.hpp: layouts, null pointers and aliasing
+/// kept element for element), made by `forward(bf16 inputs, bf16 out)`. An accepted
+/// call's output is widened back and checked as an fp32 one is.
+template <class Forward>
+void drive_bf16_forward(Fuzz& fuzz, const Features& f, index_t batch, index_t time, index_t heads,
+                        const char* what, Forward&& forward) {
+  const auto values = fuzz.values();
+  auto call = fuzz.call<float, 4>(input_extents<4>(f, batch, time, heads), {batch, time, heads, f.out},
+                                  values);
+  std::vector<latte::test::FloatBuffer> buffers;
+  std::vector<TensorView<const float, 4>> inputs;
+  for (const auto& input : call.inputs) {
+    buffers.push_back({input.buffer.get(), input.buffer_elements});
+    inputs.push_back(input.cview());
+  }
+  if (call.aliased < 0) buffers.push_back({call.out.buffer.get(), call.out.buffer_elements});
+  const latte::test::HalfShadow<4> shadow(buffers, inputs, call.out.view());
+  if (attempt([&] { forward(shadow.inputs(), shadow.out()); })) {
+    shadow.write_back(call.out.view());
+    check_accepted(call, f.finite_bound > 0 && inputs_moderate(call, f.finite_bound), what);
+  }
+}
+
 /// backward(inputs..., d_out, gradients): the first gradient comes with the
 /// forward's inputs and d_out in one fuzzed call (layouts, aliasing an input,
 /// interleaving); the others are fuzzed outputs of their own, or now and then
@@ -858,6 +883,12 @@ void latte_attention(Fuzz& fuzz, const Sizes& s) {
   drive_forward<T>(fuzz, f, s.batch, s.time, s.heads, "LatteAttention forward", [&](auto& c) {
     a.forward(E{}, c.inputs[0].cview(), c.inputs[1].cview(), c.inputs[2].cview(), c.out.view());
   });
+  if constexpr (std::is_same_v<T, float>)  // its own bf16 rows on exec::cpu, HalfPrecision's copies on reference
+    if (fuzz.coin(3))
+      drive_bf16_forward(fuzz, f, s.batch, s.time, s.heads, "LatteAttention forward (bf16)",
+                         [&](const auto& in, const auto& out) {
+                           latte::HalfPrecision(a).forward(E{}, in[0], in[1], in[2], out);
+                         });
   if (fuzz.coin(3)) {
     latte::Tensor<T, 2> d_angles({Pos::rotates_values && fuzz.coin(2) ? s.heads : 0, Dv / 2});
     // Gradients of logits spread over 1e3 stay finite: |g|, |v| <= 1e3, T <= 40.
@@ -908,6 +939,12 @@ void softmax_attention(Fuzz& fuzz, const Sizes& s) {
   drive_forward<T>(fuzz, f, s.batch, s.time, s.heads, "SoftmaxAttention forward", [&](auto& c) {
     a.forward(E{}, c.inputs[0].cview(), c.inputs[1].cview(), c.inputs[2].cview(), c.out.view());
   });
+  if constexpr (std::is_same_v<T, float>)
+    if (fuzz.coin(4))
+      drive_bf16_forward(fuzz, f, s.batch, s.time, s.heads, "SoftmaxAttention forward (bf16)",
+                         [&](const auto& in, const auto& out) {
+                           latte::HalfPrecision(a).forward(E{}, in[0], in[1], in[2], out);
+                         });
   if (!decode && fuzz.coin(3))
     drive_self_backward<T>(fuzz, f, s.batch, s.time, s.heads, tame(given_scale) ? 1e2 : 0,
                            "SoftmaxAttention backward",

@@ -20,12 +20,24 @@
 
 namespace latte::test {
 
+/// One fp32 buffer behind a call's views.
+struct FloatBuffer {
+  const float* data;
+  index_t count;
+};
+
 template <std::size_t N, HalfFloat H = bfloat16>
 class HalfShadow {
  public:
-  HalfShadow(const std::vector<TensorView<const float, N>>& inputs, const TensorView<float, N>& out) {
-    for (const auto& view : inputs) add_span(view.data(), view);
-    add_span(out.data(), out);
+  /// Twins of the elements the views address (the views must fit their buffers).
+  HalfShadow(const std::vector<TensorView<const float, N>>& inputs, const TensorView<float, N>& out)
+      : HalfShadow(spans(inputs, out), inputs, out) {}
+
+  /// Twins of whole buffers (for views that may not fit them: a refused call's).
+  HalfShadow(const std::vector<FloatBuffer>& buffers, const std::vector<TensorView<const float, N>>& inputs,
+             const TensorView<float, N>& out) {
+    for (const FloatBuffer& b : buffers)
+      if (b.data != nullptr && b.count > 0) groups_.push_back({b.data, b.data + b.count, {}});
     std::sort(groups_.begin(), groups_.end(), [](const Group& a, const Group& b) { return less(a.lo, b.lo); });
     std::vector<Group> merged;  // overlapping spans share one copy (aliasing is kept)
     for (const Group& g : groups_) {
@@ -79,15 +91,21 @@ class HalfShadow {
   static bool less(const float* a, const float* b) {
     return reinterpret_cast<std::uintptr_t>(a) < reinterpret_cast<std::uintptr_t>(b);
   }
-  template <class View>
-  void add_span(const float* data, const View& view) {
-    if (data == nullptr || view.empty()) return;
-    index_t low = 0, high = 0;
-    for (std::size_t d = 0; d < N; ++d) {
-      const index_t reach = (view.extent(d) - 1) * view.stride(d);
-      (reach < 0 ? low : high) += reach;
-    }
-    groups_.push_back({data + low, data + high + 1, {}});
+  static std::vector<FloatBuffer> spans(const std::vector<TensorView<const float, N>>& inputs,
+                                        const TensorView<float, N>& out) {
+    std::vector<FloatBuffer> buffers;
+    auto add = [&](const float* data, const auto& view) {
+      if (data == nullptr || view.empty()) return;
+      index_t low = 0, high = 0;
+      for (std::size_t d = 0; d < N; ++d) {
+        const index_t reach = (view.extent(d) - 1) * view.stride(d);
+        (reach < 0 ? low : high) += reach;
+      }
+      buffers.push_back({data + low, high - low + 1});
+    };
+    for (const auto& view : inputs) add(view.data(), view);
+    add(out.data(), out);
+    return buffers;
   }
   const H* map(const float* data) const {
     if (data == nullptr) return nullptr;

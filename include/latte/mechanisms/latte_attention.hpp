@@ -155,7 +155,7 @@ class LatteAttention {
   void forward(exec::cpu_t, std::type_identity_t<TensorView<const H, 4>> query_logits,
                std::type_identity_t<TensorView<const H, 4>> key_logits,
                std::type_identity_t<TensorView<const H, 4>> values, TensorView<H, 4> out,
-               State<float>& state) const {
+               LatteState<float>& state) const {
     validate_sequence(query_logits, key_logits, values, out);
     validate_state(state, query_logits.extent(0), query_logits.extent(1));
     if (out.empty()) return;
