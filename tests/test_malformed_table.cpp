@@ -1,7 +1,7 @@
 // The malformed-call table (issue 7, item 1): every public entry point of every
 // mechanism x every malformed case, in one place, checked the same way.
 //
-// Entry points: forward, forward with a state, forward_packed, StatePool (LatteAttention),
+// Entry points: forward, forward with a state, forward_packed, StatePool (every causal mechanism),
 // the same four with bf16 activations (HalfPrecision; LatteAttention's own bf16 forward
 // on exec::cpu) for Latte, softmax, Macchiato, the linear family, LAVO and conv-compression,
 // make_state, step, State::restore,
@@ -587,6 +587,23 @@ void add_packed(Registry& registry, E exec_tag) {
         [](auto& c) { c.states[1] = M::other_kind_state(1); });
 }
 
+/// A pool of `slots` states as the attention makes them (a KV cache or a context
+/// buffer with kCapacity tokens).
+template <class A>
+inline constexpr bool sized_up_front = false;
+template <class Dir, class Win>
+inline constexpr bool sized_up_front<SoftmaxAttention<Dir, Win>> = true;
+template <class Dir>
+inline constexpr bool sized_up_front<ConvCompressedAttention<Dir>> = true;
+
+template <class M, class Pool>
+void emplace_pool(std::optional<Pool>& pool, const typename M::A& attention, index_t slots) {
+  if constexpr (sized_up_front<typename M::A>)
+    pool.emplace(attention, slots, kCapacity);
+  else
+    pool.emplace(attention, slots);
+}
+
 /// StatePool (exec::cpu, a pool of 3 slots: two live, one released): every refused
 /// call names its argument and leaves every live slot's saved bytes unchanged.
 template <class M>
@@ -594,16 +611,17 @@ void add_pool_rows(Registry& registry) {
   using Pool = StatePool<typename M::A, float>;
   struct Context {
     typename M::A attention = M::make();
-    Pool pool{attention, 3};
-    Pool other{attention, 1};
+    std::optional<Pool> pool, other;
     PoolSlot a, b, released;
     Context() {
-      a = pool.acquire();
-      b = pool.acquire();
-      released = pool.acquire();
-      pool.release(released);
+      emplace_pool<M>(pool, attention, 3);
+      emplace_pool<M>(other, attention, 1);
+      a = pool->acquire();
+      b = pool->acquire();
+      released = pool->acquire();
+      pool->release(released);
     }
-    std::vector<std::vector<std::byte>> bytes() const { return {pool.save(a), pool.save(b)}; }
+    std::vector<std::vector<std::byte>> bytes() const { return {pool->save(a), pool->save(b)}; }
   };
   const std::string entry = entry_name<M>("StatePool", "cpu");
   const auto row = [&](std::string case_name, std::string argument, std::function<void(Context&)> call) {
@@ -613,39 +631,53 @@ void add_pool_rows(Registry& registry) {
                                return attempt([&] { call(*c); }, [&] { return c->bytes() == before; });
                              }});
   };
-  const auto step = [](Context& c, std::vector<PoolSlot> slots, index_t rows, index_t out_rows) {
-    Tensor<float, 3> q({rows, kH, kL}, 0.5f), k({rows, kH, kL}, 0.25f), v({rows, kH, kDv}, 1.0f);
-    Tensor<float, 3> out({out_rows, kH, kDv});
-    c.pool.step(exec::cpu, slots, std::make_tuple(q.cview(), k.cview(), v.cview()), out.view());
+  // Inputs of `rows` steps (or of one packed call of 4 tokens) with small finite values.
+  const auto filled = [](const auto& args) {
+    using Arg = std::remove_cvref_t<decltype(args.front())>;
+    std::vector<Tensor<float, std::tuple_size_v<decltype(Arg{}.extents)>>> tensors;
+    for (const auto& arg : args) tensors.emplace_back(arg.extents, 0.25f);
+    return tensors;
   };
-  add_call_row(registry.rows, entry, "0 slots", "slots",
-               [] { Pool(M::make(), 0); });
-  row("acquire from a full pool", "pool", [](Context& c) {
-    (void)c.pool.acquire();
-    (void)c.pool.acquire();
+  const auto step = [filled](Context& c, std::vector<PoolSlot> slots, index_t rows, index_t out_rows) {
+    const auto inputs = filled(step_args<M>(rows));
+    Tensor<float, 3> out(step_out<M>(out_rows).extents);
+    spread<M::arity>([&](const auto&... x) {
+      c.pool->step(exec::cpu, slots, std::make_tuple(x.cview()...), out.view());
+    }, inputs);
+  };
+  add_call_row(registry.rows, entry, "0 slots", "slots", [] {
+    std::optional<Pool> pool;
+    emplace_pool<M>(pool, M::make(), 0);
   });
-  row("release a released slot", "slot", [](Context& c) { c.pool.release(c.released); });
-  row("release a default handle", "slot", [](Context& c) { c.pool.release(PoolSlot{}); });
-  row("release another pool's slot", "slot", [](Context& c) { c.pool.release(c.other.acquire()); });
+  row("acquire from a full pool", "pool", [](Context& c) {
+    (void)c.pool->acquire();
+    (void)c.pool->acquire();
+  });
+  row("release a released slot", "slot", [](Context& c) { c.pool->release(c.released); });
+  row("release a default handle", "slot", [](Context& c) { c.pool->release(PoolSlot{}); });
+  row("release another pool's slot", "slot", [](Context& c) { c.pool->release(c.other->acquire()); });
   row("save a slot index out of range", "slot", [](Context& c) {
     PoolSlot slot = c.a;
     slot.index = 7;
-    (void)c.pool.save(slot);
+    (void)c.pool->save(slot);
   });
   row("step: a slot twice", "slots", [step](Context& c) { step(c, {c.a, c.b, c.a}, 3, 3); });
   row("step: a released slot", "slots", [step](Context& c) { step(c, {c.a, c.released}, 2, 2); });
   row("step: out with a row too many", "out", [step](Context& c) { step(c, {c.a, c.b}, 2, 3); });
   row("step: inputs with a row too few", "inputs[0]", [step](Context& c) { step(c, {c.a, c.b}, 1, 2); });
   row("restore damaged bytes", "bytes", [](Context& c) {
-    std::vector<std::byte> bytes = c.pool.save(c.a);
+    std::vector<std::byte> bytes = c.pool->save(c.a);
     bytes[bytes.size() / 2] ^= std::byte{1};
-    c.pool.restore(c.a, bytes);
+    c.pool->restore(c.a, bytes);
   });
-  row("forward_packed into a released slot", "slots", [](Context& c) {
-    Tensor<float, 4> q({1, 4, kH, kL}, 0.5f), k({1, 4, kH, kL}, 0.25f), v({1, 4, kH, kDv}, 1.0f), out({1, 4, kH, kDv});
+  row("forward_packed into a released slot", "slots", [filled](Context& c) {
+    const auto inputs = filled(sequence_args<M>(1, 4));
+    Tensor<float, 4> out(sequence_out<M>(1, 4).extents);
     const std::vector<index_t> cu{0, 2, 4};
-    c.pool.forward_packed(exec::cpu, std::vector<PoolSlot>{c.a, c.released}, cu,
-                          std::make_tuple(q.cview(), k.cview(), v.cview()), out.view());
+    spread<M::arity>([&](const auto&... x) {
+      c.pool->forward_packed(exec::cpu, std::vector<PoolSlot>{c.a, c.released}, cu, std::make_tuple(x.cview()...),
+                             out.view());
+    }, inputs);
   });
 }
 
@@ -1101,6 +1133,7 @@ Registry build_registry() {
   add_sequence_and_decode<SoftmaxWindowed>(registry, exec::reference);
   add_sequence_and_decode<SoftmaxWindowed>(registry, exec::cpu);
   add_bf16_entries<SoftmaxCausal>(registry, exec::cpu);
+  add_pool_rows<SoftmaxCausal>(registry);
   add_bf16_entries<SoftmaxWindowed>(registry, exec::cpu);
   registry.add(latte_backward_entry<LatteVapor>(exec::reference));
   registry.add(latte_backward_entry<LatteVapor>(exec::cpu));
@@ -1179,6 +1212,7 @@ Registry build_registry() {
   add_sequence_and_decode<Macchiato>(registry, exec::reference);
   add_sequence_and_decode<MacchiatoBidirectional>(registry, exec::reference);
   add_bf16_entries<Macchiato>(registry, exec::cpu);
+  add_pool_rows<Macchiato>(registry);
   for (auto backward : {macchiato_backward_entry<Macchiato>(exec::reference),
                         macchiato_backward_entry<Macchiato>(exec::cpu),
                         macchiato_backward_entry<MacchiatoBidirectional>(exec::reference),
@@ -1262,6 +1296,9 @@ Registry build_registry() {
   add_sequence_and_decode<LinearElu>(registry, exec::cpu);
   add_sequence_and_decode<LinearBidirectional>(registry, exec::cpu);
   add_bf16_entries<LinearElu>(registry, exec::cpu);
+  add_pool_rows<LinearElu>(registry);
+  add_pool_rows<CosFormerCausal>(registry);
+  add_pool_rows<LeapCausal>(registry);
   add_make_state_batch_rows<LinearElu>(registry);
   add_call_row(rows, entry_name<LinearElu>("make_state", "-"), "first_position -1",
                "first_position", [] { (void)LinearElu::make().make_state<float>(kB, -1); });
@@ -1641,6 +1678,7 @@ Registry build_registry() {
   add_sequence_and_decode<LavoCausal>(registry, exec::reference);
   add_sequence_and_decode<LavoBidirectional>(registry, exec::reference);
   add_bf16_entries<LavoCausal>(registry, exec::cpu);
+  add_pool_rows<LavoCausal>(registry);
   add_make_state_batch_rows<LavoCausal>(registry);
   add_state_bytes_rows<LavoCausal>(registry);
   for (auto backward : {lavo_backward_entry<LavoCausal>(exec::reference),
@@ -1711,6 +1749,7 @@ Registry build_registry() {
   add_sequence_and_decode<ConvCausal>(registry, exec::reference);
   add_sequence_and_decode<ConvBidirectional>(registry, exec::reference);
   add_bf16_entries<ConvCausal>(registry, exec::cpu);
+  add_pool_rows<ConvCausal>(registry);
   for (auto backward : {conv_backward_entry<ConvCausal>(exec::reference),
                         conv_backward_entry<ConvCausal>(exec::cpu),
                         conv_backward_entry<ConvBidirectional>(exec::reference),
