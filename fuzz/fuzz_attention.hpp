@@ -744,7 +744,7 @@ void drive_packed(Fuzz& fuzz, const Features& f, index_t time, index_t heads, co
 /// row too many), and restore of corrupted saved bytes. A refused call must leave
 /// every live slot's saved bytes unchanged; an accepted step is checked like a
 /// forward (its positions may be anything, so not for finiteness).
-template <class T, class Attention, class... StateArgs>
+template <class T, std::size_t K, class Attention, class... StateArgs>
 void drive_pool(Fuzz& fuzz, const Features& f, index_t heads, const char* what, const Attention& a,
                 StateArgs... state_args) {
   using Pool = latte::StatePool<Attention, T>;
@@ -802,7 +802,7 @@ void drive_pool(Fuzz& fuzz, const Features& f, index_t heads, const char* what, 
         auto call = fuzz.call<T, 3>(input_extents<3>(f, rows, 0, heads), {rows, heads, f.out}, values);
         const auto views = [&]<std::size_t... I>(std::index_sequence<I...>) {
           return std::make_tuple(call.inputs[I].cview()...);
-        }(std::make_index_sequence<3>{});
+        }(std::make_index_sequence<K>{});
         if (attempt([&] { pool->step(latte::exec::cpu, chosen, views, call.out.view()); })) {
           if (bad || rows != N) fail(std::string(what) + ": a step over bad slots or rows was accepted");
           check_accepted(call, false, what);
@@ -916,7 +916,7 @@ void latte_attention(Fuzz& fuzz, const Sizes& s) {
         },
         [&](std::span<const std::byte> bytes) { return a.template load_state<T>(bytes); });
     drive_packed<T, 3>(fuzz, f, s.time, s.heads, "LatteAttention forward_packed", a, make, state_demand);
-    drive_pool<T>(fuzz, f, s.heads, "LatteAttention StatePool", a, first);
+    drive_pool<T, 3>(fuzz, f, s.heads, "LatteAttention StatePool", a, first);
   }
 }
 
@@ -979,6 +979,7 @@ void softmax_attention(Fuzz& fuzz, const Sizes& s) {
         },
         [&](std::span<const std::byte> bytes) { return a.template load_state<T>(bytes); });
     drive_packed<T, 3>(fuzz, f, s.time, s.heads, "SoftmaxAttention forward_packed", a, make, state_demand);
+    if (fuzz.coin(2)) drive_pool<T, 3>(fuzz, f, s.heads, "SoftmaxAttention StatePool", a, capacity);
   }
 }
 
@@ -1070,6 +1071,7 @@ void macchiato(Fuzz& fuzz, const Sizes& s) {
         },
         [&](std::span<const std::byte> bytes) { return a.template load_state<T>(bytes); });
     drive_packed<T, 5>(fuzz, f, s.time, s.heads, "LatteMacchiato forward_packed", a, make, state_demand);
+    if (fuzz.coin(2)) drive_pool<T, 5>(fuzz, f, s.heads, "LatteMacchiato StatePool", a, first);
   }
 }
 
@@ -1205,6 +1207,7 @@ void linear_attention(Fuzz& fuzz, const Sizes& s) {
         },
         [&](std::span<const std::byte> bytes) { return a.template load_state<T>(bytes); });
     drive_packed<T, 3>(fuzz, f, s.time, s.heads, "LinearAttention forward_packed", a, make, state_demand);
+    if (fuzz.coin(2)) drive_pool<T, 3>(fuzz, f, s.heads, "LinearAttention StatePool", a, first);
   }
 }
 
@@ -1292,6 +1295,7 @@ void lavo(Fuzz& fuzz, const Sizes& s) {
         },
         [&](std::span<const std::byte> bytes) { return a.template load_state<T>(bytes); });
     drive_packed<T, 3>(fuzz, f, s.time, s.heads, "Lavo forward_packed", a, make, state_demand);
+    if (fuzz.coin(2)) drive_pool<T, 3>(fuzz, f, s.heads, "Lavo StatePool", a);
   }
 }
 
@@ -1386,6 +1390,7 @@ void conv_compressed(Fuzz& fuzz, const Sizes& s) {
         },
         [&](std::span<const std::byte> bytes) { return a.template load_state<T>(bytes); });
     drive_packed<T, 3>(fuzz, f, s.time, s.heads, "ConvCompressedAttention forward_packed", a, make, state_demand);
+    if (fuzz.coin(2)) drive_pool<T, 3>(fuzz, f, s.heads, "ConvCompressedAttention StatePool", a, capacity);
   }
 }
 

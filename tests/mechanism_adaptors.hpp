@@ -169,6 +169,48 @@ struct LinearMechanism : NoOwnParameters {
 };
 
 template <class Dir>
+struct WindowedSoftmaxMechanism : NoOwnParameters {  // SlidingWindow of `window` keys each side
+  using Attention = SoftmaxAttention<Dir, SlidingWindow>;
+  static Attention make(const LayerShape& s) {
+    return Attention({s.heads, s.key_dim, s.value_dim},
+                     SlidingWindow{.left = s.window, .right = Dir::is_causal ? 0 : s.window});
+  }
+  static TensorLD<4> oracle(const LayerShape& s, const OwnParameters&, const std::vector<TensorLD<4>>& a) {
+    const MaskSpec mask{.causal = Dir::is_causal, .left = s.window, .right = Dir::is_causal ? -1 : s.window};
+    return softmax_oracle(mask, 1.0L / std::sqrt((long double)s.key_dim), a[0], a[1], a[2]);
+  }
+};
+template <class Dir>
+struct CosFormerMechanism : NoOwnParameters {  // M given (causal decode needs it)
+  static constexpr index_t length = 200;
+  using Attention = CosFormer<Dir>;
+  static Attention make(const LayerShape& s) {
+    return Attention({s.heads, s.key_dim, s.value_dim}, {.reweight = {.length = length}});
+  }
+  static TensorLD<4> oracle(const LayerShape&, const OwnParameters&, const std::vector<TensorLD<4>>& a) {
+    const index_t B = a[0].extent(0), Tn = a[0].extent(1), H = a[0].extent(2);
+    LinearOracleSpec spec{.causal = Dir::is_causal,
+                          .feature = oracle_relu,
+                          .query_proportions = oracle_position_proportions(B, Tn, H, length),
+                          .key_proportions = oracle_position_proportions(B, Tn, H, length)};
+    set_oracle_normaliser(spec, CosFormerReweight::default_normaliser());
+    return linear_oracle(spec, a[0], a[1], a[2]);
+  }
+};
+template <class Dir>
+struct RopeLinearMechanism : NoOwnParameters {  // elu + 1 with RoPE, the default schedule
+  using Attention = LinearAttention<Dir, EluPlusOne, NoReweight, RoPE>;
+  static Attention make(const LayerShape& s) { return Attention({s.heads, s.key_dim, s.value_dim}); }
+  static TensorLD<4> oracle(const LayerShape& s, const OwnParameters&, const std::vector<TensorLD<4>>& a) {
+    LinearOracleSpec spec{.causal = Dir::is_causal,
+                          .feature = oracle_elu_plus_one,
+                          .angles = oracle_rope_angles({}, s.heads, s.key_dim)};
+    set_oracle_normaliser(spec, NoReweight::default_normaliser());
+    return linear_oracle(spec, a[0], a[1], a[2]);
+  }
+};
+
+template <class Dir>
 struct LeaPMechanism {  // relu features, LeaP modules Dk -> Dk -> 1 (leap_factor 1), clamp_min(0.1)
   using Attention = LeaPformer<Dir>;
   static Attention make(const LayerShape& s) {

@@ -1,5 +1,6 @@
 // Packed variable-length prefill (latte::forward_packed, serving/packed_prefill.hpp)
-// for every causal mechanism, on exec::reference and exec::cpu, fp32 and fp64:
+// for every causal mechanism (softmax with and without a window, cosFormer and
+// RoPE linear among them), on exec::reference and exec::cpu, fp32 and fp64:
 // N sequences of random lengths (empty ones and a long one among them) packed
 // along one time axis, each continuing from its own state after a random prefix
 // absorbed by the mechanism's plain forward, then a second packed call continuing
@@ -24,6 +25,7 @@
 
 #include "expect_error.hpp"
 #include "gradient_check.hpp"
+#include "latte/serving/half_precision.hpp"
 #include "latte/serving/packed_prefill.hpp"
 #include "mechanism_adaptors.hpp"
 #include "support.hpp"
@@ -225,6 +227,9 @@ TEST_CASE("forward_packed: every causal mechanism equals its oracle per sequence
   SUBCASE("Macchiato (RoPE window)") { every_backend<MacchiatoMechanism<Causal>>(120); }
   SUBCASE("Macchiato (VAPOR latents, RoPE window)") { every_backend<MacchiatoMechanism<Causal, VAPOR>>(130); }
   SUBCASE("softmax (KV cache)") { every_backend<SoftmaxMechanism<Causal>>(140); }
+  SUBCASE("softmax, sliding window (ring KV cache)") { every_backend<WindowedSoftmaxMechanism<Causal>>(145); }
+  SUBCASE("cosFormer (positions from each sequence's start)") { every_backend<CosFormerMechanism<Causal>>(155); }
+  SUBCASE("linear elu + 1, RoPE") { every_backend<RopeLinearMechanism<Causal>>(157); }
   SUBCASE("linear, elu + 1") { every_backend<LinearMechanism<Causal>>(150); }
   SUBCASE("LeaPformer (LeaP modules)") { every_backend<LeaPMechanism<Causal>>(160); }
   SUBCASE("LAVO") { every_backend<LavoMechanism<Causal>>(170); }
@@ -250,6 +255,34 @@ TEST_CASE("PackedSequences::schedule: a long prompt runs on every worker, short 
   CHECK(p[2] == std::vector<index_t>{0, 6, 3});
   const auto serial = m.schedule(1);
   CHECK(serial[0] == std::vector<index_t>{0, 1, 2, 3, 4, 5, 6});  // one worker: every sequence in order
+}
+
+TEST_CASE("PackedSequences::schedule: softmax's prompts weigh the keys they attend to") {
+  // One 4K prompt and sixty 256-token prompts: by length the 4K prompt is 4096 of
+  // 19456 tokens (under half: it would share a worker); by softmax's work it is
+  // 8.4M of 10.4M keys attended, so it runs alone on both workers.
+  std::vector<index_t> cu{0, 4096};
+  for (int i = 0; i < 60; ++i) cu.push_back(cu.back() + 256);
+  const PackedSequences sequences(cu, cu.back());
+  const auto by_length = sequences.schedule(2);
+  CHECK(by_length[0].empty());
+  const SoftmaxAttention<Causal> softmax({.heads = 2, .key_dim = 4, .value_dim = 4});
+  CHECK(softmax.prefill_cost(4096) == 4096.0 * 4097 / 2);
+  const auto by_work = sequences.schedule(2, [&](index_t length) { return detail::prefill_cost(softmax, length); });
+  CHECK(by_work[0] == std::vector<index_t>{0});
+  CHECK(by_work[1].size() == 30);
+  CHECK(by_work[2].size() == 30);
+  // A window bounds the keys per query: the same prompts weigh n min(n, left + 1).
+  const SoftmaxAttention<Causal, SlidingWindow> windowed({.heads = 2, .key_dim = 4, .value_dim = 4},
+                                                         SlidingWindow{.left = 127});
+  CHECK(windowed.prefill_cost(4096) == 4096.0 * 128);
+  CHECK(windowed.prefill_cost(100) == 100.0 * 100);
+  const auto windowed_plan =
+      sequences.schedule(2, [&](index_t length) { return detail::prefill_cost(windowed, length); });
+  CHECK(windowed_plan[0].empty());
+  // Linear-time mechanisms and HalfPrecision over softmax take the same weights.
+  CHECK(detail::prefill_cost(LatteAttention<Causal>({.heads = 2, .latents = 4, .value_dim = 4}), 4096) == 4096.0);
+  CHECK(detail::prefill_cost(HalfPrecision(softmax), 4096) == softmax.prefill_cost(4096));
 }
 
 TEST_CASE("forward_packed: bad calls are refused by name and leave every state unchanged") {

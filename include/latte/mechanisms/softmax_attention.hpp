@@ -77,6 +77,18 @@ class SoftmaxAttention {
 
   [[nodiscard]] const SoftmaxDims& dims() const noexcept { return dims_; }
   [[nodiscard]] const Win& window() const noexcept { return window_; }
+
+  /// The work of a causal prefill of `length` tokens, as the keys its queries
+  /// attend to in all (n (n + 1) / 2; with a window of `left`, n min(n, left + 1)):
+  /// forward_packed's schedule weighs sequences by it (a linear-time mechanism,
+  /// by its length).
+  [[nodiscard]] double prefill_cost(index_t length) const noexcept {
+    const double n = static_cast<double>(length);
+    if constexpr (std::is_same_v<Win, SlidingWindow>)
+      return n * std::min(n, static_cast<double>(window_.left) + 1.0);
+    else
+      return n * (n + 1.0) / 2.0;
+  }
   [[nodiscard]] double scale() const noexcept { return scale_; }
 
   template <Real T>

@@ -137,6 +137,13 @@ class HalfPrecision {
          [&](const auto& out, const auto&... inputs) { attention_->step(e, state, inputs..., out); });
   }
 
+  /// The attention's prefill cost model, where it has one (forward_packed's schedule).
+  [[nodiscard]] double prefill_cost(index_t length) const
+    requires requires(const Attention& a) { a.prefill_cost(index_t{}); }
+  {
+    return attention_->prefill_cost(length);
+  }
+
   /// The attention's own state check (forward_packed calls it before any state moves).
   template <class S>
   void validate_state(const S& state, index_t batch, index_t new_tokens) const {

@@ -5,6 +5,8 @@
 // flash-linear-attention's varlen entry points). Each sequence attends only to
 // itself and, when states are given, continues from its own state and leaves it at
 // the sequence's end, exactly as the mechanism's own forward(..., state) would.
+// (Sequences are weighed by their length, or by the attention's prefill_cost where
+// it has one: softmax's work grows with the square of the length.)
 //
 // Any causal mechanism: the call slices every input and the output at the offsets
 // and runs the mechanism's forward on each slice. On exec::cpu the sequences are
@@ -61,7 +63,10 @@ class PackedSequences {
 
   /// Sequences each worker runs, in order: the first list holds the sequences
   /// that run alone on every worker, list w + 1 those worker w runs by itself.
-  [[nodiscard]] std::vector<std::vector<index_t>> schedule(int workers) const {
+  /// A sequence weighs cost(length): one whose cost is at least 1 / workers of
+  /// the whole runs alone, the rest go longest first to the least loaded worker.
+  template <class Cost>
+  [[nodiscard]] std::vector<std::vector<index_t>> schedule(int workers, Cost&& cost) const {
     std::vector<std::vector<index_t>> plan(static_cast<std::size_t>(workers) + 1);
     std::vector<index_t> order(static_cast<std::size_t>(count()));
     std::iota(order.begin(), order.end(), index_t{0});
@@ -69,19 +74,27 @@ class PackedSequences {
       plan[0] = order;
       return plan;
     }
-    std::stable_sort(order.begin(), order.end(), [&](index_t a, index_t b) { return length(a) > length(b); });
-    std::vector<index_t> load(static_cast<std::size_t>(workers), 0);
+    std::vector<double> costs(order.size());
+    double whole = 0;
+    for (index_t i : order) whole += costs[static_cast<std::size_t>(i)] = length(i) == 0 ? 0.0 : cost(length(i));
+    const auto cost_of = [&](index_t i) { return costs[static_cast<std::size_t>(i)]; };
+    std::stable_sort(order.begin(), order.end(), [&](index_t a, index_t b) { return cost_of(a) > cost_of(b); });
+    std::vector<double> load(static_cast<std::size_t>(workers), 0.0);
     for (index_t i : order) {
       if (length(i) == 0) continue;
-      if (length(i) * workers >= total()) {
+      if (cost_of(i) * workers >= whole) {
         plan[0].push_back(i);
         continue;
       }
       const auto least = std::min_element(load.begin(), load.end()) - load.begin();
-      load[static_cast<std::size_t>(least)] += length(i);
+      load[static_cast<std::size_t>(least)] += cost_of(i);
       plan[static_cast<std::size_t>(least) + 1].push_back(i);
     }
     return plan;
+  }
+  /// The same, each sequence weighing its length (a linear-time mechanism).
+  [[nodiscard]] std::vector<std::vector<index_t>> schedule(int workers) const {
+    return schedule(workers, [](index_t length) { return static_cast<double>(length); });
   }
 
  private:
@@ -107,6 +120,16 @@ void check_packed(const TensorView<T, N>& view, std::string_view argument, index
           expected_given("batch extent of a packed view [1, total_T, ...]", 1, view.extent(0)));
   require(view.extent(1) == total, argument,
           expected_given("time extent total_T (= the out's)", total, view.extent(1)));
+}
+
+/// A prefill's work in `attention`'s own units: its prefill_cost(length) where it
+/// has one (softmax: the keys attended), else the length (a linear-time scan).
+template <class Attention>
+double prefill_cost(const Attention& attention, index_t length) {
+  if constexpr (requires { attention.prefill_cost(length); })
+    return attention.prefill_cost(length);
+  else
+    return static_cast<double>(length);
 }
 
 }  // namespace detail
@@ -176,7 +199,8 @@ void forward_packed(const Attention& attention, E e, std::span<const index_t> cu
   for (index_t i = 0; i < N; ++i) run(i, sequences.begin(i), 0);
   if constexpr (std::is_same_v<E, exec::cpu_t>) {
     const int workers = cpu::thread_count();
-    const std::vector<std::vector<index_t>> plan = sequences.schedule(workers);
+    const std::vector<std::vector<index_t>> plan =
+        sequences.schedule(workers, [&](index_t length) { return detail::prefill_cost(attention, length); });
     for (index_t i : plan[0]) run(i, sequences.begin(i), sequences.length(i));
     if (workers > 1) {
       std::exception_ptr failure;  // (memory exhaustion: every argument was checked above)
