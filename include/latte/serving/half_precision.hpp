@@ -109,18 +109,17 @@ class HalfPrecision {
   template <exec::Policy E, class... Args>
   void forward(E e, Args&&... args) const {
     static_assert(sizeof...(Args) >= 2, "forward(exec, inputs..., out[, state])");
+    constexpr std::size_t n = sizeof...(Args);
+    using Last = std::remove_cvref_t<std::tuple_element_t<n - 1, std::tuple<Args...>>>;
     if constexpr (requires { attention_->forward(e, std::forward<Args>(args)...); }) {
       // The attention reads 16-bit rows itself (LatteAttention on exec::cpu).
       attention_->forward(e, std::forward<Args>(args)...);
-      return;
-    }
-    auto all = std::forward_as_tuple(std::forward<Args>(args)...);
-    constexpr std::size_t n = sizeof...(Args);
-    using Last = std::remove_cvref_t<std::tuple_element_t<n - 1, std::tuple<Args...>>>;
-    if constexpr (detail::is_tensor_view<Last>) {
+    } else if constexpr (detail::is_tensor_view<Last>) {
+      auto all = std::forward_as_tuple(std::forward<Args>(args)...);
       call(e, all, std::make_index_sequence<n - 1>{}, std::get<n - 1>(all),
            [&](const auto& out, const auto&... inputs) { attention_->forward(e, inputs..., out); });
     } else {
+      auto all = std::forward_as_tuple(std::forward<Args>(args)...);
       auto& state = std::get<n - 1>(all);
       call(e, all, std::make_index_sequence<n - 2>{}, std::get<n - 2>(all),
            [&](const auto& out, const auto&... inputs) { attention_->forward(e, inputs..., out, state); });
