@@ -352,7 +352,87 @@ void every_backend(std::uint64_t seed) {
   step_allocates_nothing<float, Mechanism>(exec::cpu, seed + 5);
 }
 
+/// A float pool of 3 slots, each as the attention makes a batch-1 state.
+template <class A>
+StatePool<A, float> float_pool(const A& attention) {
+  if constexpr (state_needs_capacity<A>)
+    return StatePool<A, float>(attention, 3, index_t{64});
+  else
+    return StatePool<A, float>(attention, 3);
+}
+
+/// A float pool stepped with bf16 / fp16 activations: each output row is the
+/// fp32 step's on the widened inputs, rounded once (the fp32 step is checked
+/// against the oracle above), and the states are the fp32 states' bytes. After
+/// the first call of a size, a step allocates nothing.
+template <HalfFloat H, class Mechanism>
+void half_steps(std::uint64_t seed) {
+  using A = typename Mechanism::Attention;
+  using Inputs = LayerInputs<A>;
+  constexpr std::size_t K = Inputs::count;
+  Rng rng(seed);
+  const LayerShape shape{1, 0, 2, 3, 4, 4, 0, 2};
+  const A attention = Mechanism::make(shape);
+  const index_t heads = Inputs::heads(attention), value_dim = Inputs::value_dim(attention);
+  auto half_pool = float_pool(attention), plain_pool = float_pool(attention);
+  std::vector<PoolSlot> half_slots, plain_slots;
+  for (int i = 0; i < 3; ++i) {
+    half_slots.push_back(half_pool.acquire());
+    plain_slots.push_back(plain_pool.acquire());
+  }
+  int mismatches = 0;
+  for (int step = 0; step < 10; ++step) {
+    const index_t N = step % 3 + 1;  // the first N slots
+    std::vector<Tensor<H, 3>> rows;
+    std::vector<Tensor<float, 3>> widened;
+    for (const LayerInput& input : Inputs::inputs(attention)) {
+      const Tensor<float, 3> draw = random_tensor<float, 3>(rng, {N, heads, input.width}, 1.0);
+      Tensor<H, 3> row(draw.extents());
+      Tensor<float, 3> wide(draw.extents());
+      for (index_t i = 0; i < draw.size(); ++i) {
+        row.data()[i] = H(draw.data()[i]);
+        wide.data()[i] = static_cast<float>(row.data()[i]);
+      }
+      rows.push_back(std::move(row));
+      widened.push_back(std::move(wide));
+    }
+    Tensor<H, 3> out({N, heads, value_dim});
+    Tensor<float, 3> plain_out({N, heads, value_dim});
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      const long before = allocations.load();
+      half_pool.step(exec::cpu, std::span<const PoolSlot>(half_slots).first(static_cast<std::size_t>(N)),
+                     std::make_tuple(rows[I].cview()...), out.view());
+      if (step >= 3) CHECK(allocations.load() == before);  // every size has been seen
+      plain_pool.step(exec::cpu, std::span<const PoolSlot>(plain_slots).first(static_cast<std::size_t>(N)),
+                      std::make_tuple(widened[I].cview()...), plain_out.view());
+    }(std::make_index_sequence<K>{});
+    for (index_t i = 0; i < out.size(); ++i) mismatches += out.data()[i].bits() != H(plain_out.data()[i]).bits();
+  }
+  CHECK(mismatches == 0);
+  for (std::size_t i = 0; i < 3; ++i) CHECK(half_pool.save(half_slots[i]) == plain_pool.save(plain_slots[i]));
+  // A 16-bit step is refused like an fp32 one: a row too few, nothing moves.
+  const auto before = half_pool.save(half_slots[0]);
+  std::vector<Tensor<H, 3>> short_rows;
+  for (const LayerInput& input : Inputs::inputs(attention)) short_rows.push_back(Tensor<H, 3>({1, heads, input.width}));
+  Tensor<H, 3> out({2, heads, value_dim});
+  [&]<std::size_t... I>(std::index_sequence<I...>) {
+    expect_error([&] {
+      half_pool.step(exec::cpu, std::span<const PoolSlot>(half_slots).first(2), std::make_tuple(short_rows[I].cview()...),
+                     out.view());
+    }, "inputs[0]", "rows");
+  }(std::make_index_sequence<K>{});
+  CHECK(half_pool.save(half_slots[0]) == before);
+}
+
 }  // namespace
+
+TEST_CASE("StatePool: bf16 / fp16 steps are the fp32 step on the rounded inputs, rounded once") {
+  half_steps<bfloat16, LatteMechanism<Causal, VAPOR>>(300);
+  half_steps<float16, LatteMechanism<Causal, VAPOR>>(301);
+  half_steps<bfloat16, MacchiatoMechanism<Causal>>(302);
+  half_steps<bfloat16, SoftmaxMechanism<Causal>>(303);
+  half_steps<float16, LinearMechanism<Causal>>(304);
+}
 
 TEST_CASE("StatePool: random acquire / prefill / step / save / restore / release against lone runs and the oracle") {
   SUBCASE("Latte, VAPOR") { every_backend<LatteMechanism<Causal, VAPOR>>(200); }

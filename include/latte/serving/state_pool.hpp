@@ -11,6 +11,7 @@
 // before any state moves, and a refused call changes nothing in the pool. A slot
 // handle names its pool and its acquisition, so a handle of another pool, a
 // released one, or one kept past release and re-acquisition is refused by name.
+#include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -22,7 +23,10 @@
 #include <type_traits>
 #include <vector>
 
+#include "latte/backends/cpu/half_conversion.hpp"
 #include "latte/backends/cpu/parallel.hpp"
+#include "latte/core/half_float.hpp"
+#include "latte/core/huge_page_allocator.hpp"
 #include "latte/core/error.hpp"
 #include "latte/core/shape_check.hpp"
 #include "latte/core/tensor_view.hpp"
@@ -139,11 +143,18 @@ class StatePool {
   /// ([N, H, *], the views the mechanism's step takes, in its order) and of
   /// `out` [N, H, Dv] belongs to slots[n], each at its own position. Allocates
   /// nothing; the slots run side by side on the CPU threads.
-  template <exec::Policy E, class... Inputs>
+  ///
+  /// A float pool also steps bf16 / fp16 activations (inputs and out all of one
+  /// 16-bit type): each slot's rows are widened into per-thread fp32 rows, the
+  /// mechanism's fp32 step runs on them, and its output row is rounded once. The
+  /// rows are allocated by the first call of a size and reused after.
+  template <exec::Policy E, class... Inputs, class O>
   void step(E e, std::span<const PoolSlot> slots, const std::tuple<Inputs...>& inputs,
-            TensorView<T, 3> out) {
+            TensorView<O, 3> out) {
     static_assert(!std::is_same_v<E, exec::cuda_t>, "the pool's states live in host memory");
     static_assert(sizeof...(Inputs) <= 8, "inputs: at most 8 views");
+    static_assert(std::is_same_v<O, T> || (HalfFloat<O> && std::is_same_v<T, float>),
+                  "out: the pool's dtype, or bfloat16 / float16 for a float pool");
     const index_t N = check_slots(slots);
     check_view(out, "out");
     if (out.extent(0) != N)  // (the message only on failure: step allocates nothing)
@@ -159,18 +170,38 @@ class StatePool {
     }
     for (index_t n = 0; n < N; ++n) check_room(slots, n, 1);
     if (N == 0) return;
-    const auto run = [&](index_t n) {
-      std::apply([&](const auto&... view) {
-        attention_.step(e, states_[static_cast<std::size_t>(slots[static_cast<std::size_t>(n)].index)],
-                        detail::batch_row(view, n)..., detail::batch_row(out, n));
-      }, inputs);
+    constexpr std::size_t K = sizeof...(Inputs);
+    const int workers = std::is_same_v<E, exec::cpu_t> ? cpu::thread_count() : 1;
+    if constexpr (HalfFloat<O>) {  // per-thread fp32 rows: grown here, never in the loop
+      if (half_rows_.size() < static_cast<std::size_t>(workers) * (K + 1))
+        half_rows_.resize(static_cast<std::size_t>(workers) * (K + 1));
+      std::array<std::size_t, K + 1> need{};
+      std::size_t j = 0;
+      std::apply([&](const auto&... view) { ((need[j++] = row_elements(view)), ...); }, inputs);
+      need[K] = row_elements(out);
+      for (int w = 0; w < workers; ++w)
+        for (std::size_t i = 0; i <= K; ++i) {
+          AlignedVector<float>& row = half_rows_[static_cast<std::size_t>(w) * (K + 1) + i];
+          if (row.size() < need[i]) row.resize(need[i]);
+        }
+    }
+    const auto run = [&](index_t n, int worker) {
+      State& state = states_[static_cast<std::size_t>(slots[static_cast<std::size_t>(n)].index)];
+      if constexpr (HalfFloat<O>) {
+        step_half_row(e, state, inputs, out, n, half_rows_.data() + static_cast<std::size_t>(worker) * (K + 1),
+                      std::make_index_sequence<K>{});
+      } else {
+        std::apply([&](const auto&... view) {
+          attention_.step(e, state, detail::batch_row(view, n)..., detail::batch_row(out, n));
+        }, inputs);
+      }
     };
-    run(0);  // the mechanism's own shape checks, before any other slot moves
+    run(0, 0);  // the mechanism's own shape checks, before any other slot moves
     if constexpr (std::is_same_v<E, exec::cpu_t>) {
       std::exception_ptr failure;  // (none expected: every argument was checked above)
-      cpu::parallel_for(N - 1, cpu::thread_count(), [&](index_t n, int) {
+      cpu::parallel_for(N - 1, workers, [&](index_t n, int worker) {
         try {
-          run(n + 1);
+          run(n + 1, worker);
         } catch (...) {
 #if LATTE_WITH_OPENMP
 #pragma omp critical(latte_state_pool_failure)
@@ -180,7 +211,7 @@ class StatePool {
       });
       if (failure) std::rethrow_exception(failure);
     } else {
-      for (index_t n = 1; n < N; ++n) run(n);
+      for (index_t n = 1; n < N; ++n) run(n, 0);
     }
   }
 
@@ -196,6 +227,30 @@ class StatePool {
   }
 
  private:
+  template <class V>
+  static std::size_t row_elements(const V& view) {
+    return static_cast<std::size_t>(view.extent(1)) * static_cast<std::size_t>(view.extent(2));
+  }
+
+  /// One slot's step on 16-bit rows: row n of each input widened into `rows`
+  /// (exact), the fp32 step, its output row rounded into out's row n.
+  template <class E, class Inputs, class O, std::size_t... I>
+  void step_half_row(E e, State& state, const Inputs& inputs, const TensorView<O, 3>& out, index_t n,
+                     AlignedVector<float>* rows, std::index_sequence<I...>) const {
+    constexpr std::size_t K = sizeof...(I);
+    const auto widened = [&](const auto& view, AlignedVector<float>& row) {
+      using H = std::remove_const_t<typename std::remove_cvref_t<decltype(view)>::element_type>;
+      static_assert(std::is_same_v<H, O>, "inputs: every view of out's 16-bit type");
+      const auto one = detail::batch_row(view, n);
+      cpu::widen(TensorView<const H, 3>(one), row.data());
+      return TensorView<const float, 3>(row.data(), one.extents());
+    };
+    const TensorView<O, 3> out_row = detail::batch_row(out, n);
+    attention_.step(e, state, widened(std::get<I>(inputs), rows[I])...,
+                    TensorView<float, 3>(rows[K].data(), out_row.extents()));
+    cpu::narrow(rows[K].data(), out_row);
+  }
+
   /// "inputs[j]" without building a string (step allocates nothing).
   static std::string_view input_name(int position) {
     static constexpr std::string_view names[] = {"inputs[0]", "inputs[1]", "inputs[2]", "inputs[3]",
@@ -256,6 +311,7 @@ class StatePool {
   std::vector<char> marks_;
   std::vector<index_t> free_;
   std::vector<State*> pointers_;
+  std::vector<AlignedVector<float>> half_rows_;  // 16-bit steps: (inputs + out) rows per thread
 };
 
 }  // namespace latte
