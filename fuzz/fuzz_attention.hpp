@@ -803,7 +803,26 @@ void drive_pool(Fuzz& fuzz, const Features& f, index_t heads, const char* what, 
         const auto views = [&]<std::size_t... I>(std::index_sequence<I...>) {
           return std::make_tuple(call.inputs[I].cview()...);
         }(std::make_index_sequence<K>{});
-        if (attempt([&] { pool->step(latte::exec::cpu, chosen, views, call.out.view()); })) {
+        bool accepted = false, stepped = false;
+        if constexpr (std::is_same_v<T, float>) {
+          if (fuzz.coin(4)) {  // bf16 activations: twins of the fuzzed buffers
+            std::vector<latte::test::FloatBuffer> buffers;
+            std::vector<TensorView<const float, 3>> inputs;
+            for (const auto& input : call.inputs) {
+              buffers.push_back({input.buffer.get(), input.buffer_elements});
+              inputs.push_back(input.cview());
+            }
+            if (call.aliased < 0) buffers.push_back({call.out.buffer.get(), call.out.buffer_elements});
+            const latte::test::HalfShadow<3> shadow(buffers, inputs, call.out.view());
+            const auto half_views = [&]<std::size_t... I>(std::index_sequence<I...>) {
+              return std::make_tuple(shadow.inputs()[I]...);
+            }(std::make_index_sequence<K>{});
+            accepted = attempt([&] { pool->step(latte::exec::cpu, chosen, half_views, shadow.out()); });
+            stepped = true;
+          }
+        }
+        if (!stepped) accepted = attempt([&] { pool->step(latte::exec::cpu, chosen, views, call.out.view()); });
+        if (accepted) {
           if (bad || rows != N) fail(std::string(what) + ": a step over bad slots or rows was accepted");
           check_accepted(call, false, what);
         } else {

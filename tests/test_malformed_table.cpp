@@ -665,6 +665,19 @@ void add_pool_rows(Registry& registry) {
   row("step: a released slot", "slots", [step](Context& c) { step(c, {c.a, c.released}, 2, 2); });
   row("step: out with a row too many", "out", [step](Context& c) { step(c, {c.a, c.b}, 2, 3); });
   row("step: inputs with a row too few", "inputs[0]", [step](Context& c) { step(c, {c.a, c.b}, 1, 2); });
+  // The same step with bf16 activations (the pool widens each slot's rows itself).
+  const auto step_bf16 = [](Context& c, std::vector<PoolSlot> slots, index_t rows, index_t out_rows) {
+    std::vector<Tensor<bfloat16, 3>> inputs;
+    for (const auto& arg : step_args<M>(rows)) inputs.emplace_back(arg.extents, bfloat16(0.25f));
+    Tensor<bfloat16, 3> out(step_out<M>(out_rows).extents);
+    spread<M::arity>([&](const auto&... x) {
+      c.pool->step(exec::cpu, slots, std::make_tuple(x.cview()...), out.view());
+    }, inputs);
+  };
+  row("step (bf16): a slot twice", "slots", [step_bf16](Context& c) { step_bf16(c, {c.a, c.b, c.a}, 3, 3); });
+  row("step (bf16): a released slot", "slots", [step_bf16](Context& c) { step_bf16(c, {c.a, c.released}, 2, 2); });
+  row("step (bf16): out with a row too many", "out", [step_bf16](Context& c) { step_bf16(c, {c.a, c.b}, 2, 3); });
+  row("step (bf16): inputs with a row too few", "inputs[0]", [step_bf16](Context& c) { step_bf16(c, {c.a, c.b}, 1, 2); });
   row("restore damaged bytes", "bytes", [](Context& c) {
     std::vector<std::byte> bytes = c.pool->save(c.a);
     bytes[bytes.size() / 2] ^= std::byte{1};
