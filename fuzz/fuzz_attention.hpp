@@ -552,20 +552,27 @@ void drive_forward(Fuzz& fuzz, const Features& f, index_t batch, index_t time, i
 /// are twinned in bf16 (tests/half_shadow.hpp: layouts, null pointers and aliasing
 /// kept element for element), made by `forward(bf16 inputs, bf16 out)`. An accepted
 /// call's output is widened back and checked as an fp32 one is.
+/// bf16 twins of a fuzzed fp32 call's buffers (an aliasing out shares its input's),
+/// its views mapped onto them element for element (tests/half_shadow.hpp).
+template <std::size_t N>
+latte::test::HalfShadow<N> bf16_twins(const Fuzz::Call<float, N>& call) {
+  std::vector<latte::test::FloatBuffer> buffers;
+  std::vector<TensorView<const float, N>> inputs;
+  for (const auto& input : call.inputs) {
+    buffers.push_back({input.buffer.get(), input.buffer_elements});
+    inputs.push_back(input.cview());
+  }
+  if (call.aliased < 0) buffers.push_back({call.out.buffer.get(), call.out.buffer_elements});
+  return latte::test::HalfShadow<N>(buffers, inputs, call.out.view());
+}
+
 template <class Forward>
 void drive_bf16_forward(Fuzz& fuzz, const Features& f, index_t batch, index_t time, index_t heads,
                         const char* what, Forward&& forward) {
   const auto values = fuzz.values();
   auto call = fuzz.call<float, 4>(input_extents<4>(f, batch, time, heads), {batch, time, heads, f.out},
                                   values);
-  std::vector<latte::test::FloatBuffer> buffers;
-  std::vector<TensorView<const float, 4>> inputs;
-  for (const auto& input : call.inputs) {
-    buffers.push_back({input.buffer.get(), input.buffer_elements});
-    inputs.push_back(input.cview());
-  }
-  if (call.aliased < 0) buffers.push_back({call.out.buffer.get(), call.out.buffer_elements});
-  const latte::test::HalfShadow<4> shadow(buffers, inputs, call.out.view());
+  const latte::test::HalfShadow<4> shadow = bf16_twins(call);
   if (attempt([&] { forward(shadow.inputs(), shadow.out()); })) {
     shadow.write_back(call.out.view());
     check_accepted(call, f.finite_bound > 0 && inputs_moderate(call, f.finite_bound), what);
@@ -806,14 +813,7 @@ void drive_pool(Fuzz& fuzz, const Features& f, index_t heads, const char* what, 
         bool accepted = false, stepped = false;
         if constexpr (std::is_same_v<T, float>) {
           if (fuzz.coin(4)) {  // bf16 activations: twins of the fuzzed buffers
-            std::vector<latte::test::FloatBuffer> buffers;
-            std::vector<TensorView<const float, 3>> inputs;
-            for (const auto& input : call.inputs) {
-              buffers.push_back({input.buffer.get(), input.buffer_elements});
-              inputs.push_back(input.cview());
-            }
-            if (call.aliased < 0) buffers.push_back({call.out.buffer.get(), call.out.buffer_elements});
-            const latte::test::HalfShadow<3> shadow(buffers, inputs, call.out.view());
+            const latte::test::HalfShadow<3> shadow = bf16_twins(call);
             const auto half_views = [&]<std::size_t... I>(std::index_sequence<I...>) {
               return std::make_tuple(shadow.inputs()[I]...);
             }(std::make_index_sequence<K>{});

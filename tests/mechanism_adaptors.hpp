@@ -43,13 +43,13 @@ inline constexpr bool state_needs_capacity<SoftmaxAttention<Dir, Win>> = true;
 template <class Dir>
 inline constexpr bool state_needs_capacity<ConvCompressedAttention<Dir>> = true;
 
-/// A fresh batch-1 decode state; `capacity` tokens where the state is sized up front.
+/// A fresh decode state of `batch` sequences; `capacity` tokens where the state is sized up front.
 template <class T, class A>
-typename A::template State<T> fresh_state(const A& attention, index_t capacity) {
+typename A::template State<T> fresh_state(const A& attention, index_t capacity, index_t batch = 1) {
   if constexpr (state_needs_capacity<A>)
-    return attention.template make_state<T>(1, capacity);
+    return attention.template make_state<T>(batch, capacity);
   else
-    return attention.template make_state<T>(1);
+    return attention.template make_state<T>(batch);
 }
 
 /// The sizes of a test problem (not every mechanism reads every field).

@@ -245,15 +245,6 @@ inline constexpr bool is_latte = false;
 template <class Dir, class Stab, class Pos>
 inline constexpr bool is_latte<LatteAttention<Dir, Stab, Pos>> = true;
 
-/// A fresh fp32 state for `batch` sequences, `capacity` tokens where it is sized up front.
-template <class A>
-auto fresh_state_batch(const A& attention, index_t batch, index_t capacity) {
-  if constexpr (state_needs_capacity<A>)
-    return attention.template make_state<float>(batch, capacity);
-  else
-    return attention.template make_state<float>(batch);
-}
-
 template <HalfFloat H, class Mechanism, class E>
 void half_cases(E e, std::uint64_t seed, double logit_scale = 1.0) {
   using Attention = typename Mechanism::Attention;
@@ -279,7 +270,7 @@ void half_cases(E e, std::uint64_t seed, double logit_scale = 1.0) {
     worst = std::max(worst, whole);
     if constexpr (Attention::direction::is_causal) {
       // Two calls through one fp32 state, then the last three tokens as decode steps.
-      auto state = fresh_state_batch(problem.attention, s.batch, s.time);
+      auto state = fresh_state<float>(problem.attention, s.time, s.batch);
       const index_t first = s.time / 3, second = s.time - first - 3;
       Tensor<H, 4> out1(problem.out_extents(first)), out2(problem.out_extents(second));
       std::apply([&](const auto&... view) { half.forward(e, view..., out1.view(), state); }, problem.views(0, first));

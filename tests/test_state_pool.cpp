@@ -352,15 +352,6 @@ void every_backend(std::uint64_t seed) {
   step_allocates_nothing<float, Mechanism>(exec::cpu, seed + 5);
 }
 
-/// A float pool of 3 slots, each as the attention makes a batch-1 state.
-template <class A>
-StatePool<A, float> float_pool(const A& attention) {
-  if constexpr (state_needs_capacity<A>)
-    return StatePool<A, float>(attention, 3, index_t{64});
-  else
-    return StatePool<A, float>(attention, 3);
-}
-
 /// A float pool stepped with bf16 / fp16 activations: each output row is the
 /// fp32 step's on the widened inputs, rounded once (the fp32 step is checked
 /// against the oracle above), and the states are the fp32 states' bytes. After
@@ -374,7 +365,7 @@ void half_steps(std::uint64_t seed) {
   const LayerShape shape{1, 0, 2, 3, 4, 4, 0, 2};
   const A attention = Mechanism::make(shape);
   const index_t heads = Inputs::heads(attention), value_dim = Inputs::value_dim(attention);
-  auto half_pool = float_pool(attention), plain_pool = float_pool(attention);
+  auto half_pool = make_pool<float>(attention), plain_pool = make_pool<float>(attention);
   std::vector<PoolSlot> half_slots, plain_slots;
   for (int i = 0; i < 3; ++i) {
     half_slots.push_back(half_pool.acquire());
