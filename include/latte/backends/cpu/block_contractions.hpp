@@ -5,9 +5,13 @@
 //   accumulate_outer_products:  M[l][d] += sum_s e[s][l] v[s][d]   (M += E^T V)
 //   read_memory_rows:           o[s][d]  = c_s sum_l g[s][l] M[l][d]   (O = diag(c) G M)
 //
-// Both keep a tile of 4 x 4 SIMD vectors of accumulators in registers and
-// stream the other operand through it (one core, fma_tile): for each step, 4 vector loads and 4
-// broadcasts feed 16 FMAs. E, V and G are contiguous n x L / n x Dv blocks the
+// Both keep a tile of 4 x tile_vectors SIMD vectors of accumulators in
+// registers and stream the other operand through it (one core, fma_tile): for
+// each step, tile_vectors vector loads and 4 broadcasts feed 4 tile_vectors
+// FMAs. The tile fits the register file: 4 x 4 with 32 vector registers
+// (AVX-512), 4 x 2 with 16 (AVX2), where a 4 x 4 tile and its 4 loaded
+// vectors (20 registers) spill: 28.6 GFMA/s against 50.0 for 4 x 2, one core
+// of this machine's AVX2 EPYC (peak ~51), L = Dv = 64, 64 tokens. E, V and G are contiguous n x L / n x Dv blocks the
 // caller has just written (so they sit in L1); the outputs of read_memory_rows
 // go straight to their strided rows. Eigen's GEMM on these shapes (n = 256,
 // L = Dv = 64; profiled in the bidirectional pass) spent about a sixth of its
@@ -22,6 +26,9 @@
 #include "latte/core/types.hpp"
 
 namespace latte::cpu {
+
+/// Vectors per row of a contraction's register tile (see above).
+inline constexpr int tile_vectors = simd::vector_registers >= 32 ? 4 : 2;
 
 namespace detail {
 
@@ -129,8 +136,8 @@ void accumulate_outer_products(const T* e, index_t n, index_t L, const T* v, T* 
                                index_t Dv, Hook&& after_tile = {}) noexcept {
   constexpr index_t W = simd::width<T>;
   index_t d0 = 0;
-  for (; d0 + 4 * W <= Dv; d0 += 4 * W)
-    detail::outer_products_columns<T, 4>(e, n, L, v, Dv, memory, d0, after_tile);
+  for (; d0 + tile_vectors * W <= Dv; d0 += tile_vectors * W)
+    detail::outer_products_columns<T, tile_vectors>(e, n, L, v, Dv, memory, d0, after_tile);
   for (; d0 + W <= Dv; d0 += W)
     detail::outer_products_columns<T, 1>(e, n, L, v, Dv, memory, d0, after_tile);
   for (; d0 < Dv; ++d0)  // columns past the last full vector
@@ -149,8 +156,9 @@ void read_memory_rows(const T* g, index_t n, index_t L, const T* memory, index_t
                       index_t out_stride, const T* scale, Hook&& after_tile = {}) noexcept {
   constexpr index_t W = simd::width<T>;
   index_t d0 = 0;
-  for (; d0 + 4 * W <= Dv; d0 += 4 * W)
-    detail::read_columns<T, 4>(g, n, L, memory, Dv, scale, out, out_stride, d0, after_tile);
+  for (; d0 + tile_vectors * W <= Dv; d0 += tile_vectors * W)
+    detail::read_columns<T, tile_vectors>(g, n, L, memory, Dv, scale, out, out_stride, d0,
+                                          after_tile);
   for (; d0 + W <= Dv; d0 += W)
     detail::read_columns<T, 1>(g, n, L, memory, Dv, scale, out, out_stride, d0, after_tile);
   for (; d0 < Dv; ++d0)

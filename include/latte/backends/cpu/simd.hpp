@@ -56,6 +56,13 @@ inline void unrolled(F&& f) {
 template <Real T>
 using batch = xsimd::batch<T>;
 
+/// Vector registers of the instruction set compiled for (register tiles size themselves by it).
+#if defined(__AVX512F__)
+inline constexpr int vector_registers = 32;
+#else
+inline constexpr int vector_registers = 16;
+#endif
+
 template <Real T>
 inline constexpr std::size_t width = batch<T>::size;
 
@@ -201,6 +208,12 @@ template <Real T>
                                                   const batch<T>& if_equal,
                                                   const batch<T>& x) noexcept {
   return xsimd::select(key == batch<T>(value), if_equal, x);
+}
+/// Per lane: if_finite where key is finite, otherwise `otherwise`.
+template <Real T>
+[[nodiscard]] inline batch<T> select_finite(const batch<T>& key, const batch<T>& if_finite,
+                                            const batch<T>& otherwise) noexcept {
+  return xsimd::select(xsimd::isfinite(key), if_finite, otherwise);
 }
 /// Whether any lane of a is greater than the same lane of b.
 template <Real T>
@@ -395,6 +408,8 @@ template <Real T>
 
 #else  // one-lane scalar stand-in
 
+inline constexpr int vector_registers = 16;
+
 template <Real T>
 struct batch {
   T value;
@@ -430,6 +445,11 @@ template <Real T>
                                                   const batch<T>& if_equal,
                                                   const batch<T>& x) noexcept {
   return key.value == value ? if_equal : x;
+}
+template <Real T>
+[[nodiscard]] inline batch<T> select_finite(const batch<T>& key, const batch<T>& if_finite,
+                                            const batch<T>& otherwise) noexcept {
+  return std::isfinite(key.value) ? if_finite : otherwise;
 }
 template <Real T>
 [[nodiscard]] inline bool any_greater(const batch<T>& a, const batch<T>& b) noexcept {
