@@ -242,8 +242,8 @@ struct HalfProblem {
 
 template <class Attention>
 inline constexpr bool is_latte = false;
-template <class Dir, class Stab, class Pos>
-inline constexpr bool is_latte<LatteAttention<Dir, Stab, Pos>> = true;
+template <class Dir, class Stab, class Pos, class Sum>
+inline constexpr bool is_latte<LatteAttention<Dir, Stab, Pos, Sum>> = true;
 
 template <HalfFloat H, class Mechanism, class E>
 void half_cases(E e, std::uint64_t seed, double logit_scale = 1.0) {

@@ -738,8 +738,8 @@ TensorEntry<N> bf16_entry(TensorEntry<N> entry, bool named_by_place, Call call) 
 
 template <class A>
 inline constexpr bool is_latte_attention = false;
-template <class Dir, class Stab, class Pos>
-inline constexpr bool is_latte_attention<LatteAttention<Dir, Stab, Pos>> = true;
+template <class Dir, class Stab, class Pos, class Sum>
+inline constexpr bool is_latte_attention<LatteAttention<Dir, Stab, Pos, Sum>> = true;
 
 /// forward, forward(state), step and forward_packed with bf16 activations.
 template <class M, class E>

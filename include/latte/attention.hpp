@@ -28,6 +28,7 @@
 #include "latte/policies/proportion.hpp"
 #include "latte/policies/reweight.hpp"
 #include "latte/policies/stabilizer.hpp"
+#include "latte/policies/summation.hpp"
 #include "latte/policies/window.hpp"
 #include "latte/serving/half_precision.hpp"
 #include "latte/serving/packed_prefill.hpp"

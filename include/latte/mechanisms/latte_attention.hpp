@@ -1,5 +1,5 @@
 #pragma once
-// latte::LatteAttention<Direction, Stabilizer, Positional> — Latte (paper 000 §2,
+// latte::LatteAttention<Direction, Stabilizer, Positional, Summation> — Latte (paper 000 §2,
 // paper 001 §4): attention through L latent states,
 //   p(l|t) = softmax_l(q_t),  p(s|l,t) = exp(k_{s,l}) / sum_{s'<=t} exp(k_{s',l}),
 //   o_t = sum_l p(l|t) sum_{s<=t} p(s|l,t) v_s          (Causal, eq. 10)
@@ -12,6 +12,10 @@
 //   latte::LatteAttention<latte::Causal, latte::RunningMax, latte::VAPOR> attn({.heads = 8,
 //       .latents = 64, .value_dim = 64});
 //   attn.forward(latte::exec::reference, q, k, v, out.view());
+//
+// Causal states sum over the whole past as compensated sums (Summation =
+// CompensatedSums, the default; PlainSums is faster and its error grows with
+// the context: policies/summation.hpp, docs/numerics.md "Long contexts").
 //
 // backward(exec, q, k, v, d_out, gradients[, state_gradients]) gives the
 // gradients of the inputs (and of VAPOR's angles, of the initial state) for a
@@ -41,6 +45,7 @@
 #include "latte/policies/execution.hpp"
 #include "latte/policies/positional.hpp"
 #include "latte/policies/stabilizer.hpp"
+#include "latte/policies/summation.hpp"
 #if LATTE_CUDA_KERNELS
 #include "latte/backends/cuda/latte.cuh"
 #endif
@@ -54,12 +59,14 @@ struct LatteDims {
   index_t value_dim = 0;  ///< Dv: value features per head
 };
 
-template <Direction Dir, Stabilizer Stab = RunningMax, Positional Pos = NoPositional>
+template <Direction Dir, Stabilizer Stab = RunningMax, Positional Pos = NoPositional,
+          Summation Sum = CompensatedSums>
 class LatteAttention {
  public:
   using direction = Dir;
   using stabilizer = Stab;
   using positional = Pos;
+  using summation = Sum;
   template <Real T>
   using State = LatteState<T>;
   /// What backward writes (its first members: the inputs' gradients, in call order).
@@ -90,11 +97,12 @@ class LatteAttention {
     return {angles_.data(), {any ? dims_.heads : 0, any ? dims_.value_dim / 2 : 0}};
   }
 
-  /// "LatteAttention<causal,running_max,vapor>/float32": names states and benchmarks.
+  /// "LatteAttention<causal,running_max,vapor>/float32": names states and
+  /// benchmarks (",plain" after the positional name with PlainSums).
   template <Real T>
   [[nodiscard]] static std::string kind() {
     return std::string("LatteAttention<") + Dir::name + "," + Stab::name + "," + Pos::name +
-           ">/" + dtype_name<T>();
+           (Sum::compensated ? "" : std::string(",") + Sum::name) + ">/" + dtype_name<T>();
   }
 
   /// Whole-sequence forward. T = 0 (or B = 0) is a no-op. With exec::cuda the
@@ -161,7 +169,7 @@ class LatteAttention {
     if (out.empty()) return;
     cpu::latte_causal_forward<Stab, Pos>(query_logits, key_logits, values, out, angles_,
                                          state.position(),
-                                         [&](index_t b, index_t h) { return state.carry(b, h); });
+                                         [&](index_t b, index_t h) { return carry(state, b, h); });
     state.advance(query_logits.extent(1));
   }
 
@@ -223,7 +231,7 @@ class LatteAttention {
     validate_sequence(query_logits, key_logits, values, out);
     validate_state(state, query_logits.extent(0), query_logits.extent(1));
     if (out.empty()) return;  // no output: allocate and loop over nothing
-    auto carry_of = [&](index_t b, index_t h) { return state.carry(b, h); };
+    auto carry_of = [&](index_t b, index_t h) { return carry(state, b, h); };
     if constexpr (std::is_same_v<E, exec::cpu_t>)
       cpu::latte_causal_forward<Stab, Pos>(query_logits, key_logits, values, out, angles_,
                                            state.position(), carry_of);
@@ -254,14 +262,14 @@ class LatteAttention {
     if constexpr (std::is_same_v<E, exec::cpu_t>) {
       cpu::latte_causal_step<Stab, Pos>(
           query_logits, key_logits, values, out, angles_, state.position(),
-          [&](index_t b, index_t h) { return state.carry(b, h); }, state.scratch());
+          [&](index_t b, index_t h) { return carry(state, b, h); }, state.scratch());
     } else {
       const index_t pairs = Dv / 2;
       for (index_t b = 0; b < B; ++b)
         for (index_t h = 0; h < H; ++h)
           reference::latte_causal_step<Stab, Pos>(
               query_logits.row(b, h), key_logits.row(b, h), values.row(b, h), out.row(b, h),
-              state.carry(b, h), L, Dv, angles_.empty() ? nullptr : angles_.data() + h * pairs,
+              carry(state, b, h), L, Dv, angles_.empty() ? nullptr : angles_.data() + h * pairs,
               state.position(), state.scratch());
     }
     state.advance(1);
@@ -461,16 +469,24 @@ class LatteAttention {
         detail::checked_count<T>("query_logits", {batch, dims_.heads, carry_size()})));
     run([&](index_t b, index_t h) {
       T* base = carries.data() + (b * dims_.heads + h) * carry_size();
-      const reference::LatteCarry<T> carry{base, base + L, base + 2 * L};
+      const auto carry = reference::latte_carry_at(base, L, Dv);
       reference::latte_reset<Stab>(carry, L, Dv);
-      return carry;
+      return summed_by<Sum>(carry);
     });
   }
 
-  /// One (batch, head)'s carry: alpha, m [L] and vtilde [L x Dv].
+  /// A state's carry of (b, h) as Sum adds to it.
+  template <Real T>
+  [[nodiscard]] static reference::LatteCarry<T> carry(LatteState<T>& state, index_t b, index_t h) {
+    return summed_by<Sum>(state.carry(b, h));
+  }
+
+  /// One (batch, head)'s carry: m, alpha [L], vtilde [L x Dv] and the low
+  /// parts of alpha and vtilde (reference::latte_carry_size, checked).
   [[nodiscard]] index_t carry_size() const {
     const index_t L = dims_.latents;
-    return detail::checked_sum("dims", {L, L, detail::checked_product("dims", {L, dims_.value_dim})});
+    return detail::checked_sum(
+        "dims", {L, L, L, detail::checked_product("dims", {2, L, dims_.value_dim})});
   }
 
   template <class T>

@@ -37,10 +37,11 @@ class LatteCarryHooks {
   /// The carry the forward started from (reset when there is no initial state).
   void initial_of(index_t b, index_t h, reference::LatteCarry<T> carry) const {
     if (!initial_) return reference::latte_reset<Stab>(carry, L_, Dv_);
-    const index_t head = b * heads_ + h;
-    std::copy_n(initial_->field(0) + head * L_, L_, carry.running_max);
-    std::copy_n(initial_->field(1) + head * L_, L_, carry.normaliser);
-    std::copy_n(initial_->field(2) + head * L_ * Dv_, L_ * Dv_, carry.memory);
+    // The sums as one value each: fl(hi + lo) of the state's compensated pairs.
+    const reference::LatteCarry<const T> from = initial_->carry(b, h);
+    std::copy_n(from.running_max, L_, carry.running_max);
+    for (index_t l = 0; l < L_; ++l) carry.normaliser[l] = from.normaliser[l] + from.normaliser_low[l];
+    for (index_t i = 0; i < L_ * Dv_; ++i) carry.memory[i] = from.memory[i] + from.memory_low[i];
   }
 
   /// The final state's gradient, re-expressed against the recomputed running

@@ -180,8 +180,8 @@ class LatteMacchiato {
         std::vector<T> carries(static_cast<std::size_t>(detail::checked_count<T>(
             "query_logits", {query_logits.extent(0), dims_.heads, carry_size})));
         auto carry_of = [&](index_t b, index_t h) {
-          T* base = carries.data() + (b * dims_.heads + h) * carry_size;
-          const reference::LatteCarry<T> carry{base, base + L, base + 2 * L};
+          const auto carry =
+              reference::latte_carry_at(carries.data() + (b * dims_.heads + h) * carry_size, L, Dv);
           reference::latte_reset<Stab>(carry, L, Dv);
           return carry;
         };
@@ -206,11 +206,11 @@ class LatteMacchiato {
           "window_keys", {carry_size(), detail::checked_count<T>("window_keys", {capacity, window_row()}),
                           reference::MacchiatoScratch<T>::size(Dk, Dv)})));
       T* base = workspace.data();
-      const reference::LatteCarry<T> carry{base, base + L, base + 2 * L};
-      const reference::KVSlots<T> ring{base + 2 * L + L * Dv,
-                                       base + 2 * L + L * Dv + capacity * Dk};
-      const auto scratch = reference::MacchiatoScratch<T>::carve(
-          base + 2 * L + L * Dv + capacity * (Dk + Dv), Dk, Dv);
+      const auto carry = reference::latte_carry_at(base, L, Dv);
+      T* ring_base = base + carry_size();
+      const reference::KVSlots<T> ring{ring_base, ring_base + capacity * Dk};
+      const auto scratch =
+          reference::MacchiatoScratch<T>::carve(ring_base + capacity * (Dk + Dv), Dk, Dv);
       for (index_t b = 0; b < B; ++b)
         for (index_t h = 0; h < H; ++h) {
           reference::latte_reset<Stab>(carry, L, Dv);
@@ -535,10 +535,13 @@ class LatteMacchiato {
         angles_of(h), position, scratch);
   }
 
-  /// One (batch, head)'s latent carry (alpha, m [L], vtilde [L x Dv]) and window slot (Dk + Dv).
+  /// One (batch, head)'s latent carry (m, alpha [L], vtilde [L x Dv] and the
+  /// low parts of alpha and vtilde: reference::latte_carry_size, checked) and
+  /// window slot (Dk + Dv).
   [[nodiscard]] index_t carry_size() const {
     const index_t L = dims_.latents;
-    return detail::checked_sum("dims", {L, L, detail::checked_product("dims", {L, dims_.value_dim})});
+    return detail::checked_sum(
+        "dims", {L, L, L, detail::checked_product("dims", {2, L, dims_.value_dim})});
   }
   [[nodiscard]] index_t window_row() const {
     return detail::checked_sum("dims", {dims_.key_dim, dims_.value_dim});

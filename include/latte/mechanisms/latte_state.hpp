@@ -3,7 +3,11 @@
 //
 // Per (batch, head): the running maximum m [L], the normaliser alpha [L] and
 // the latent memory vtilde [L x Dv], stored scaled by exp(-m) (paper 000
-// App. B.2), plus the absolute position of the next token. One state belongs
+// App. B.2), plus the absolute position of the next token. alpha and vtilde
+// are compensated sums: normaliser_low [L] and memory_low [L x Dv] hold what
+// rounding dropped from them (core/compensated_sum.hpp), so that their error
+// stays that of a few roundings however long the context (docs/numerics.md,
+// "Long contexts"). One state belongs
 // to one batch of sequences and one attention type; step it from one thread
 // at a time. Saved bytes are StateStorage's format.
 #include <cstdint>
@@ -29,7 +33,7 @@ class LatteState final : public StateStorage<T> {
       : StateStorage<T>(std::move(kind), sizes_for(batch, heads, latents, value_dim),
                         fields_for(batch, heads, latents, value_dim), first_position),
         scratch_(static_cast<std::size_t>(
-            detail::checked_sum("latents", {detail::checked_product("latents", {3, latents}),
+            detail::checked_sum("latents", {detail::checked_product("latents", {4, latents}),
                                             value_dim}))) {}
 
   static std::vector<StateSize> sizes_for(index_t batch, index_t heads, index_t latents,
@@ -41,9 +45,13 @@ class LatteState final : public StateStorage<T> {
     // memory is the largest field: when it fits, so do the others.
     const index_t memory = detail::checked_count<T>("batch", {batch, heads, latents, value_dim});
     const auto per_latent = static_cast<std::size_t>(batch * heads * latents);
+    // The low parts double the sums: the memory twice must still fit.
+    detail::checked_count<T>("batch", {batch, heads, latents, value_dim, 2});
     return {{"running_max", per_latent},
             {"normaliser", per_latent},
-            {"memory", static_cast<std::size_t>(memory)}};
+            {"memory", static_cast<std::size_t>(memory)},
+            {"normaliser_low", per_latent},
+            {"memory_low", static_cast<std::size_t>(memory)}};
   }
 
   [[nodiscard]] index_t heads() const noexcept { return this->size_of("heads"); }
@@ -54,9 +62,17 @@ class LatteState final : public StateStorage<T> {
   [[nodiscard]] reference::LatteCarry<T> carry(index_t b, index_t h) noexcept {
     const index_t head = b * heads() + h, L = latents();
     return {this->field(0) + head * L, this->field(1) + head * L,
-            this->field(2) + head * L * value_dim()};
+            this->field(2) + head * L * value_dim(), this->field(3) + head * L,
+            this->field(4) + head * L * value_dim()};
   }
-  /// 3 L + Dv values of scratch for a step (not part of the saved state).
+  /// The same, read only (a backward's initial state).
+  [[nodiscard]] reference::LatteCarry<const T> carry(index_t b, index_t h) const noexcept {
+    const index_t head = b * heads() + h, L = latents();
+    return {this->field(0) + head * L, this->field(1) + head * L,
+            this->field(2) + head * L * value_dim(), this->field(3) + head * L,
+            this->field(4) + head * L * value_dim()};
+  }
+  /// 4 L + Dv values of scratch for a step (not part of the saved state).
   [[nodiscard]] T* scratch() noexcept { return scratch_.data(); }
 
  private:

@@ -3,7 +3,8 @@
 //
 // Per (batch, head): Latte's carry — the running maximum m [L], the normaliser
 // alpha [L] and the latent memory vtilde [L x Dv], scaled by exp(-m) (paper 000
-// App. B.2) — and a ring of the window's last w + 1 keys [Dk] and values [Dv],
+// App. B.2), alpha and vtilde as compensated sums (low parts normaliser_low,
+// memory_low: latte_state.hpp) — and a ring of the window's last w + 1 keys [Dk] and values [Dv],
 // token s in slot s % (w + 1), stored as the window reads them (R^s k_s under
 // RoPE; R^{-s} v_s when VAPOR acts on the window too). One count for the whole
 // state, `window_fill` (0..min(w + 1, position)), says how many ring slots hold
@@ -60,7 +61,9 @@ class MacchiatoState final : public StateStorage<T> {
             {"memory", per_latent * static_cast<std::size_t>(value_dim)},
             {"window_keys", slots * static_cast<std::size_t>(key_dim)},
             {"window_values", slots * static_cast<std::size_t>(value_dim)},
-            {"window_fill", 1}};
+            {"window_fill", 1},
+            {"normaliser_low", per_latent},
+            {"memory_low", per_latent * static_cast<std::size_t>(value_dim)}};
   }
 
   [[nodiscard]] index_t heads() const noexcept { return this->size_of("heads"); }
@@ -75,7 +78,15 @@ class MacchiatoState final : public StateStorage<T> {
   [[nodiscard]] reference::LatteCarry<T> carry(index_t b, index_t h) noexcept {
     const index_t head = b * heads() + h, L = latents();
     return {this->field(0) + head * L, this->field(1) + head * L,
-            this->field(2) + head * L * value_dim()};
+            this->field(2) + head * L * value_dim(), this->field(6) + head * L,
+            this->field(7) + head * L * value_dim()};
+  }
+  /// The same, read only (a backward's initial state).
+  [[nodiscard]] reference::LatteCarry<const T> carry(index_t b, index_t h) const noexcept {
+    const index_t head = b * heads() + h, L = latents();
+    return {this->field(0) + head * L, this->field(1) + head * L,
+            this->field(2) + head * L * value_dim(), this->field(6) + head * L,
+            this->field(7) + head * L * value_dim()};
   }
   /// The window ring of one (batch, head): keys [w + 1, Dk], values [w + 1, Dv].
   [[nodiscard]] reference::KVSlots<T> ring(index_t b, index_t h) noexcept {

@@ -11,6 +11,7 @@
 #include <limits>
 #include <vector>
 
+#include "latte/core/compensated_sum.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
 #include "latte/policies/positional.hpp"
@@ -19,12 +20,30 @@
 namespace latte::reference {
 
 /// The recurrent carry of one (batch, head): m [L], alpha [L], vtilde [L x Dv].
+/// With `normaliser_low` and `memory_low` (a decode state's), alpha and vtilde
+/// are compensated sums (core/compensated_sum.hpp): alpha and vtilde hold the
+/// rounded sums, the *_low arrays what rounding dropped, so that their error
+/// does not grow with the number of tokens absorbed. Null: plain sums (the
+/// scratch carries of a backward's recomputation, which start every chunk anew).
 template <Real T>
 struct LatteCarry {
   T* running_max;
   T* normaliser;
   T* memory;
+  T* normaliser_low = nullptr;
+  T* memory_low = nullptr;
+  [[nodiscard]] bool compensated() const noexcept { return memory_low != nullptr; }
 };
+
+/// Values in one compensated carry: m, alpha, alpha's low part [L] and vtilde,
+/// vtilde's low part [L x Dv] (checked against index_t overflow by the caller).
+inline index_t latte_carry_size(index_t L, index_t Dv) noexcept { return 3 * L + 2 * L * Dv; }
+
+/// The compensated carry laid out in latte_carry_size(L, Dv) values at `base`.
+template <Real T>
+LatteCarry<T> latte_carry_at(T* base, index_t L, index_t Dv) noexcept {
+  return {base, base + L, base + 2 * L, base + 2 * L + L * Dv, base + 3 * L + L * Dv};
+}
 
 /// Sets a carry to the empty prefix.
 template <Stabilizer Stab, Real T>
@@ -32,6 +51,10 @@ void latte_reset(LatteCarry<T> carry, index_t L, index_t Dv) noexcept {
   std::fill(carry.running_max, carry.running_max + L, Stab::template initial_reference<T>());
   std::fill(carry.normaliser, carry.normaliser + L, T(0));
   std::fill(carry.memory, carry.memory + L * Dv, T(0));
+  if (carry.compensated()) {
+    std::fill(carry.normaliser_low, carry.normaliser_low + L, T(0));
+    std::fill(carry.memory_low, carry.memory_low + L * Dv, T(0));
+  }
 }
 
 /// Reads the memory with the query distribution:
@@ -57,14 +80,28 @@ void latte_read(const T* q, const T* normaliser, const T* memory, index_t L, ind
 
 /// Absorbs one token into the carry: key logits k_t [L] and the value as the
 /// memory stores it (v_t, or R^{-t} v_t under VAPOR) [Dv]
-/// (paper 000 eq. 12, stabilised as eq. 21).
+/// (paper 000 eq. 12, stabilised as eq. 21), as compensated sums when the
+/// carry has its low parts.
 template <Stabilizer Stab, Real T>
 void latte_absorb(const T* k, const T* value, LatteCarry<T> carry, index_t L,
                   index_t Dv) noexcept {
   for (index_t l = 0; l < L; ++l) {
     const Absorb<T> a = Stab::absorb(carry.running_max[l], k[l]);  // eq. 21
-    carry.normaliser[l] = carry.normaliser[l] * a.carry_scale + a.weight;
     T* vtilde = carry.memory + l * Dv;
+    if (carry.compensated()) {
+      T* vtilde_low = carry.memory_low + l * Dv;
+      if (a.carry_scale != T(1)) {
+        detail::compensated_scale(carry.normaliser[l], carry.normaliser_low[l], a.carry_scale);
+        for (index_t d = 0; d < Dv; ++d)
+          detail::compensated_scale(vtilde[d], vtilde_low[d], a.carry_scale);
+      }
+      detail::compensated_add(carry.normaliser[l], carry.normaliser_low[l], a.weight);
+      for (index_t d = 0; d < Dv; ++d)
+        detail::compensated_add(vtilde[d], vtilde_low[d],
+                                detail::rounded_product(a.weight, value[d]));
+      continue;
+    }
+    carry.normaliser[l] = carry.normaliser[l] * a.carry_scale + a.weight;
     for (index_t d = 0; d < Dv; ++d) vtilde[d] = vtilde[d] * a.carry_scale + a.weight * value[d];
   }
 }

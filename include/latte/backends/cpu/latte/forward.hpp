@@ -35,6 +35,7 @@
 
 #include "latte/backends/cpu/block_contractions.hpp"
 #include "latte/backends/cpu/column_exps.hpp"
+#include "latte/backends/cpu/compensated_sums.hpp"
 #include "latte/backends/cpu/half_conversion.hpp"
 #include "latte/backends/cpu/memory_pass.hpp"
 #include "latte/backends/cpu/parallel.hpp"
@@ -70,7 +71,10 @@ inline constexpr int shift_headroom = 8;
 
 /// Per-worker scratch for the causal scan (c, w, gamma of `stage_tokens`
 /// tokens; with `rotates_values` (VAPOR), rotated values of up to four and the
-/// rotation of each of `stage_tokens` positions as interleaved cos / sin rows).
+/// rotation of each of `stage_tokens` positions as interleaved cos / sin rows;
+/// for a compensated carry (compensated_sums.hpp) the sums at the last fold,
+/// the weights and values of the tokens since (rows), their sums, and a run's
+/// rescale products).
 template <Real T>
 struct LatteScratch {
   LatteScratch(index_t L, index_t Dv, bool rotates_values, bool stages_rows = false)
@@ -78,12 +82,16 @@ struct LatteScratch {
         rotated(rotates_values ? 4 * Dv : 0),
         rotation_cos(rotates_values ? stage_tokens * Dv : 0),
         rotation_sin(rotates_values ? stage_tokens * Dv : 0),
+        folded_memory(L * Dv), folded_normaliser(L), pending_memory(L * Dv), pending_normaliser(L),
+        chunk_weights(fold_tokens * L), chunk_values(fold_tokens * Dv), run_scale(L),
         staged_queries(stages_rows ? staged_tokens * L : 0), staged_keys(stages_rows ? staged_tokens * L : 0),
         staged_values(stages_rows ? staged_tokens * Dv : 0), staged_out(stages_rows ? staged_tokens * Dv : 0),
         rotation(rotates_values ? Dv / 2 : 0, stage_tokens) {}
   /// Tokens whose 16-bit rows the scan widens into the staged_* rows at a time.
   static constexpr index_t staged_tokens = 64;
   AlignedVector<T> carry_scale, weight, gamma, rotated, rotation_cos, rotation_sin;
+  AlignedVector<T> folded_memory, folded_normaliser, pending_memory, pending_normaliser;
+  AlignedVector<T> chunk_weights, chunk_values, run_scale;
   AlignedVector<T> staged_queries, staged_keys, staged_values, staged_out;  // 16-bit inputs only
   RunRotations<T> rotation;  // fills rotation_cos / rotation_sin, one row per position
 };
@@ -378,6 +386,66 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
       rotate_pairs<true>(o, o, scratch.rotation_cos.data() + j * Dv,
                          scratch.rotation_sin.data() + j * Dv, Dv);
   };
+  // Compensated sums (compensated_sums.hpp): the running sums restart from the
+  // compensated ones every fold_tokens tokens; between folds each run's terms
+  // are summed apart (pending_*), exactly as the running sums are rescaled.
+  const bool compensated = carry.compensated();
+  index_t unfolded = 0;
+  if (compensated) {  // a decode step may have left terms in the low parts
+    renormalise_pairs(carry.memory, carry.memory_low, L * Dv);
+    renormalise_pairs(carry.normaliser, carry.normaliser_low, L);
+    std::copy(carry.memory, carry.memory + L * Dv, scratch.folded_memory.data());
+    std::copy(carry.normaliser, carry.normaliser + L, scratch.folded_normaliser.data());
+  }
+  // The chunk's terms, summed apart from the running sums: one contraction of
+  // its weight and value rows (block_contractions.hpp), then TwoSum into the pairs.
+  auto fold = [&] {
+    T *weights = scratch.chunk_weights.data(), *pending = scratch.pending_normaliser.data();
+    accumulate_outer_products(weights, unfolded, L, scratch.chunk_values.data(),
+                              scratch.pending_memory.data(), Dv);
+    for (index_t j = 0; j < unfolded; ++j)
+      for (index_t l = 0; l < L; ++l) pending[l] += weights[j * L + l];
+    fold_pending(carry.memory, scratch.folded_memory.data(), carry.memory_low,
+                 scratch.pending_memory.data(), L * Dv);
+    fold_pending(carry.normaliser, scratch.folded_normaliser.data(), carry.normaliser_low,
+                 pending, L);
+    unfolded = 0;
+  };
+  // Appends the run of n tokens at t (weights and rescales at w, c + j L) to
+  // the chunk. A rescale of token j scales every term before it: the run's
+  // weights are carried to its end by suffix products of c, and the chunk's
+  // earlier weights and the pairs by their product over the run.
+  auto absorb_run = [&](index_t t, index_t n, const bool* rescaled) {
+    if (!compensated) return;
+    T* weights = scratch.chunk_weights.data() + unfolded * L;
+    std::copy(w, w + n * L, weights);
+    if (std::any_of(rescaled, rescaled + n, [](bool r) { return r; })) {
+      T* product = scratch.run_scale.data();
+      std::fill(product, product + L, T(1));
+      for (index_t j = n - 1; j >= 0; --j)
+        for (index_t l = 0; l < L; ++l) {
+          weights[j * L + l] *= product[l];
+          product[l] *= c[j * L + l];
+        }
+      for (index_t l = 0; l < L; ++l) {
+        if (product[l] == T(1)) continue;
+        scale_pairs(scratch.folded_memory.data() + l * Dv, carry.memory_low + l * Dv, product[l], Dv);
+        scale_pairs(scratch.folded_normaliser.data() + l, carry.normaliser_low + l, product[l], 1);
+        for (index_t j = 0; j < unfolded; ++j) scratch.chunk_weights[j * L + l] *= product[l];
+      }
+    }
+    T* rows = scratch.chunk_values.data() + unfolded * Dv;
+    for (index_t j = 0; j < n; ++j) {
+      const T* value = v.row(b, t + j, h);
+      if constexpr (Pos::rotates_values)
+        rotate_pairs<false>(value, rows + j * Dv, scratch.rotation_cos.data() + j * Dv,
+                            scratch.rotation_sin.data() + j * Dv, Dv);  // R^{-s} v_s
+      else
+        std::copy(value, value + Dv, rows + j * Dv);
+    }
+    unfolded += n;
+    if (unfolded + stage_tokens > fold_tokens) fold();
+  };
   // Quads without a rescale rotate in registers when Dv is whole vectors.
   const bool quad_rotates =
       Pos::rotates_values && simd::width<T> >= 2 && Dv % simd::width<T> == 0;
@@ -470,21 +538,26 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
                         value_of(t + j, j, 0), o, L, Dv, rescaled[j]);
         rotate_out(o, j);
       }
+      absorb_run(t, n, rescaled);
       t += n;
     }
+    if (unfolded > 0) fold();
     return;
   }
   for (; t < t1; t += stage_tokens) {  // state only: one token per pass, in runs
     const index_t n = std::min(stage_tokens, t1 - t);
+    bool rescaled[stage_tokens];
     fill_rotations(n);
     for (index_t j = 0; j < n; ++j) {
       prefetch_token(t + j + ahead);
-      const T* value = value_of(t + j, j, 0);
-      const bool rescale = absorb_keys<Stab>(k.row(b, t + j, h), carry, c, w, L);
-      update_and_read(carry.memory, c, w, gamma, value, static_cast<T*>(nullptr), L, Dv,
-                      rescale);
+      rescaled[j] = absorb_keys<Stab>(k.row(b, t + j, h), carry, c + j * L, w + j * L, L);
+      if (!compensated)  // compensated: nothing reads the running memory, the fold sets it
+        update_and_read(carry.memory, c + j * L, w + j * L, gamma, value_of(t + j, j, 0),
+                        static_cast<T*>(nullptr), L, Dv, rescaled[j]);
     }
+    absorb_run(t, n, rescaled);
   }
+  if (unfolded > 0) fold();
 }
 
 /// The scan over 16-bit activations: `staged_tokens` tokens at a time, their
@@ -531,6 +604,20 @@ void merge_carry(LatteCarry<T> carry_into, LatteCarry<const T> later, index_t L,
     const T scale_a = m_a == neg_inf ? T(0) : std::exp(m_a - m);
     const T scale_b = m_b == neg_inf ? T(0) : std::exp(m_b - m);
     carry_into.running_max[l] = m;
+    if (carry_into.compensated()) {  // both compensated: (a, a_low) scale_a + (b, b_low) scale_b
+      auto merge = [&](T& hi, T& lo, T later_hi, T later_lo) {
+        latte::detail::compensated_scale(hi, lo, scale_a);
+        latte::detail::compensated_scale(later_hi, later_lo, scale_b);
+        latte::detail::compensated_add(hi, lo, later_hi);
+        latte::detail::compensated_add(hi, lo, later_lo);
+      };
+      merge(carry_into.normaliser[l], carry_into.normaliser_low[l], later.normaliser[l],
+            later.normaliser_low[l]);
+      for (index_t d = 0; d < Dv; ++d)
+        merge(carry_into.memory[l * Dv + d], carry_into.memory_low[l * Dv + d],
+              later.memory[l * Dv + d], later.memory_low[l * Dv + d]);
+      continue;
+    }
     carry_into.normaliser[l] = carry_into.normaliser[l] * scale_a + later.normaliser[l] * scale_b;
     T* mem_a = carry_into.memory + l * Dv;
     const T* mem_b = later.memory + l * Dv;
@@ -569,16 +656,18 @@ void latte_causal_forward(TensorView<const In, 4> q, TensorView<const In, 4> k,
     return;
   }
   // Two passes over `segments` time segments, one (b, h) at a time.
-  const index_t carry_size = 2 * L + L * Dv;
+  const index_t carry_size = reference::latte_carry_size(L, Dv);
   AlignedVector<T> storage(static_cast<std::size_t>(2 * segments * carry_size));
+  bool compensated = false;  // as the incoming carry (the summation policy's choice)
   auto carry_at = [&](index_t slot) {
-    T* base = storage.data() + slot * carry_size;
-    return LatteCarry<T>{base, base + L, base + 2 * L};
+    LatteCarry<T> carry = reference::latte_carry_at(storage.data() + slot * carry_size, L, Dv);
+    return compensated ? carry : LatteCarry<T>{carry.running_max, carry.normaliser, carry.memory};
   };
   auto segment_begin = [&](index_t p) { return p * Tn / segments; };
   for (index_t i = 0; i < heads; ++i) {
     const index_t b = i / H, h = i % H;
     const LatteCarry<T> incoming = carry_of(b, h);
+    compensated = incoming.compensated();
     // Pass 1: each segment but the last from an empty state (slots 0 .. segments-2).
     parallel_for(segments - 1, workers, [&](index_t p, int worker) {
       const LatteCarry<T> local = carry_at(p);
@@ -591,12 +680,16 @@ void latte_causal_forward(TensorView<const In, 4> q, TensorView<const In, 4> k,
       std::copy(from.running_max, from.running_max + L, to.running_max);
       std::copy(from.normaliser, from.normaliser + L, to.normaliser);
       std::copy(from.memory, from.memory + L * Dv, to.memory);
+      if (!compensated) return;
+      std::copy(from.normaliser_low, from.normaliser_low + L, to.normaliser_low);
+      std::copy(from.memory_low, from.memory_low + L * Dv, to.memory_low);
     };
     copy_carry(carry_at(segments), incoming);
     for (index_t p = 1; p < segments; ++p) {
       copy_carry(carry_at(segments + p), carry_at(segments + p - 1));
       const LatteCarry<T> local = carry_at(p - 1);
-      merge_carry<T>(carry_at(segments + p), {local.running_max, local.normaliser, local.memory},
+      merge_carry<T>(carry_at(segments + p), {local.running_max, local.normaliser, local.memory,
+                                              local.normaliser_low, local.memory_low},
                      L, Dv);
     }
     // Pass 3: every segment from its incoming state, writing outputs.
@@ -614,9 +707,10 @@ template <Stabilizer Stab, Positional Pos, Real T, class CarryOf>
 void latte_causal_step(TensorView<const T, 3> q, TensorView<const T, 3> k,
                        TensorView<const T, 3> v, TensorView<T, 3> out,
                        const std::vector<double>& angles, std::int64_t position,
-                       CarryOf&& carry_of, T* scratch /* 3L + Dv */) noexcept {
+                       CarryOf&& carry_of, T* scratch /* 4L + Dv */) noexcept {
   const index_t B = q.extent(0), H = q.extent(1), L = q.extent(2), Dv = v.extent(2);
   T *c = scratch, *w = scratch + L, *gamma = scratch + 2 * L, *rotated = scratch + 3 * L;
+  T* normaliser_read = scratch + 3 * L + Dv;  // fl(alpha + alpha_low), compensated
   for (index_t b = 0; b < B; ++b)
     for (index_t h = 0; h < H; ++h) {
       const LatteCarry<T> carry = carry_of(b, h);
@@ -627,9 +721,31 @@ void latte_causal_step(TensorView<const T, 3> q, TensorView<const T, 3> k,
         Pos::rotate(rotated, Dv, theta, -position);
         value = rotated;
       }
-      const bool rescale = absorb_keys<Stab>(k.row(b, h), carry, c, w, L);
-      latent_read_weights(q.row(b, h), carry.normaliser, gamma, L);
-      update_and_read(carry.memory, c, w, gamma, value, out.row(b, h), L, Dv, rescale);
+      if (!carry.compensated()) {
+        const bool rescale = absorb_keys<Stab>(k.row(b, h), carry, c, w, L);
+        latent_read_weights(q.row(b, h), carry.normaliser, gamma, L);
+        update_and_read(carry.memory, c, w, gamma, value, out.row(b, h), L, Dv, rescale);
+      } else {
+        // Compensated (compensated_sums.hpp): alpha's pair updated from the
+        // c and w absorb_keys gives (its plain update undone), the term added
+        // to the low parts, the pairs renormalised every fold_tokens positions.
+        std::copy(carry.normaliser, carry.normaliser + L, normaliser_read);
+        const bool rescale = absorb_keys<Stab>(k.row(b, h), carry, c, w, L);
+        std::copy(normaliser_read, normaliser_read + L, carry.normaliser);
+        for (index_t l = 0; l < L; ++l) {
+          if (c[l] != T(1))
+            latte::detail::compensated_scale(carry.normaliser[l], carry.normaliser_low[l], c[l]);
+          carry.normaliser_low[l] += w[l];
+          normaliser_read[l] = carry.normaliser[l] + carry.normaliser_low[l];
+        }
+        latent_read_weights(q.row(b, h), normaliser_read, gamma, L);
+        pairs_update_and_read(carry.memory, carry.memory_low, c, w, gamma, value, out.row(b, h),
+                              L, Dv, rescale);
+        if ((position + 1) % fold_tokens == 0) {
+          renormalise_pairs(carry.memory, carry.memory_low, L * Dv);
+          renormalise_pairs(carry.normaliser, carry.normaliser_low, L);
+        }
+      }
       if constexpr (Pos::rotates_values) Pos::rotate(out.row(b, h), Dv, theta, position);
     }
 }

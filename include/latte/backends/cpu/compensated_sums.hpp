@@ -1,0 +1,139 @@
+#pragma once
+// Compensated sums for the CPU kernels (core/compensated_sum.hpp has the
+// scalar rules and why). A sum is a pair (hi, lo) whose value is hi + lo.
+//
+// Prefill (a chunked scan) keeps its plain running sum for the reads and,
+// beside it, the terms of the tokens since the last fold as rows; every
+// `fold_tokens` tokens one contraction sums them (block_contractions.hpp),
+// TwoSum adds that into the pair, and the running sum restarts from the new
+// hi. The running sum therefore never drifts further from the exact one than
+// the rounding of `fold_tokens` additions, at any length.
+//
+// A decode step adds its term to lo alone (one FMA, as a plain sum costs) and
+// reads fl(hi + lo); every `fold_tokens` positions the pairs are renormalised,
+// so lo holds at most that many terms.
+#include "latte/backends/cpu/simd.hpp"
+#include "latte/core/compensated_sum.hpp"
+#include "latte/core/types.hpp"
+
+namespace latte::cpu {
+
+/// Tokens a scan absorbs into its running sums between two folds, and decode
+/// steps between two renormalisations.
+inline constexpr index_t fold_tokens = 64;
+
+namespace detail {
+
+/// s + e = a + b exactly, over lanes (TwoSum).
+template <Real T>
+inline void two_sum(const simd::batch<T>& a, const simd::batch<T>& b, simd::batch<T>& s,
+                    simd::batch<T>& e) noexcept {
+  s = a + b;
+  const simd::batch<T> bb = s - a;
+  e = (a - (s - bb)) + (b - bb);
+}
+
+}  // namespace detail
+
+/// (high, low) <- (high, low) + pending, renormalised, for n elements; then
+/// running = high (the running sums restart from the compensated ones) and
+/// pending = 0. A sum that is no longer finite keeps high and low = 0.
+template <Real T>
+void fold_pending(T* running, T* high, T* low, T* pending, index_t n) noexcept {
+  using B = simd::batch<T>;
+  constexpr index_t W = simd::width<T>;
+  const B zero(T(0));
+  index_t i = 0;
+  for (; i + W <= n; i += W) {
+    B s, e, r, f;
+    detail::two_sum(simd::load(high + i), simd::load(pending + i), s, e);
+    detail::two_sum(s, simd::load(low + i) + e, r, f);
+    simd::store(high + i, r);
+    simd::store(running + i, r);
+    simd::store(low + i, simd::select_finite(r, f, zero));
+    simd::store(pending + i, zero);
+  }
+  for (; i < n; ++i) {
+    latte::detail::compensated_add(high[i], low[i], pending[i]);
+    running[i] = high[i];
+    pending[i] = T(0);
+  }
+}
+
+/// (high, low) <- the same sums with high = fl(high + low), for n elements.
+template <Real T>
+void renormalise_pairs(T* high, T* low, index_t n) noexcept {
+  using B = simd::batch<T>;
+  constexpr index_t W = simd::width<T>;
+  index_t i = 0;
+  for (; i + W <= n; i += W) {
+    B s, e;
+    detail::two_sum(simd::load(high + i), simd::load(low + i), s, e);
+    simd::store(high + i, s);
+    simd::store(low + i, simd::select_finite(s, e, B(T(0))));
+  }
+  for (; i < n; ++i) latte::detail::renormalise(high[i], low[i]);
+}
+
+/// (high, low) <- (high, low) * c for n elements (a rescale: c = exp(m_old - m_new)).
+template <Real T>
+void scale_pairs(T* high, T* low, T c, index_t n) noexcept {
+  for (index_t i = 0; i < n; ++i) latte::detail::compensated_scale(high[i], low[i], c);
+}
+
+namespace detail {
+
+/// One register block of R vectors of a decode step's pass over the pairs:
+/// low_l += w_l v, out = sum_l gamma_l fl(high_l + low_l).
+template <Real T, int R>
+inline void pairs_update_read_block(const T* high, T* low, index_t Dv, index_t d0, const T* w,
+                                    const T* gamma, const T* v, T* out, index_t L) noexcept {
+  using B = simd::batch<T>;
+  constexpr index_t W = simd::width<T>;
+  B value[R], acc[R];
+  simd::unrolled<R>([&](auto r) {
+    value[r] = simd::load(v + d0 + r * W);
+    acc[r] = B(T(0));
+  });
+  for (index_t l = 0; l < L; ++l) {
+    const T* hi = high + l * Dv + d0;
+    T* lo = low + l * Dv + d0;
+    const B weight(w[l]), read(gamma[l]);
+    simd::unrolled<R>([&](auto r) {
+      const B sum_low = simd::fma(weight, value[r], simd::load(lo + r * W));
+      simd::store(lo + r * W, sum_low);
+      acc[r] = simd::fma(read, simd::load(hi + r * W) + sum_low, acc[r]);
+    });
+  }
+  if (out != nullptr) simd::unrolled<R>([&](auto r) { simd::store(out + d0 + r * W, acc[r]); });
+}
+
+}  // namespace detail
+
+/// A decode step's Dv pass over compensated memory: per latent l,
+/// (vtilde_l, low_l) <- (vtilde_l, low_l) c_l (exactly, where c_l != 1), low_l
+/// += w_l v, and out = sum_l gamma_l fl(vtilde_l + low_l) (when out is not null).
+template <Real T>
+void pairs_update_and_read(T* memory, T* memory_low, const T* c, const T* w, const T* gamma,
+                           const T* v, T* out, index_t L, index_t Dv, bool rescale) noexcept {
+  constexpr index_t W = simd::width<T>;
+  if (rescale)
+    for (index_t l = 0; l < L; ++l)
+      if (c[l] != T(1)) scale_pairs(memory + l * Dv, memory_low + l * Dv, c[l], Dv);
+  index_t d = 0;
+  for (; d + 4 * W <= Dv; d += 4 * W)
+    detail::pairs_update_read_block<T, 4>(memory, memory_low, Dv, d, w, gamma, v, out, L);
+  for (; d + W <= Dv; d += W)
+    detail::pairs_update_read_block<T, 1>(memory, memory_low, Dv, d, w, gamma, v, out, L);
+  for (; d < Dv; ++d) {
+    T acc = 0;
+    for (index_t l = 0; l < L; ++l) {
+      T& lo = memory_low[l * Dv + d];
+      lo += w[l] * v[d];
+      acc += gamma[l] * (memory[l * Dv + d] + lo);
+    }
+    if (out) out[d] = acc;
+  }
+}
+
+}  // namespace latte::cpu
