@@ -30,17 +30,17 @@ struct LayerInput {
 template <class Attention>
 struct LayerInputs;
 
-template <Direction Dir, Stabilizer Stab, Positional Pos>
-struct LayerInputs<LatteAttention<Dir, Stab, Pos>> {
+template <Direction Dir, Stabilizer Stab, Positional Pos, Summation Sum>
+struct LayerInputs<LatteAttention<Dir, Stab, Pos, Sum>> {
   static constexpr std::size_t count = 3;
   using default_exec = exec::cpu_t;
-  static std::array<LayerInput, count> inputs(const LatteAttention<Dir, Stab, Pos>& attention) {
+  static std::array<LayerInput, count> inputs(const LatteAttention<Dir, Stab, Pos, Sum>& attention) {
     const LatteDims& d = attention.dims();
     return {{{"query_logits", d.latents, true}, {"key_logits", d.latents, true},
              {"values", d.value_dim, false}}};
   }
-  static index_t heads(const LatteAttention<Dir, Stab, Pos>& a) { return a.dims().heads; }
-  static index_t value_dim(const LatteAttention<Dir, Stab, Pos>& a) { return a.dims().value_dim; }
+  static index_t heads(const LatteAttention<Dir, Stab, Pos, Sum>& a) { return a.dims().heads; }
+  static index_t value_dim(const LatteAttention<Dir, Stab, Pos, Sum>& a) { return a.dims().value_dim; }
 };
 
 /// Latent logits (L + 1 query, L key) from the mixer; the window's queries and
@@ -92,9 +92,9 @@ struct QueryKeyValueInputs {
 template <Direction Dir, Window Win>
 struct LayerInputs<SoftmaxAttention<Dir, Win>>
     : QueryKeyValueInputs<SoftmaxAttention<Dir, Win>, exec::cpu_t> {};
-template <Direction Dir, FeatureMap Map, Reweight Rw, Positional Pos>
-struct LayerInputs<LinearAttention<Dir, Map, Rw, Pos>>
-    : QueryKeyValueInputs<LinearAttention<Dir, Map, Rw, Pos>, exec::cpu_t> {};
+template <Direction Dir, FeatureMap Map, Reweight Rw, Positional Pos, Summation Sum>
+struct LayerInputs<LinearAttention<Dir, Map, Rw, Pos, Sum>>
+    : QueryKeyValueInputs<LinearAttention<Dir, Map, Rw, Pos, Sum>, exec::cpu_t> {};
 template <Direction Dir>
 struct LayerInputs<Lavo<Dir>> : QueryKeyValueInputs<Lavo<Dir>, exec::cpu_t> {};
 template <Direction Dir>

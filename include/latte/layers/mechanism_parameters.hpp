@@ -107,11 +107,11 @@ struct VaporAngleParameters {
 template <class Attention>
 struct MechanismParameters : detail::NoLearnedParameters<Attention> {};
 
-template <Direction Dir, Stabilizer Stab, Positional Pos>
-struct MechanismParameters<LatteAttention<Dir, Stab, Pos>>
+template <Direction Dir, Stabilizer Stab, Positional Pos, Summation Sum>
+struct MechanismParameters<LatteAttention<Dir, Stab, Pos, Sum>>
     : std::conditional_t<Pos::rotates_values,
-                         detail::VaporAngleParameters<LatteAttention<Dir, Stab, Pos>>,
-                         detail::NoLearnedParameters<LatteAttention<Dir, Stab, Pos>>> {};
+                         detail::VaporAngleParameters<LatteAttention<Dir, Stab, Pos, Sum>>,
+                         detail::NoLearnedParameters<LatteAttention<Dir, Stab, Pos, Sum>>> {};
 
 /// VAPOR's angles on the latent states; the window's RoPE angles are fixed.
 template <Direction Dir, Stabilizer Stab, Positional LatentPos, Positional WindowPos>
@@ -170,9 +170,9 @@ struct MechanismParameters<ConvCompressedAttention<Dir>> {
 
 /// LeaPformer (LeaPReweight) with LeaP modules: their weights. A module left
 /// empty (no w1, b1, w2) is not wanted.
-template <Direction Dir, FeatureMap Map, Positional Pos>
-struct MechanismParameters<LinearAttention<Dir, Map, LeaPReweight, Pos>> {
-  using Attention = LinearAttention<Dir, Map, LeaPReweight, Pos>;
+template <Direction Dir, FeatureMap Map, Positional Pos, Summation Sum>
+struct MechanismParameters<LinearAttention<Dir, Map, LeaPReweight, Pos, Sum>> {
+  using Attention = LinearAttention<Dir, Map, LeaPReweight, Pos, Sum>;
   template <Real T>
   using Gradients = LeaPModuleGradients;
   template <Real T>

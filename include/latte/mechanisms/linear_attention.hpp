@@ -54,6 +54,7 @@
 #include "latte/policies/normaliser.hpp"
 #include "latte/policies/positional.hpp"
 #include "latte/policies/reweight.hpp"
+#include "latte/policies/summation.hpp"
 
 namespace latte {
 
@@ -77,7 +78,8 @@ struct LinearOptions {
   RopeDenominator rope_denominator = RopeDenominator::unrotated;
 };
 
-template <Direction Dir, FeatureMap Map, Reweight Rw = NoReweight, Positional Pos = NoPositional>
+template <Direction Dir, FeatureMap Map, Reweight Rw = NoReweight, Positional Pos = NoPositional,
+          Summation Sum = CompensatedSums>
 class LinearAttention {
   static_assert(!Pos::rotates_values,
                 "VAPOR rotates values; linear attention takes NoPositional or RoPE");
@@ -87,6 +89,7 @@ class LinearAttention {
   using feature_map = Map;
   using reweight = Rw;
   using positional = Pos;
+  using summation = Sum;
   using Options = LinearOptions<Rw, Pos>;
   template <Real T>
   using State = LinearState<T>;
@@ -144,7 +147,8 @@ class LinearAttention {
   template <Real T>
   [[nodiscard]] static std::string kind() {
     return std::string("LinearAttention<") + Dir::name + "," + Map::name + "," + Rw::name + "," +
-           Pos::name + ">/" + dtype_name<T>();
+           Pos::name + (Sum::compensated ? "" : std::string(",") + Sum::name) + ">/" +
+           dtype_name<T>();
   }
 
   // ------------------------------------------------------------ forward --
@@ -633,10 +637,18 @@ class LinearAttention {
     }
   }
 
-  /// One (batch, head)'s state: memory [E x Dv] and normaliser [E].
+  /// One (batch, head)'s state: memory [E x Dv], normaliser [E] and their
+  /// low parts (reference::linear_carry_size, checked).
   [[nodiscard]] index_t carry_size() const {
     const index_t E = detail::checked_product("dims", {Rw::streams, feature_dim_});
-    return detail::checked_product("dims", {E, detail::checked_sum("dims", {dims_.value_dim, 1})});
+    return detail::checked_product("dims",
+                                   {2, E, detail::checked_sum("dims", {dims_.value_dim, 1})});
+  }
+
+  /// A state's carry of (b, h) as Sum adds to it.
+  template <Real T>
+  [[nodiscard]] static reference::LinearCarry<T> carry(LinearState<T>& state, index_t b, index_t h) {
+    return summed_by<Sum>(state.carry(b, h));
   }
 
   template <class E, Real T>
@@ -654,11 +666,11 @@ class LinearAttention {
         if constexpr (std::is_same_v<E, exec::cpu_t>)
           cpu::linear_causal_forward<Map, Rw, Pos>(
               q, k, v, out, call, state->position(), sequence_proportions<T>(given, length),
-              [&](index_t b, index_t h) { return state->carry(b, h); });
+              [&](index_t b, index_t h) { return carry(*state, b, h); });
         else
           reference::linear_causal_forward<Map, Rw, Pos>(
               q, k, v, out, call, state->position(), sequence_proportions<T>(given, length),
-              [&](index_t b, index_t h) { return state->carry(b, h); });
+              [&](index_t b, index_t h) { return carry(*state, b, h); });
         return;
       }
       const index_t Ex = call.expanded_dim(), Dv = dims_.value_dim;
@@ -669,19 +681,18 @@ class LinearAttention {
             detail::checked_count<T>("queries", {q.extent(0), dims_.heads, carry_size})));
         cpu::linear_causal_forward<Map, Rw, Pos>(
             q, k, v, out, call, 0, sequence_proportions<T>(given, length),
-            [&](index_t b, index_t h) {
-              T* base = carries.data() + (b * dims_.heads + h) * carry_size;
-              return reference::LinearCarry<T>{base, base + Ex * Dv};
+            [&](index_t b, index_t h) {  // zeroed: an empty carry
+              return summed_by<Sum>(reference::linear_carry_at(
+                  carries.data() + (b * dims_.heads + h) * carry_size, Ex, Dv));
             });
         return;
       }
-      std::vector<T> carry_storage(static_cast<std::size_t>(Ex * Dv + Ex));
+      std::vector<T> carry_storage(static_cast<std::size_t>(carry_size()));
       reference::linear_causal_forward<Map, Rw, Pos>(
           q, k, v, out, call, 0, sequence_proportions<T>(given, length), [&](index_t, index_t) {
-            const reference::LinearCarry<T> carry{carry_storage.data(),
-                                                  carry_storage.data() + Ex * Dv};
+            const auto carry = reference::linear_carry_at(carry_storage.data(), Ex, Dv);
             reference::linear_reset(carry, Ex, Dv);
-            return carry;
+            return summed_by<Sum>(carry);
           });
     } else {
       (void)state;
@@ -734,7 +745,7 @@ class LinearAttention {
               return Proportion{};
             }
           },
-          [&](index_t b, index_t h) { return state.carry(b, h); }, state.scratch());
+          [&](index_t b, index_t h) { return carry(state, b, h); }, state.scratch());
       state.advance(1);
       return;
     }
@@ -756,7 +767,7 @@ class LinearAttention {
           }
         };
         reference::linear_causal_token<Map, Rw, Pos>(q.row(b, h), k.row(b, h), v.row(b, h),
-                                                     out.row(b, h), state.carry(b, h), call,
+                                                     out.row(b, h), carry(state, b, h), call,
                                                      call.theta(h), position, proportion_of,
                                                      state.scratch());
       }
@@ -857,9 +868,10 @@ class LinearAttention {
       }
       auto initial_of = [&](index_t b, index_t h, reference::LinearCarry<T> carry) {
         if (!initial) return reference::linear_reset(carry, Ex, Dv);
-        const reference::LinearCarry<const T> from = carry_at(*initial, b, h);
-        std::copy_n(from.memory, Ex * Dv, carry.memory);
-        std::copy_n(from.normaliser, Ex, carry.normaliser);
+        // The sums as one value each: fl(hi + lo) of the state's compensated pairs.
+        const reference::LinearCarry<const T> from = initial->carry(b, h);
+        for (index_t i = 0; i < Ex * Dv; ++i) carry.memory[i] = from.memory[i] + from.memory_low[i];
+        for (index_t i = 0; i < Ex; ++i) carry.normaliser[i] = from.normaliser[i] + from.normaliser_low[i];
       };
       auto final_gradient_of = [&](index_t b, index_t h) {
         return d_final ? carry_at(*d_final, b, h)

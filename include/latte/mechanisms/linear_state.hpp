@@ -2,7 +2,8 @@
 // LinearState<T>: the O(E * Dv) per-head decode state of causal linear attention.
 //
 // Per (batch, head): the memory S = sum_s e(k_s) v_s^T [E x Dv] and the
-// normaliser z = sum_s e'(k_s) [E] (paper 001 eq. 4), E = streams * F
+// normaliser z = sum_s e'(k_s) [E] (paper 001 eq. 4), as compensated sums
+// (their low parts memory_low, normaliser_low: core/compensated_sum.hpp), E = streams * F
 // (two streams, sin and cos, with cosFormer / LeaP re-weighting), plus the
 // absolute position of the next token. Sizes: batch, heads, feature_dim (F),
 // streams, value_dim, and, where the configuration has them, length (cosFormer's
@@ -47,8 +48,13 @@ class LinearState final : public StateStorage<T> {
         "batch", {size("batch"), size("heads"), size("streams"), size("feature_dim"),
                   size("value_dim")});  // the largest field: when it fits, so does the other
     const index_t normaliser = size("batch") * size("heads") * size("streams") * size("feature_dim");
+    // The low parts double the sums: the memory twice must still fit.
+    detail::checked_count<T>("batch", {size("batch"), size("heads"), size("streams"),
+                                       size("feature_dim"), size("value_dim"), 2});
     return {{"memory", static_cast<std::size_t>(memory)},
-            {"normaliser", static_cast<std::size_t>(normaliser)}};
+            {"normaliser", static_cast<std::size_t>(normaliser)},
+            {"memory_low", static_cast<std::size_t>(memory)},
+            {"normaliser_low", static_cast<std::size_t>(normaliser)}};
   }
 
   [[nodiscard]] index_t heads() const noexcept { return this->size_of("heads"); }
@@ -63,7 +69,14 @@ class LinearState final : public StateStorage<T> {
   /// The carry of one (batch, head), for the backends.
   [[nodiscard]] reference::LinearCarry<T> carry(index_t b, index_t h) noexcept {
     const index_t head = b * heads() + h, E = expanded_dim();
-    return {this->field(0) + head * E * value_dim(), this->field(1) + head * E};
+    return {this->field(0) + head * E * value_dim(), this->field(1) + head * E,
+            this->field(2) + head * E * value_dim(), this->field(3) + head * E};
+  }
+  /// The same, read only (a backward's initial state).
+  [[nodiscard]] reference::LinearCarry<const T> carry(index_t b, index_t h) const noexcept {
+    const index_t head = b * heads() + h, E = expanded_dim();
+    return {this->field(0) + head * E * value_dim(), this->field(1) + head * E,
+            this->field(2) + head * E * value_dim(), this->field(3) + head * E};
   }
   /// 2F + 4E values of scratch for a step (not part of the saved state).
   [[nodiscard]] T* scratch() noexcept { return scratch_.data(); }

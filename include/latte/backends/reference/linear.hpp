@@ -27,6 +27,7 @@
 #include <span>
 #include <vector>
 
+#include "latte/core/compensated_sum.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
 #include "latte/policies/feature_map.hpp"
@@ -37,11 +38,27 @@
 namespace latte::reference {
 
 /// The recurrent carry of one (batch, head): S [E x Dv] and z [E] (paper 001 eq. 4).
+/// With `memory_low` and `normaliser_low` (a decode state's), S and z are
+/// compensated sums (core/compensated_sum.hpp: the value is S + memory_low);
+/// null: plain sums (scratch carries of a backward, bidirectional sums).
 template <Real T>
 struct LinearCarry {
   T* memory;
   T* normaliser;
+  T* memory_low = nullptr;
+  T* normaliser_low = nullptr;
+  [[nodiscard]] bool compensated() const noexcept { return memory_low != nullptr; }
 };
+
+/// Values in one compensated carry: S, z, then their low parts (S_low [E x
+/// Dv], z_low [E]), checked against index_t overflow by the caller.
+inline index_t linear_carry_size(index_t E, index_t Dv) noexcept { return 2 * (E * Dv + E); }
+
+/// The compensated carry laid out in linear_carry_size(E, Dv) values at `base`.
+template <Real T>
+LinearCarry<T> linear_carry_at(T* base, index_t E, index_t Dv) noexcept {
+  return {base, base + E * Dv, base + E * Dv + E, base + 2 * E * Dv + E};
+}
 
 /// Sizes and runtime parameters of one call, validated by the mechanism.
 struct LinearSpec {
@@ -79,6 +96,10 @@ template <Real T>
 void linear_reset(LinearCarry<T> carry, index_t E, index_t Dv) noexcept {
   std::fill(carry.memory, carry.memory + E * Dv, T(0));
   std::fill(carry.normaliser, carry.normaliser + E, T(0));
+  if (carry.compensated()) {
+    std::fill(carry.memory_low, carry.memory_low + E * Dv, T(0));
+    std::fill(carry.normaliser_low, carry.normaliser_low + E, T(0));
+  }
 }
 
 /// Expanded features of one row x at absolute position `position`
@@ -108,6 +129,13 @@ void linear_absorb(const TokenFeatures<T>& key, const T* v, LinearCarry<T> carry
   for (index_t e = 0; e < E; ++e) {
     const T weight = key.numerator[e];
     T* row = carry.memory + e * Dv;
+    if (carry.compensated()) {
+      T* row_low = carry.memory_low + e * Dv;
+      for (index_t d = 0; d < Dv; ++d)
+        detail::compensated_add(row[d], row_low[d], detail::rounded_product(weight, v[d]));
+      detail::compensated_add(carry.normaliser[e], carry.normaliser_low[e], key.denominator[e]);
+      continue;
+    }
     for (index_t d = 0; d < Dv; ++d) row[d] += weight * v[d];
     carry.normaliser[e] += key.denominator[e];
   }

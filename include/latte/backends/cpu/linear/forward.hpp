@@ -35,6 +35,7 @@
 
 #include <Eigen/Core>
 
+#include "latte/backends/cpu/compensated_sums.hpp"
 #include "latte/backends/cpu/memory_pass.hpp"
 #include "latte/backends/cpu/parallel.hpp"
 #include "latte/backends/cpu/prefetch.hpp"
@@ -146,9 +147,14 @@ struct LinearScratch {
         query_numerator(key_numerator.size()),
         query_denominator(key_numerator.size()),
         denominator(static_cast<std::size_t>(block)),
+        folded(static_cast<std::size_t>(spec.expanded_dim() * (spec.value_dim + 1))),
+        pending(folded.size()),
         rotation(spec.feature_dim / 2) {}
   AlignedVector<T> phi, key_numerator, key_denominator, query_numerator, query_denominator;
   AlignedVector<T> denominator;  // e'(q_t) . z_t per token of the block
+  // Compensated carries (compensated_sums.hpp): S, z at the last fold, and a
+  // block's E_K^T V, 1^T E'_K summed apart ([E x Dv] then [E] each).
+  AlignedVector<T> folded, pending;
   RotationStepper<T> rotation;
   Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> scores;  // chunked form
 };
@@ -343,6 +349,35 @@ void absorb_block(const LinearScratch<T>& scratch, bool separate, const ConstRow
       denominators.colwise().sum();
 }
 
+/// Compensated carries (compensated_sums.hpp): the block's E_K^T V and 1^T E'_K
+/// summed apart (absorb_block into the scratch's pending sums), then added to
+/// the pairs by TwoSum; carry.memory / normaliser restart from the new sums.
+/// `folded` holds the sums at the last fold (scratch.folded, or the carry's
+/// own sums when nothing read them in between).
+template <Real T>
+void absorb_block_compensated(LinearScratch<T>& scratch, bool separate, const ConstRows<T>& values,
+                              index_t n, LinearCarry<T> carry, T* folded_memory,
+                              T* folded_normaliser, index_t E, index_t Dv) noexcept {
+  T* pending = scratch.pending.data();
+  absorb_block(scratch, separate, values, n, LinearCarry<T>{pending, pending + E * Dv}, E, Dv);
+  fold_pending(carry.memory, folded_memory, carry.memory_low, pending, E * Dv);
+  fold_pending(carry.normaliser, folded_normaliser, carry.normaliser_low, pending + E * Dv, E);
+}
+
+/// Starts a scan over a compensated carry: the pairs renormalised (a decode
+/// step may have left terms in the low parts) and their sums kept in
+/// scratch.folded. Returns whether the carry is compensated.
+template <Real T>
+bool begin_compensated(LinearCarry<T> carry, LinearScratch<T>& scratch, index_t E,
+                       index_t Dv) noexcept {
+  if (!carry.compensated()) return false;
+  renormalise_pairs(carry.memory, carry.memory_low, E * Dv);
+  renormalise_pairs(carry.normaliser, carry.normaliser_low, E);
+  std::copy(carry.memory, carry.memory + E * Dv, scratch.folded.data());
+  std::copy(carry.normaliser, carry.normaliser + E, scratch.folded.data() + E * Dv);
+  return true;
+}
+
 /// Scans tokens [t0, t1) of (b, h) from `carry` (absolute position `position`
 /// for token t0), writing outputs.
 template <FeatureMap Map, Reweight Rw, Positional Pos, Real T, class ProportionOf>
@@ -352,6 +387,7 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
           const LinearSpec& spec, ProportionOf& proportion_of, LinearScratch<T>& scratch) noexcept {
   const index_t E = spec.expanded_dim(), Dv = spec.value_dim;
   const bool separate = separate_denominator<Pos>(spec);
+  const bool compensated = begin_compensated(carry, scratch, E, Dv);
   seek_rotation<Pos>(scratch, spec, h, position);
   // Rows 2 KiB apart defeat the hardware prefetchers (prefetch.hpp): the
   // first block's rows are requested up front, each later block's while the
@@ -404,6 +440,9 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
     }
     for (r = 0; r < n; ++r)
       normalise(out.row(b, c0 + r, h), Dv, scratch.denominator[r], spec.normaliser);
+    if (compensated)  // the running sums restart from the compensated ones
+      absorb_block_compensated(scratch, separate, rows_of(v, b, h, c0, n), n, carry,
+                               scratch.folded.data(), scratch.folded.data() + E * Dv, E, Dv);
   }
 }
 
@@ -420,6 +459,7 @@ void chunked_scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>&
   const bool separate = separate_denominator<Pos>(spec);
   const ConstRows<T> memory(carry.memory, E, Dv, Eigen::OuterStride<>(Dv));
   const Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>> z(carry.normaliser, E);
+  const bool compensated = begin_compensated(carry, scratch, E, Dv);
   seek_rotation<Pos>(scratch, spec, h, position);
   for (index_t c0 = t0; c0 < t1; c0 += linear_block) {
     const index_t n = std::min(linear_block, t1 - c0);
@@ -443,7 +483,11 @@ void chunked_scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>&
       denominator.noalias() = qn * z;
     }
     for (index_t r = 0; r < n; ++r) denominator[r] += scores.row(r).head(r + 1).sum();
-    absorb_block(scratch, separate, values, n, carry, E, Dv);
+    if (compensated)  // the carry's sums are read only here: they are their own fold point
+      absorb_block_compensated(scratch, separate, values, n, carry, carry.memory,
+                               carry.normaliser, E, Dv);
+    else
+      absorb_block(scratch, separate, values, n, carry, E, Dv);
     for (index_t r = 0; r < n; ++r)
       normalise(out.row(b, c0 + r, h), Dv, scratch.denominator[r], spec.normaliser);
   }
@@ -457,12 +501,17 @@ void absorb_segment(const TensorView<const T, 4>& k, const TensorView<const T, 4
                     LinearScratch<T>& scratch) noexcept {
   const index_t E = spec.expanded_dim(), Dv = spec.value_dim;
   const bool separate = separate_denominator<Pos>(spec);
+  const bool compensated = begin_compensated(carry, scratch, E, Dv);
   seek_rotation<Pos>(scratch, spec, h, position);
   for (index_t c0 = t0; c0 < t1; c0 += linear_block) {
     const index_t n = std::min(linear_block, t1 - c0);
     block_features<Map, Rw, Pos>(static_cast<const TensorView<const T, 4>*>(nullptr), &k, b, h, c0, n, position + (c0 - t0), spec,
                                  proportion_of, scratch);
-    absorb_block(scratch, separate, rows_of(v, b, h, c0, n), n, carry, E, Dv);
+    if (compensated)
+      absorb_block_compensated(scratch, separate, rows_of(v, b, h, c0, n), n, carry, carry.memory,
+                               carry.normaliser, E, Dv);
+    else
+      absorb_block(scratch, separate, rows_of(v, b, h, c0, n), n, carry, E, Dv);
   }
 }
 
@@ -515,17 +564,21 @@ void linear_causal_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
   // every worker has work even with two segments); the state entering
   // segment p is then the incoming state plus the sums of segments < p.
   const index_t pieces = (workers + segments - 2) / (segments - 1);
-  const index_t carry_size = E * Dv + E;
+  const index_t carry_size = reference::linear_carry_size(E, Dv), sums = E * Dv + E;
   const index_t partial_slots = (segments - 1) * pieces;
   AlignedVector<T> storage(static_cast<std::size_t>((partial_slots + segments) * carry_size));
+  bool compensated = false;  // as the incoming carry (the summation policy's choice)
   auto carry_at = [&](index_t slot) {
-    T* base = storage.data() + slot * carry_size;
-    return LinearCarry<T>{base, base + E * Dv};
+    // S, z, then (compensated) their low parts: [sums | low parts of the sums].
+    const LinearCarry<T> carry =
+        reference::linear_carry_at(storage.data() + slot * carry_size, E, Dv);
+    return compensated ? carry : LinearCarry<T>{carry.memory, carry.normaliser};
   };
   auto segment_begin = [&](index_t p) { return p * Tn / segments; };
   for (index_t i = 0; i < heads; ++i) {
     const index_t b = i / H, h = i % H;
     const LinearCarry<T> incoming = carry_of(b, h);
+    compensated = incoming.compensated();
     parallel_for(partial_slots, workers, [&](index_t slot, int worker) {
       const index_t p = slot / pieces, j = slot % pieces;
       const index_t begin = segment_begin(p), length = segment_begin(p + 1) - begin;
@@ -538,14 +591,25 @@ void linear_causal_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
     auto copy_carry = [&](LinearCarry<T> to, LinearCarry<const T> from) {
       std::copy(from.memory, from.memory + E * Dv, to.memory);
       std::copy(from.normaliser, from.normaliser + E, to.normaliser);
+      if (!compensated) return;
+      std::copy(from.memory_low, from.memory_low + E * Dv, to.memory_low);
+      std::copy(from.normaliser_low, from.normaliser_low + E, to.normaliser_low);
     };
-    copy_carry(carry_at(partial_slots), {incoming.memory, incoming.normaliser});
+    copy_carry(carry_at(partial_slots), {incoming.memory, incoming.normaliser, incoming.memory_low,
+                                         incoming.normaliser_low});
     for (index_t p = 1; p < segments; ++p) {
       T* into = carry_at(partial_slots + p).memory;
       std::copy(into - carry_size, into, into);
       for (index_t j = 0; j < pieces; ++j) {
         const T* part = carry_at((p - 1) * pieces + j).memory;
-        for (index_t x = 0; x < carry_size; ++x) into[x] += part[x];
+        if (!compensated) {
+          for (index_t x = 0; x < sums; ++x) into[x] += part[x];
+          continue;
+        }
+        for (index_t x = 0; x < sums; ++x) {  // (hi, lo) += part's (hi, lo)
+          latte::detail::compensated_add(into[x], into[sums + x], part[x]);
+          latte::detail::compensated_add(into[x], into[sums + x], part[sums + x]);
+        }
       }
     }
     parallel_for(segments, workers, [&](index_t p, int worker) {
@@ -553,7 +617,7 @@ void linear_causal_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
           scratch[worker]);
     });
     const LinearCarry<T> last = carry_at(partial_slots + segments - 1);
-    copy_carry(incoming, {last.memory, last.normaliser});
+    copy_carry(incoming, {last.memory, last.normaliser, last.memory_low, last.normaliser_low});
   }
 }
 
@@ -617,11 +681,29 @@ void linear_causal_step(TensorView<const T, 3> q, TensorView<const T, 3> k,
       features(k.row(b, h), Side::key, kn, separate ? kd : nullptr);
       features(q.row(b, h), Side::query, qn, separate ? qd : nullptr);
       T* o = out.row(b, h);
-      absorb_read<T>(carry.memory, kn, nullptr, qn, nullptr, v.row(b, h), nullptr, o, nullptr, E,
-                     Dv);
-      const T denominator =
-          absorb_read_normaliser(carry.normaliser, separate ? kd : kn, separate ? qd : qn, E);
+      if (!carry.compensated()) {
+        absorb_read<T>(carry.memory, kn, nullptr, qn, nullptr, v.row(b, h), nullptr, o, nullptr,
+                       E, Dv);
+        const T denominator =
+            absorb_read_normaliser(carry.normaliser, separate ? kd : kn, separate ? qd : qn, E);
+        normalise(o, Dv, denominator, spec.normaliser);
+        continue;
+      }
+      // Compensated (compensated_sums.hpp): the term goes to the low parts,
+      // reads take fl(hi + lo), the pairs renormalised every fold_tokens positions.
+      pairs_update_and_read(carry.memory, carry.memory_low, static_cast<const T*>(nullptr), kn, qn,
+                            v.row(b, h), o, E, Dv, false);
+      const T *key_d = separate ? kd : kn, *query_d = separate ? qd : qn;
+      T denominator = 0;
+      for (index_t e = 0; e < E; ++e) {
+        carry.normaliser_low[e] += key_d[e];
+        denominator += query_d[e] * (carry.normaliser[e] + carry.normaliser_low[e]);
+      }
       normalise(o, Dv, denominator, spec.normaliser);
+      if ((position + 1) % fold_tokens == 0) {
+        renormalise_pairs(carry.memory, carry.memory_low, E * Dv);
+        renormalise_pairs(carry.normaliser, carry.normaliser_low, E);
+      }
     }
   }
 }
