@@ -666,7 +666,9 @@ TEST_CASE("LatteMacchiato: state size is independent of the context length") {
   const LatteMacchiato<Causal, RunningMax, VAPOR, RoPE> attention({4, 16, 8, 8, 6});
   auto state = attention.make_state<float>(1);
   const std::size_t bytes = state.bytes();
-  CHECK(bytes == sizeof(float) * (4 * (16 + 16 + 16 * 8) + 4 * 7 * (8 + 8) + 1));
+  // Per head: m, alpha, vtilde, then the window ring; the fill count; the low
+  // parts of alpha and vtilde (compensated sums).
+  CHECK(bytes == sizeof(float) * (4 * (16 + 16 + 16 * 8) + 4 * 7 * (8 + 8) + 1 + 4 * (16 + 16 * 8)));
   Rng rng(517);
   for (index_t n : {10, 1000}) {
     const MacchiatoShape s{1, n, 4, 16, 8, 8, 6};
@@ -1032,7 +1034,7 @@ TEST_CASE("state: a corrupted window_fill (not an integer in [0, w + 1])") {
     auto state = attention.make_state<float>(kB);
     StepCall call = StepCall::make();
     REQUIRE_NOTHROW(call.step(attention, state));
-    *state.field(5) = bad;
+    *state.field(7) = bad;
     expect_error([&] { call.step(attention, state); }, "state", "window_fill");
     CHECK(state.position() == 1);
     // Saved, it is refused by load_state before use.
@@ -1046,7 +1048,7 @@ TEST_CASE("state: a window_fill above the position (the ring would be read befor
   for (const std::int64_t position : {std::int64_t{0}, std::int64_t{1}}) {
     CAPTURE(position);
     auto state = attention.make_state<float>(kB, position);
-    *state.field(5) = static_cast<float>(position + 1);
+    *state.field(7) = static_cast<float>(position + 1);
     StepCall call = StepCall::make();
     expect_error([&] { call.step(attention, state); }, "state", "min(w + 1, position)");
     CHECK(state.position() == position);

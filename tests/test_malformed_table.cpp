@@ -1259,12 +1259,12 @@ Registry build_registry() {
     auto context = std::make_shared<StatefulContext<Macchiato>>();
     const auto step = step_entry<Macchiato>(exec::reference, context);
     add_context_row(rows, step, "state with window_fill 0.5 (written through field())", "state",
-                    [context] { *context->state.field(5) = 0.5f; });
+                    [context] { *context->state.field(7) = 0.5f; });
     auto forward_context = std::make_shared<StatefulContext<Macchiato>>();
     const auto forward = forward_state_entry<Macchiato>(exec::reference, forward_context);
     add_context_row(
         rows, forward, "state with window_fill w + 2 (written through field())", "state",
-        [forward_context] { *forward_context->state.field(5) = static_cast<float>(kWindow + 2); });
+        [forward_context] { *forward_context->state.field(7) = static_cast<float>(kWindow + 2); });
   }
   {
     const std::string ctor = entry_name<Macchiato>("LatteMacchiato()", "-");

@@ -666,7 +666,7 @@ class LatteMacchiato {
                                "window_fill",
                                "an integer in [0, " + std::to_string(state.window_fill_limit()) +
                                    "] (min(w + 1, position))",
-                               *state.field(5)));
+                               *state.field(7)));
   }
 
  private:

@@ -59,11 +59,11 @@ class MacchiatoState final : public StateStorage<T> {
     return {{"running_max", per_latent},
             {"normaliser", per_latent},
             {"memory", per_latent * static_cast<std::size_t>(value_dim)},
+            {"normaliser_low", per_latent},
+            {"memory_low", per_latent * static_cast<std::size_t>(value_dim)},
             {"window_keys", slots * static_cast<std::size_t>(key_dim)},
             {"window_values", slots * static_cast<std::size_t>(value_dim)},
-            {"window_fill", 1},
-            {"normaliser_low", per_latent},
-            {"memory_low", per_latent * static_cast<std::size_t>(value_dim)}};
+            {"window_fill", 1}};
   }
 
   [[nodiscard]] index_t heads() const noexcept { return this->size_of("heads"); }
@@ -78,37 +78,37 @@ class MacchiatoState final : public StateStorage<T> {
   [[nodiscard]] reference::LatteCarry<T> carry(index_t b, index_t h) noexcept {
     const index_t head = b * heads() + h, L = latents();
     return {this->field(0) + head * L, this->field(1) + head * L,
-            this->field(2) + head * L * value_dim(), this->field(6) + head * L,
-            this->field(7) + head * L * value_dim()};
+            this->field(2) + head * L * value_dim(), this->field(3) + head * L,
+            this->field(4) + head * L * value_dim()};
   }
   /// The same, read only (a backward's initial state).
   [[nodiscard]] reference::LatteCarry<const T> carry(index_t b, index_t h) const noexcept {
     const index_t head = b * heads() + h, L = latents();
     return {this->field(0) + head * L, this->field(1) + head * L,
-            this->field(2) + head * L * value_dim(), this->field(6) + head * L,
-            this->field(7) + head * L * value_dim()};
+            this->field(2) + head * L * value_dim(), this->field(3) + head * L,
+            this->field(4) + head * L * value_dim()};
   }
   /// The window ring of one (batch, head): keys [w + 1, Dk], values [w + 1, Dv].
   [[nodiscard]] reference::KVSlots<T> ring(index_t b, index_t h) noexcept {
     const index_t head = b * heads() + h;
-    return {this->field(3) + head * capacity() * key_dim(),
-            this->field(4) + head * capacity() * value_dim()};
+    return {this->field(5) + head * capacity() * key_dim(),
+            this->field(6) + head * capacity() * value_dim()};
   }
   [[nodiscard]] reference::RingRows<const T> ring(index_t b, index_t h) const noexcept {
     const index_t head = b * heads() + h;
-    return {this->field(3) + head * capacity() * key_dim(),
-            this->field(4) + head * capacity() * value_dim()};
+    return {this->field(5) + head * capacity() * key_dim(),
+            this->field(6) + head * capacity() * value_dim()};
   }
 
   /// Ring slots holding tokens (0..w + 1, at most the position), or -1 when
   /// the stored count is not such an integer (a state corrupted through
   /// field(); the attention rejects it).
   [[nodiscard]] index_t window_fill() const noexcept {
-    return fill_count(*this->field(5), this->position());
+    return fill_count(*this->field(7), this->position());
   }
   /// The most ring slots that can hold tokens now: min(w + 1, position).
   [[nodiscard]] index_t window_fill_limit() const noexcept { return fill_limit(this->position()); }
-  void set_window_fill(index_t fill) noexcept { *this->field(5) = static_cast<T>(fill); }
+  void set_window_fill(index_t fill) noexcept { *this->field(7) = static_cast<T>(fill); }
 
   /// Scratch for a step, 2 Dk + 2 Dv values (not part of the saved state).
   [[nodiscard]] reference::MacchiatoScratch<T> scratch() noexcept {
@@ -120,12 +120,12 @@ class MacchiatoState final : public StateStorage<T> {
   /// position: the ring is read from position - fill on.
   void check_saved(std::int64_t position,
                    const std::vector<AlignedVector<T>>& fields) const override {
-    if (fill_count(fields[5][0], position) < 0)
+    if (fill_count(fields[7][0], position) < 0)
       throw Error("bytes", detail::expected_given(
                                "saved window_fill",
                                "an integer in [0, " + std::to_string(fill_limit(position)) +
                                    "] (min(w + 1, saved position))",
-                               fields[5][0]));
+                               fields[7][0]));
   }
 
  private:
