@@ -33,6 +33,10 @@
 //                                  (Dk for elu+1, 2*Dk for cosFormer; the L column)
 //   bf16 rows (latte_bf16, against latte_fp32 on the same values): latte's
 //                                  formula; T >= 16K up to 64K only
+//   sums rows (latte_compensated against latte_plain, the forward; the same
+//                                  for 1000 decode steps, latte_step_*; linear
+//                                  elu+1 likewise, linear_*): the mechanisms'
+//                                  formulas; forward T >= 16K up to 64K
 //   macchiato (L latents, window 128 with RoPE), LAVO (r = 64 bases in the L
 //   column, window 64), conv-compression (levels 2, group M = 64 in the L
 //   column): the models of bench/flop_models.hpp.
@@ -671,6 +675,59 @@ int main(int argc, char** argv) {
     }
   }
 
+  // Summation (policies/summation.hpp): causal Latte's forward and decode step
+  // with compensated sums (the default) against PlainSums on the same inputs,
+  // interleaved; T >= 16K up to 64K. A step row's T is the 1000 steps timed.
+  if (options.wanted("sums")) {
+    const latte::LatteAttention<latte::Causal, latte::RunningMax, latte::NoPositional,
+                                latte::PlainSums>
+        plain({H, L, D});
+    const latte::LinearAttention<latte::Causal, latte::EluPlusOne, latte::NoReweight,
+                                 latte::NoPositional, latte::PlainSums>
+        linear_plain({H, L, D});
+    for (const index_t T : options.lengths) {
+      if (T < 16384 || T > 65536) continue;
+      auto q = random_tensor<4>(rng, {B, T, H, L}), k = random_tensor<4>(rng, {B, T, H, L});
+      auto v = random_tensor<4>(rng, {B, T, H, D});
+      latte::Tensor<float, 4> out({B, T, H, D});
+      const double flops = 4.0 * B * T * H * L * D;
+      for (int repeat = 0; repeat < 2; ++repeat) {
+        auto forward = [&](const auto& attention, const char* name, double flop_count) {
+          const auto [seconds, extra] = measure(
+              [&] { attention.forward(latte::exec::cpu, q, k, v, out.view()); }, options.min_time);
+          record({name, "causal", B, T, H, L, D, seconds, flop_count, extra});
+        };
+        const double linear_flops = flops + 3.0 * B * T * H * L;
+        forward(latte_causal, "latte_compensated", flops);
+        forward(plain, "latte_plain", flops);
+        forward(linear_causal, "linear_compensated", linear_flops);
+        forward(linear_plain, "linear_plain", linear_flops);
+      }
+      if (!options.csv) std::fprintf(stderr, "  summation forward T=%td\n", T);
+    }
+    auto q1 = random_tensor<3>(rng, {B, H, L}), k1 = random_tensor<3>(rng, {B, H, L});
+    auto v1 = random_tensor<3>(rng, {B, H, D});
+    latte::Tensor<float, 3> out1({B, H, D});
+    constexpr index_t steps = 1000;
+    auto compensated_state = latte_causal.make_state<float>(B);
+    auto plain_state = plain.make_state<float>(B);
+    auto linear_state = linear_causal.make_state<float>(B);
+    auto linear_plain_state = linear_plain.make_state<float>(B);
+    for (int repeat = 0; repeat < 2; ++repeat) {
+      auto decode = [&](const auto& attention, auto& state, const char* name) {
+        const auto [seconds, extra] = measure([&] {
+          for (index_t s = 0; s < steps; ++s)
+            attention.step(latte::exec::cpu, state, q1, k1, v1, out1.view());
+        }, options.min_time);
+        record({name, "causal", B, steps, H, L, D, seconds, 4.0 * steps * B * H * L * D, extra});
+      };
+      decode(latte_causal, compensated_state, "latte_step_compensated");
+      decode(plain, plain_state, "latte_step_plain");
+      decode(linear_causal, linear_state, "linear_step_compensated");
+      decode(linear_plain, linear_plain_state, "linear_step_plain");
+    }
+  }
+
   peak = std::max(peak, fma_peak_gflops(8));
   rows.front().flops = peak * 1e9;
 
@@ -702,7 +759,11 @@ int main(int argc, char** argv) {
       if ((r.mechanism == "latte_pool_step" && s.mechanism == "softmax_pool_step" && s.B == r.B) ||
           (r.mechanism == "latte_forward_packed" && s.mechanism == "latte_one_sequence" && s.T == r.T) ||
           (r.mechanism == "latte_bf16" && s.mechanism == "latte_fp32" && s.T == r.T &&
-           s.direction == r.direction))
+           s.direction == r.direction) ||
+          (r.mechanism == "latte_compensated" && s.mechanism == "latte_plain" && s.T == r.T) ||
+          (r.mechanism == "latte_step_compensated" && s.mechanism == "latte_step_plain") ||
+          (r.mechanism == "linear_compensated" && s.mechanism == "linear_plain" && s.T == r.T) ||
+          (r.mechanism == "linear_step_compensated" && s.mechanism == "linear_step_plain"))
         baseline = s.seconds;
     char versus[32] = "-";
     if (baseline > 0) std::snprintf(versus, sizeof versus, "%.1fx faster", baseline / r.seconds);
