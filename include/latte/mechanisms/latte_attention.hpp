@@ -367,7 +367,10 @@ class LatteAttention {
         const LatteState<T>* initial = states ? states->initial : nullptr;
         const std::int64_t first_position = initial ? initial->position() : 0;
         LatteState<T>* d_initial = states ? states->d_initial : nullptr;
-        if (d_initial) *d_initial = initial ? *initial : make_state<T>(B);
+        if (d_initial) {
+          *d_initial = initial ? *initial : make_state<T>(B);
+          clear_low_parts(*d_initial);  // a gradient lives in the sum fields
+        }
         detail::LatteCarryHooks<Stab, T, LatteState<T>> hooks(
             initial, states ? states->d_final : nullptr, d_initial, B, H, L, Dv);
         auto initial_of = [&](index_t b, index_t h, reference::LatteCarry<T> carry) {
@@ -401,6 +404,7 @@ class LatteAttention {
     } else if constexpr (Dir::is_causal) {  // no token: the initial state's gradient is d_final's
       if (!states || !states->d_initial) return;
       *states->d_initial = states->initial ? *states->initial : make_state<T>(B);
+      clear_low_parts(*states->d_initial);
       const index_t per_latent = B * H * L;
       for (const auto& [field, count] : {std::pair{1, per_latent}, std::pair{2, per_latent * Dv}}) {
         T* into = states->d_initial->field(field);
@@ -473,6 +477,12 @@ class LatteAttention {
       reference::latte_reset<Stab>(carry, L, Dv);
       return summed_by<Sum>(carry);
     });
+  }
+
+  /// Zeroes a state's low parts (fields 3, 4): a state gradient does not use them.
+  template <Real T>
+  static void clear_low_parts(LatteState<T>& state) noexcept {
+    for (int field : {3, 4}) std::fill_n(state.field(field), state.field_size(field), T(0));
   }
 
   /// A state's carry of (b, h) as Sum adds to it.

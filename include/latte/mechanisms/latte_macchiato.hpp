@@ -459,7 +459,8 @@ class LatteMacchiato {
     if constexpr (Dir::is_causal) {
       if (d_initial) {  // the initial state's fields, then its gradient fields zeroed or filled
         *d_initial = initial ? *initial : make_state<T>(B);
-        for (int field : {1, 2, 3, 4})
+        // alpha, vtilde, their low parts (unused in a gradient), the ring's keys and values
+        for (int field : {1, 2, 3, 4, 5, 6})
           std::fill_n(d_initial->field(field), d_initial->field_size(field), T(0));
       }
     }
@@ -487,8 +488,10 @@ class LatteMacchiato {
             q, k, wq, wk, v, d_out, views, spec, angles_out, fresh);
       }
     } else if (d_initial && d_final) {  // no token: the initial state's gradient is d_final's
-      for (int field : {1, 2, 3, 4})
+      for (int field : {1, 2, 5, 6})  // alpha, vtilde, the ring's keys and values
         std::copy_n(d_final->field(field), d_final->field_size(field), d_initial->field(field));
+      for (int field : {3, 4})  // the low parts: unused in a gradient
+        std::fill_n(d_initial->field(field), d_initial->field_size(field), T(0));
     }
     for (index_t h = 0; h < H && !d_angles.empty(); ++h)
       for (index_t i = 0; i < pairs; ++i)

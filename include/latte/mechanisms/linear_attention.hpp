@@ -846,7 +846,11 @@ class LinearAttention {
       const LinearState<T>* initial = states ? states->initial : nullptr;
       const LinearState<T>* d_final = states ? states->d_final : nullptr;
       LinearState<T>* d_initial = states ? states->d_initial : nullptr;
-      if (d_initial) *d_initial = initial ? *initial : make_state<T>(B);
+      if (d_initial) {
+        *d_initial = initial ? *initial : make_state<T>(B);
+        for (int field : {2, 3})  // the low parts: a gradient lives in the sum fields
+          std::fill_n(d_initial->field(field), d_initial->field_size(field), T(0));
+      }
       const std::int64_t first_position = initial ? initial->position() : 0;
       index_t length = 0;
       if constexpr (position_proportions)

@@ -11,7 +11,9 @@
 // FMAs. The tile fits the register file: 4 x 4 with 32 vector registers
 // (AVX-512), 4 x 2 with 16 (AVX2), where a 4 x 4 tile and its 4 loaded
 // vectors (20 registers) spill: 28.6 GFMA/s against 50.0 for 4 x 2, one core
-// of this machine's AVX2 EPYC (peak ~51), L = Dv = 64, 64 tokens. E, V and G are contiguous n x L / n x Dv blocks the
+// of this machine's AVX2 EPYC (peak ~51), L = Dv = 64, 64 tokens; the
+// bidirectional Latte forward (B1 H8 L64 D64, T = 16K / 64K, 2 threads) went
+// from 66 to 78-79 GFLOP/s (latte-compare, best of two alternating runs). E, V and G are contiguous n x L / n x Dv blocks the
 // caller has just written (so they sit in L1); the outputs of read_memory_rows
 // go straight to their strided rows. Eigen's GEMM on these shapes (n = 256,
 // L = Dv = 64; profiled in the bidirectional pass) spent about a sixth of its
