@@ -11,8 +11,14 @@
 // previous layer; here they are random, drawn with a fast generator so that
 // drawing them costs little next to the attention itself.
 //
-// Usage: long_context [--tokens N] [--chunk C] [--backend cpu|reference]
-//        (defaults: 1048576 tokens, chunks of 4096, cpu: xsimd + OpenMP)
+// With --fp64-check 1 the same chunks also run through the same attention in
+// fp64, and the worst normwise relative error of an fp32 output row against
+// its fp64 twin is printed along the way: the states' sums are compensated
+// (docs/numerics.md, "Long contexts"), so it stays near 1e-6 at any length
+// instead of growing with the context.
+//
+// Usage: long_context [--tokens N] [--chunk C] [--backend cpu|reference] [--fp64-check 0|1]
+//        (defaults: 1048576 tokens, chunks of 4096, cpu: xsimd + OpenMP, no fp64 check)
 #include <latte/attention.hpp>
 
 #include <sys/resource.h>
@@ -75,9 +81,32 @@ latte::TensorView<float, 4> first_tokens(latte::Tensor<float, 4>& tensor, index_
 
 double gib(double bytes) { return bytes / double(1 << 30); }
 
+/// The fp64 twin of a chunk: the same values in double.
+void widen(latte::TensorView<const float, 4> from, latte::Tensor<double, 4>& to) {
+  for (index_t i = 0; i < from.extent(0) * from.extent(1) * from.extent(2) * from.extent(3); ++i)
+    to.data()[i] = from.data()[i];
+}
+
+/// The worst normwise relative error of an fp32 output row against its fp64 twin.
+double worst_row_error(latte::TensorView<const float, 4> got, const latte::Tensor<double, 4>& want,
+                       index_t n) {
+  double worst = 0;
+  for (index_t t = 0; t < n; ++t)
+    for (index_t h = 0; h < H; ++h) {
+      double diff = 0, norm = 0;
+      for (index_t d = 0; d < Dv; ++d) {
+        const double x = want(0, t, h, d), e = got(0, t, h, d) - x;
+        diff += e * e;
+        norm += x * x;
+      }
+      worst = std::max(worst, norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff));
+    }
+  return worst;
+}
+
 // Runs the chunked forward on the given execution backend; false if an output was not finite.
 template <class Exec>
-bool run(Exec exec, index_t tokens, index_t chunk) {
+bool run(Exec exec, index_t tokens, index_t chunk, bool fp64_check) {
   std::printf("latte %s long context: causal Latte + VAPOR over %td tokens in chunks of %td\n"
               "B=%td H=%td L=%td Dv=%td, fp32, %s backend\n\n",
               LATTE_VERSION_STRING, tokens, chunk, B, H, L, Dv, Exec::name);
@@ -91,11 +120,17 @@ bool run(Exec exec, index_t tokens, index_t chunk) {
   latte::Tensor<float, 4> query_logits({B, chunk, H, L}), key_logits({B, chunk, H, L});
   latte::Tensor<float, 4> values({B, chunk, H, Dv}), out({B, chunk, H, Dv});
   FastRandom random(2024);
+  // The fp64 twin (--fp64-check): its own state and chunk buffers.
+  auto state64 = attn.make_state<double>(B);
+  latte::Tensor<double, 4> q64({B, fp64_check ? chunk : 0, H, L}), k64({B, fp64_check ? chunk : 0, H, L});
+  latte::Tensor<double, 4> v64({B, fp64_check ? chunk : 0, H, Dv}), out64({B, fp64_check ? chunk : 0, H, Dv});
+  double worst_error = 0;
 
   bool finite = true;
   double attention_seconds = 0;
   index_t next_report = std::max<index_t>(tokens / 8, 1);
-  std::printf("%12s %12s %14s %16s\n", "tokens", "seconds", "tokens/s", "peak RSS (MiB)");
+  std::printf("%12s %12s %14s %16s%s\n", "tokens", "seconds", "tokens/s", "peak RSS (MiB)",
+              fp64_check ? "   worst fp32 row error vs fp64" : "");
   const auto start = Clock::now();
   for (index_t done = 0; done < tokens;) {
     const index_t n = std::min(chunk, tokens - done);
@@ -111,12 +146,22 @@ bool run(Exec exec, index_t tokens, index_t chunk) {
     attention_seconds += seconds_since(chunk_start);
     finite = finite && std::all_of(o.data(), o.data() + n * H * Dv,
                                    [](float x) { return std::isfinite(x); });
+    if (fp64_check) {
+      widen(q, q64), widen(k, k64), widen(v, v64);
+      auto rows = [n](latte::Tensor<double, 4>& x) {
+        return latte::TensorView<double, 4>(x.data(), {B, n, H, x.extent(3)});
+      };
+      attn.forward(exec, rows(q64), rows(k64), rows(v64), rows(out64), state64);
+      worst_error = std::max(worst_error, worst_row_error(o, out64, n));
+    }
     done += n;
 
     if (done >= next_report || done == tokens) {
       const double elapsed = seconds_since(start);
-      std::printf("%12td %12.2f %14.0f %16.1f\n", done, elapsed, double(done) / elapsed,
+      std::printf("%12td %12.2f %14.0f %16.1f", done, elapsed, double(done) / elapsed,
                   peak_resident_mib());
+      if (fp64_check) std::printf("   %.2e", worst_error);
+      std::printf("\n");
       std::fflush(stdout);
       while (next_report <= done) next_report += std::max<index_t>(tokens / 8, 1);
     }
@@ -145,24 +190,25 @@ bool run(Exec exec, index_t tokens, index_t chunk) {
 int main(int argc, char** argv) {
   index_t tokens = index_t{1} << 20, chunk = 4096;
   std::string backend = "cpu";
-  bool usage_error = false;
+  bool usage_error = false, fp64_check = false;
   for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
     if (i + 1 >= argc) usage_error = true;
     else if (flag == "--tokens") tokens = std::atol(argv[i + 1]);
     else if (flag == "--chunk") chunk = std::atol(argv[i + 1]);
     else if (flag == "--backend") backend = argv[i + 1];
+    else if (flag == "--fp64-check") fp64_check = std::string(argv[i + 1]) == "1";
     else usage_error = true;
   }
   if (usage_error || tokens < 1 || chunk < 1 || (backend != "cpu" && backend != "reference")) {
     std::fprintf(stderr,
-                 "usage: long_context [--tokens N] [--chunk C] [--backend cpu|reference]  "
-                 "(N, C >= 1)\n");
+                 "usage: long_context [--tokens N] [--chunk C] [--backend cpu|reference] "
+                 "[--fp64-check 0|1]  (N, C >= 1)\n");
     return 2;
   }
   chunk = std::min(chunk, tokens);
 
-  const bool finite = backend == "cpu" ? run(latte::exec::cpu, tokens, chunk)
-                                       : run(latte::exec::reference, tokens, chunk);
+  const bool finite = backend == "cpu" ? run(latte::exec::cpu, tokens, chunk, fp64_check)
+                                       : run(latte::exec::reference, tokens, chunk, fp64_check);
   return finite ? 0 : 1;
 }
