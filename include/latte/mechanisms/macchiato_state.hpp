@@ -76,17 +76,13 @@ class MacchiatoState final : public StateStorage<T> {
 
   /// Latte's carry of one (batch, head), for the backends.
   [[nodiscard]] reference::LatteCarry<T> carry(index_t b, index_t h) noexcept {
-    const index_t head = b * heads() + h, L = latents();
-    return {this->field(0) + head * L, this->field(1) + head * L,
-            this->field(2) + head * L * value_dim(), this->field(3) + head * L,
-            this->field(4) + head * L * value_dim()};
+    return reference::latte_head_carry([this](std::size_t i) { return this->field(i); },
+                                       b * heads() + h, latents(), value_dim());
   }
   /// The same, read only (a backward's initial state).
   [[nodiscard]] reference::LatteCarry<const T> carry(index_t b, index_t h) const noexcept {
-    const index_t head = b * heads() + h, L = latents();
-    return {this->field(0) + head * L, this->field(1) + head * L,
-            this->field(2) + head * L * value_dim(), this->field(3) + head * L,
-            this->field(4) + head * L * value_dim()};
+    return reference::latte_head_carry([this](std::size_t i) { return this->field(i); },
+                                       b * heads() + h, latents(), value_dim());
   }
   /// The window ring of one (batch, head): keys [w + 1, Dk], values [w + 1, Dv].
   [[nodiscard]] reference::KVSlots<T> ring(index_t b, index_t h) noexcept {

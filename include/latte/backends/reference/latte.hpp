@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "latte/core/compensated_sum.hpp"
@@ -43,6 +44,16 @@ inline index_t latte_carry_size(index_t L, index_t Dv) noexcept { return 3 * L +
 template <Real T>
 LatteCarry<T> latte_carry_at(T* base, index_t L, index_t Dv) noexcept {
   return {base, base + L, base + 2 * L, base + 2 * L + L * Dv, base + 3 * L + L * Dv};
+}
+
+/// The carry of head `head` in a state whose fields 0-4 hold every head's m and
+/// alpha [L], vtilde [L x Dv], then alpha's and vtilde's low parts (LatteState,
+/// MacchiatoState); `field(i)` gives field i's data (T* or const T*).
+template <class Field>
+auto latte_head_carry(Field&& field, index_t head, index_t L, index_t Dv) noexcept {
+  using T = std::remove_pointer_t<decltype(field(0))>;
+  return LatteCarry<T>{field(0) + head * L, field(1) + head * L, field(2) + head * L * Dv,
+                       field(3) + head * L, field(4) + head * L * Dv};
 }
 
 /// Sets a carry to the empty prefix.

@@ -387,8 +387,8 @@ void scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
                          scratch.rotation_sin.data() + j * Dv, Dv);
   };
   // Compensated sums (compensated_sums.hpp): the running sums restart from the
-  // compensated ones every fold_tokens tokens; between folds each run's terms
-  // are summed apart (pending_*), exactly as the running sums are rescaled.
+  // compensated ones every fold_tokens tokens; between folds the tokens'
+  // weights and values are kept as rows (chunk_*), rescaled as the running sums are.
   const bool compensated = carry.compensated();
   index_t unfolded = 0;
   if (compensated) {  // a decode step may have left terms in the low parts
@@ -726,12 +726,13 @@ void latte_causal_step(TensorView<const T, 3> q, TensorView<const T, 3> k,
         latent_read_weights(q.row(b, h), carry.normaliser, gamma, L);
         update_and_read(carry.memory, c, w, gamma, value, out.row(b, h), L, Dv, rescale);
       } else {
-        // Compensated (compensated_sums.hpp): alpha's pair updated from the
-        // c and w absorb_keys gives (its plain update undone), the term added
-        // to the low parts, the pairs renormalised every fold_tokens positions.
+        // Compensated (compensated_sums.hpp): absorb_keys gives c and w (and
+        // moves m), its plain alpha update goes to a copy; alpha's pair is
+        // updated from c and w, the term added to the low parts, the pairs
+        // renormalised every fold_tokens positions.
         std::copy(carry.normaliser, carry.normaliser + L, normaliser_read);
-        const bool rescale = absorb_keys<Stab>(k.row(b, h), carry, c, w, L);
-        std::copy(normaliser_read, normaliser_read + L, carry.normaliser);
+        const bool rescale =
+            absorb_keys<Stab>(k.row(b, h), {carry.running_max, normaliser_read, carry.memory}, c, w, L);
         for (index_t l = 0; l < L; ++l) {
           if (c[l] != T(1))
             latte::detail::compensated_scale(carry.normaliser[l], carry.normaliser_low[l], c[l]);
