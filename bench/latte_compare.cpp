@@ -34,9 +34,10 @@
 //   bf16 rows (latte_bf16, against latte_fp32 on the same values): latte's
 //                                  formula; T >= 16K up to 64K only
 //   sums rows (latte_compensated against latte_plain, the forward; the same
-//                                  for 1000 decode steps, latte_step_*; linear
+//                                  for the backward, latte_backward_*, and for
+//                                  1000 decode steps, latte_step_*; linear
 //                                  elu+1 likewise, linear_*): the mechanisms'
-//                                  formulas; forward T >= 16K up to 64K
+//                                  formulas (the backward 2x); T >= 16K up to 64K
 //   macchiato (L latents, window 128 with RoPE), LAVO (r = 64 bases in the L
 //   column, window 64), conv-compression (levels 2, group M = 64 in the L
 //   column): the models of bench/flop_models.hpp.
@@ -61,6 +62,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(_OPENMP)
@@ -689,7 +691,8 @@ int main(int argc, char** argv) {
       if (T < 16384 || T > 65536) continue;
       auto q = random_tensor<4>(rng, {B, T, H, L}), k = random_tensor<4>(rng, {B, T, H, L});
       auto v = random_tensor<4>(rng, {B, T, H, D});
-      latte::Tensor<float, 4> out({B, T, H, D});
+      latte::Tensor<float, 4> out({B, T, H, D}), d_q({B, T, H, L}), d_k({B, T, H, L}),
+          d_v({B, T, H, D});
       const double flops = 4.0 * B * T * H * L * D;
       for (int repeat = 0; repeat < 2; ++repeat) {
         auto forward = [&](const auto& attention, const char* name, double flop_count) {
@@ -702,6 +705,19 @@ int main(int argc, char** argv) {
         forward(plain, "latte_plain", flops);
         forward(linear_causal, "linear_compensated", linear_flops);
         forward(linear_plain, "linear_plain", linear_flops);
+        // The backward (2x the forward's FLOPs, as the backward rows above).
+        auto backward = [&](const auto& attention, const char* name, double flop_count) {
+          const auto [seconds, extra] = measure([&] {
+            using Gradients =
+                typename std::decay_t<decltype(attention)>::template Gradients<float>;
+            attention.backward(latte::exec::cpu, q, k, v, out, Gradients{d_q.view(), d_k.view(), d_v.view()});
+          }, options.min_time);
+          record({name, "causal", B, T, H, L, D, seconds, 2 * flop_count, extra});
+        };
+        backward(latte_causal, "latte_backward_compensated", flops);
+        backward(plain, "latte_backward_plain", flops);
+        backward(linear_causal, "linear_backward_compensated", linear_flops);
+        backward(linear_plain, "linear_backward_plain", linear_flops);
       }
       if (!options.csv) std::fprintf(stderr, "  summation forward T=%td\n", T);
     }

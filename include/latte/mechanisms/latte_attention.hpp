@@ -383,12 +383,12 @@ class LatteAttention {
           return hooks.initial_gradient_of(b, h);
         };
         if constexpr (std::is_same_v<E, exec::cpu_t>)
-          cpu::latte_causal_backward<Stab, Pos>(
+          cpu::latte_causal_backward<Stab, Pos, Sum>(
               q, k, v, d_out, gradients.d_query_logits, gradients.d_key_logits,
               gradients.d_values, angles_, first_position, initial_of, final_gradient_of,
               initial_gradient_of, d_angles.empty() ? nullptr : d_angles.data());
         else
-          reference::latte_causal_backward<Stab, Pos>(
+          reference::latte_causal_backward<Stab, Pos, Sum>(
               q, k, v, d_out, gradients.d_query_logits, gradients.d_key_logits,
               gradients.d_values, angles_, first_position, initial_of, final_gradient_of,
               initial_gradient_of, d_angles.empty() ? nullptr : d_angles.data());

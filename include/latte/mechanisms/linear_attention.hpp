@@ -885,12 +885,12 @@ class LinearAttention {
         return d_initial ? d_initial->carry(b, h) : reference::LinearCarry<T>{nullptr, nullptr};
       };
       if constexpr (std::is_same_v<E, exec::cpu_t>)
-        cpu::linear_causal_backward<Map, Rw, Pos>(
+        cpu::linear_causal_backward<Map, Rw, Pos, Sum>(
             q, k, v, d_out, gradients.d_queries, gradients.d_keys, gradients.d_values, call,
             first_position, sequence_proportions<T>(given, length), proportion_backward,
             initial_of, final_gradient_of, initial_gradient_of);
       else
-        reference::linear_causal_backward<Map, Rw, Pos>(
+        reference::linear_causal_backward<Map, Rw, Pos, Sum>(
             q, k, v, d_out, gradients.d_queries, gradients.d_keys, gradients.d_values, call,
             first_position, sequence_proportions<T>(given, length), proportion_backward,
             initial_of, final_gradient_of, initial_gradient_of);

@@ -12,8 +12,12 @@
 // A decode step adds its term to lo alone (one FMA, as a plain sum costs) and
 // reads fl(hi + lo); every `fold_tokens` positions the pairs are renormalised,
 // so lo holds at most that many terms.
+#include <algorithm>
+
+#include "latte/backends/cpu/block_contractions.hpp"
 #include "latte/backends/cpu/simd.hpp"
 #include "latte/core/compensated_sum.hpp"
+#include "latte/core/huge_page_allocator.hpp"
 #include "latte/core/types.hpp"
 
 namespace latte::cpu {
@@ -135,5 +139,85 @@ void pairs_update_and_read(T* memory, T* memory_low, const T* c, const T* w, con
     if (out) out[d] = acc;
   }
 }
+
+/// A scaled running sum M <- c_t M + w_t x_t (M: L x Dv, c_t, w_t: L-vectors,
+/// x_t a Dv-row; and, optionally, its normaliser a <- c_t a + w_t) whose scan
+/// keeps its plain running sums for the reads, compensated as the prefill
+/// above: the terms of the tokens since the last fold are kept as rows
+/// (append), rescaled as the running sums are, and every fold_tokens tokens
+/// one contraction sums them, TwoSum adds that into the pairs, and the running
+/// sums restart from the pairs' high parts. The backward's recomputed memory
+/// and its reverse adjoint are such sums.
+template <Real T>
+class ScaledTermWindow {
+ public:
+  ScaledTermWindow(index_t L, index_t Dv)
+      : L_(L), Dv_(Dv), weights_(static_cast<std::size_t>(fold_tokens * L)),
+        rows_(static_cast<std::size_t>(fold_tokens * Dv)),
+        pending_(static_cast<std::size_t>(L * Dv + L)), high_(pending_.size()),
+        low_(pending_.size()), product_(static_cast<std::size_t>(L)) {}
+
+  /// Starts from the running sums as they are (memory [L x Dv], normaliser
+  /// [L] or null), which become the pairs' high parts (low parts 0).
+  void start(const T* memory, const T* normaliser) noexcept {
+    std::copy(memory, memory + L_ * Dv_, high_.data());
+    if (normaliser) std::copy(normaliser, normaliser + L_, high_.data() + L_ * Dv_);
+    std::fill(low_.begin(), low_.end(), T(0));
+    std::fill(pending_.begin(), pending_.end(), T(0));
+    std::fill(product_.begin(), product_.end(), T(1));
+    count_ = 0;
+  }
+
+  /// Appends one token's term: the rescale c [L] the running sums took
+  /// before adding it, its weights w [L] and its row x [Dv]. At most
+  /// fold_tokens terms between two folds (has_room).
+  void append(const T* c, const T* w, const T* x) noexcept {
+    for (index_t l = 0; l < L_; ++l) {  // earlier terms, and the pairs (at the fold), scale by c
+      if (c[l] == T(1)) continue;
+      for (index_t j = 0; j < count_; ++j) weights_[j * L_ + l] *= c[l];
+      product_[l] *= c[l];
+    }
+    append(w, x);
+  }
+
+  /// Appends one token's term without a rescale (an unscaled sum M <- M + w x^T).
+  void append(const T* w, const T* x) noexcept {
+    std::copy(w, w + L_, weights_.data() + count_ * L_);
+    std::copy(x, x + Dv_, rows_.data() + count_ * Dv_);
+    ++count_;
+  }
+
+  /// Whether n more terms fit before the next fold.
+  [[nodiscard]] bool has_room(index_t n) const noexcept { return count_ + n <= fold_tokens; }
+
+  /// Adds the window's terms into the pairs and restarts the running sums
+  /// (memory, normaliser or null) from them: afterwards they equal fl(high +
+  /// low), the compensated sums.
+  void fold(T* memory, T* normaliser) noexcept {
+    T* const pending_normaliser = pending_.data() + L_ * Dv_;
+    T* const high_normaliser = high_.data() + L_ * Dv_;
+    T* const low_normaliser = low_.data() + L_ * Dv_;
+    for (index_t l = 0; l < L_; ++l) {
+      if (product_[l] == T(1)) continue;
+      scale_pairs(high_.data() + l * Dv_, low_.data() + l * Dv_, product_[l], Dv_);
+      scale_pairs(high_normaliser + l, low_normaliser + l, product_[l], 1);
+      product_[l] = T(1);
+    }
+    accumulate_outer_products(weights_.data(), count_, L_, rows_.data(), pending_.data(), Dv_);
+    fold_pending(memory, high_.data(), low_.data(), pending_.data(), L_ * Dv_);
+    if (normaliser) {
+      for (index_t j = 0; j < count_; ++j)
+        for (index_t l = 0; l < L_; ++l) pending_normaliser[l] += weights_[j * L_ + l];
+      fold_pending(normaliser, high_normaliser, low_normaliser, pending_normaliser, L_);
+    }
+    count_ = 0;
+  }
+
+ private:
+  index_t L_, Dv_, count_ = 0;
+  AlignedVector<T> weights_, rows_;          // [fold_tokens][L], [fold_tokens][Dv]
+  AlignedVector<T> pending_, high_, low_;    // [L x Dv | L]: the window's sum, the pairs
+  AlignedVector<T> product_;                 // [L]: the window's rescales, for the pairs
+};
 
 }  // namespace latte::cpu

@@ -17,6 +17,7 @@
 #include "latte/core/types.hpp"
 #include "latte/policies/positional.hpp"
 #include "latte/policies/stabilizer.hpp"
+#include "latte/policies/summation.hpp"
 
 namespace latte::reference {
 
@@ -89,6 +90,27 @@ void latte_read(const T* q, const T* normaliser, const T* memory, index_t L, ind
   }
 }
 
+/// Latent l's part of latte_absorb, given its rescale and weight:
+/// alpha_l <- c alpha_l + w, vtilde_l <- c vtilde_l + w value.
+template <Real T>
+void latte_absorb_term(Absorb<T> a, const T* value, LatteCarry<T> carry, index_t l,
+                       index_t Dv) noexcept {
+  T* vtilde = carry.memory + l * Dv;
+  if (carry.compensated()) {
+    T* vtilde_low = carry.memory_low + l * Dv;
+    if (a.carry_scale != T(1)) {
+      detail::compensated_scale(carry.normaliser[l], carry.normaliser_low[l], a.carry_scale);
+      for (index_t d = 0; d < Dv; ++d) detail::compensated_scale(vtilde[d], vtilde_low[d], a.carry_scale);
+    }
+    detail::compensated_add(carry.normaliser[l], carry.normaliser_low[l], a.weight);
+    for (index_t d = 0; d < Dv; ++d)
+      detail::compensated_add(vtilde[d], vtilde_low[d], detail::rounded_product(a.weight, value[d]));
+    return;
+  }
+  carry.normaliser[l] = carry.normaliser[l] * a.carry_scale + a.weight;
+  for (index_t d = 0; d < Dv; ++d) vtilde[d] = vtilde[d] * a.carry_scale + a.weight * value[d];
+}
+
 /// Absorbs one token into the carry: key logits k_t [L] and the value as the
 /// memory stores it (v_t, or R^{-t} v_t under VAPOR) [Dv]
 /// (paper 000 eq. 12, stabilised as eq. 21), as compensated sums when the
@@ -96,25 +118,8 @@ void latte_read(const T* q, const T* normaliser, const T* memory, index_t L, ind
 template <Stabilizer Stab, Real T>
 void latte_absorb(const T* k, const T* value, LatteCarry<T> carry, index_t L,
                   index_t Dv) noexcept {
-  for (index_t l = 0; l < L; ++l) {
-    const Absorb<T> a = Stab::absorb(carry.running_max[l], k[l]);  // eq. 21
-    T* vtilde = carry.memory + l * Dv;
-    if (carry.compensated()) {
-      T* vtilde_low = carry.memory_low + l * Dv;
-      if (a.carry_scale != T(1)) {
-        detail::compensated_scale(carry.normaliser[l], carry.normaliser_low[l], a.carry_scale);
-        for (index_t d = 0; d < Dv; ++d)
-          detail::compensated_scale(vtilde[d], vtilde_low[d], a.carry_scale);
-      }
-      detail::compensated_add(carry.normaliser[l], carry.normaliser_low[l], a.weight);
-      for (index_t d = 0; d < Dv; ++d)
-        detail::compensated_add(vtilde[d], vtilde_low[d],
-                                detail::rounded_product(a.weight, value[d]));
-      continue;
-    }
-    carry.normaliser[l] = carry.normaliser[l] * a.carry_scale + a.weight;
-    for (index_t d = 0; d < Dv; ++d) vtilde[d] = vtilde[d] * a.carry_scale + a.weight * value[d];
-  }
+  for (index_t l = 0; l < L; ++l)
+    latte_absorb_term(Stab::absorb(carry.running_max[l], k[l]), value, carry, l, Dv);  // eq. 21
 }
 
 /// One causal step at absolute position `position` (paper 000 eqs. 12 and 21,
@@ -288,9 +293,12 @@ T latte_read_backward(const T* q, const T* g, const T* normaliser, const T* memo
 /// gradient goes (null members: not asked). `d_angles` [H * (Dv/2)] doubles,
 /// accumulated, or null. `read_dots` [B, T, H], when not empty, receives each
 /// token's <g_t, o_t> (Latte Macchiato's mixture needs it). Workspace
-/// O(T * L + L * Dv) per call.
-template <Stabilizer Stab, Positional Pos, Real T, class InitialOf, class FinalGradientOf,
-          class InitialGradientOf>
+/// O(T * L + L * Dv) per call. With Sum = CompensatedSums the sums over the
+/// whole past (alpha^, M^) and future (their adjoints) are compensated
+/// (TwoSum per term and element, as latte_absorb's), so that their error does
+/// not grow with T; PlainSums: plain running sums.
+template <Stabilizer Stab, Positional Pos, Summation Sum = CompensatedSums, Real T,
+          class InitialOf, class FinalGradientOf, class InitialGradientOf>
 void latte_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
                            TensorView<const T, 4> v, TensorView<const T, 4> g,
                            TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,
@@ -305,14 +313,24 @@ void latte_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
   std::vector<T> carry_scale(n(Tn * L)), weight(n(Tn * L)), read_weight(n(Tn * L)),
       read_dp(n(Tn * L));
   std::vector<T> carry_buffer(n(2 * L + L * Dv)), memory_bar(n(L * Dv)), normaliser_bar(n(L));
+  // The low parts of alpha^, M^, Abar and Mbar [L | L x Dv | L | L x Dv] (compensated sums).
+  std::vector<T> low(Sum::compensated ? n(2 * (L + L * Dv)) : 0);
   std::vector<T> p(n(L)), rotated(n(Dv)), g_rotated(n(Dv)), y(n(Dv)), d_vtilde(n(Dv));
   for (index_t b = 0; b < B; ++b)
     for (index_t h = 0; h < H; ++h) {
       const double* theta = angles.empty() ? nullptr : angles.data() + h * pairs;
       double* d_theta = d_angles ? d_angles + h * pairs : nullptr;
-      const LatteCarry<T> carry{carry_buffer.data(), carry_buffer.data() + L,
-                                carry_buffer.data() + 2 * L};
+      LatteCarry<T> carry{carry_buffer.data(), carry_buffer.data() + L,
+                          carry_buffer.data() + 2 * L};
       initial_of(b, h, carry);
+      T *normaliser_bar_low = nullptr, *memory_bar_low = nullptr;
+      if constexpr (Sum::compensated) {
+        std::fill(low.begin(), low.end(), T(0));
+        carry.normaliser_low = low.data();
+        carry.memory_low = low.data() + L;
+        normaliser_bar_low = low.data() + L + L * Dv;
+        memory_bar_low = normaliser_bar_low + L;
+      }
       auto rotate_to = [&](const T* from, T* to, std::int64_t position) {
         std::copy(from, from + Dv, to);
         if constexpr (Pos::rotates_values) Pos::rotate(to, Dv, theta, position);
@@ -327,10 +345,7 @@ void latte_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
           const Absorb<T> a = Stab::absorb(carry.running_max[l], kt[l]);  // eq. 21
           carry_scale[n(t * L + l)] = a.carry_scale;
           weight[n(t * L + l)] = a.weight;
-          carry.normaliser[l] = carry.normaliser[l] * a.carry_scale + a.weight;
-          T* vtilde = carry.memory + l * Dv;
-          for (index_t d = 0; d < Dv; ++d)
-            vtilde[d] = vtilde[d] * a.carry_scale + a.weight * rotated[n(d)];
+          latte_absorb_term(a, rotated.data(), carry, l, Dv);
         }
         rotate_to(g.row(b, t, h), g_rotated.data(), -position);  // g~_t
         const T g_dot_o = latte_read_backward(
@@ -363,8 +378,15 @@ void latte_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
         for (index_t l = 0; l < L; ++l) {
           T* bar = memory_bar.data() + l * Dv;
           const T rw = read_weight[n(t * L + l)], rdp = read_dp[n(t * L + l)];
-          normaliser_bar[n(l)] -= rdp;
-          for (index_t d = 0; d < Dv; ++d) bar[d] += rw * g_rotated[n(d)];
+          if constexpr (Sum::compensated) {
+            detail::compensated_add(normaliser_bar[n(l)], normaliser_bar_low[l], -rdp);
+            for (index_t d = 0; d < Dv; ++d)
+              detail::compensated_add(bar[d], memory_bar_low[l * Dv + d],
+                                      detail::rounded_product(rw, g_rotated[n(d)]));
+          } else {
+            normaliser_bar[n(l)] -= rdp;
+            for (index_t d = 0; d < Dv; ++d) bar[d] += rw * g_rotated[n(d)];
+          }
           const T w = weight[n(t * L + l)];
           T dot = 0;
           for (index_t d = 0; d < Dv; ++d) {
@@ -374,8 +396,16 @@ void latte_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
           dkt[l] = w == T(0) ? T(0) : w * (dot + normaliser_bar[n(l)]);
           // Into the adjoints of the carry before token t.
           const T c = carry_scale[n(t * L + l)];
-          normaliser_bar[n(l)] *= c;
-          for (index_t d = 0; d < Dv; ++d) bar[d] *= c;
+          if constexpr (Sum::compensated) {
+            if (c != T(1)) {
+              detail::compensated_scale(normaliser_bar[n(l)], normaliser_bar_low[l], c);
+              for (index_t d = 0; d < Dv; ++d)
+                detail::compensated_scale(bar[d], memory_bar_low[l * Dv + d], c);
+            }
+          } else {
+            normaliser_bar[n(l)] *= c;
+            for (index_t d = 0; d < Dv; ++d) bar[d] *= c;
+          }
         }
         if (d_theta) accumulate_angle_gradient(d_theta, Dv, d_vtilde.data(), rotated.data(), -t);
         rotate_to(d_vtilde.data(), dv.row(b, t, h), position);  // dv_t = R^t dvtilde_t

@@ -34,6 +34,7 @@
 #include "latte/policies/normaliser.hpp"
 #include "latte/policies/positional.hpp"
 #include "latte/policies/reweight.hpp"
+#include "latte/policies/summation.hpp"
 
 namespace latte::reference {
 
@@ -333,13 +334,22 @@ ReadGradient<T> linear_read_backward(const TokenFeatures<T>& query, LinearCarry<
   return {inverse, d_sum};
 }
 
-/// Reverse carry update for one query: U += e(q) (g / n)^T, u += dD e'(q).
+/// Reverse carry update for one query: U += e(q) (g / n)^T, u += dD e'(q)
+/// (compensated sums when the adjoint has its low parts).
 template <Real T>
 void linear_adjoint_absorb(const TokenFeatures<T>& query, const T* g, ReadGradient<T> read,
                            LinearCarry<T> adjoint, index_t E, index_t Dv) noexcept {
   for (index_t e = 0; e < E; ++e) {
     const T weight = query.numerator[e] * read.inverse_normaliser;
     T* row = adjoint.memory + e * Dv;
+    if (adjoint.compensated()) {
+      T* row_low = adjoint.memory_low + e * Dv;
+      for (index_t d = 0; d < Dv; ++d)
+        detail::compensated_add(row[d], row_low[d], detail::rounded_product(weight, g[d]));
+      detail::compensated_add(adjoint.normaliser[e], adjoint.normaliser_low[e],
+                              detail::rounded_product(read.d_denominator, query.denominator[e]));
+      continue;
+    }
     for (index_t d = 0; d < Dv; ++d) row[d] += weight * g[d];
     adjoint.normaliser[e] += read.d_denominator * query.denominator[e];
   }
@@ -388,9 +398,11 @@ struct LinearBackwardScratch {
 /// gives where dL/d(initial S, z) goes (a null memory: nowhere).
 /// `proportion_backward(worker, side, b, t, h, P, dP, phi, d_phi)` as in
 /// linear_features_backward (worker: the thread's index, always 0 here). Per (b, h): a forward scan (query gradients),
-/// then a reverse scan (key and value gradients).
-template <FeatureMap Map, Reweight Rw, Positional Pos, Real T, class ProportionOf,
-          class ProportionBackward, class InitialOf, class FinalGradientOf,
+/// then a reverse scan (key and value gradients). With Sum = CompensatedSums
+/// S, z and their adjoints U, u are compensated sums (TwoSum per term and
+/// element), so that their error does not grow with T; PlainSums: plain sums.
+template <FeatureMap Map, Reweight Rw, Positional Pos, Summation Sum = CompensatedSums, Real T,
+          class ProportionOf, class ProportionBackward, class InitialOf, class FinalGradientOf,
           class InitialGradientOf>
 void linear_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
                             TensorView<const T, 4> v, TensorView<const T, 4> d_out,
@@ -402,8 +414,10 @@ void linear_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
   const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2);
   const index_t E = spec.expanded_dim(), Dv = spec.value_dim, F = spec.feature_dim;
   LinearBackwardScratch<T> scratch(spec);
-  const LinearCarry<T> carry = scratch.carry_in(scratch.carry, E, Dv);
-  const LinearCarry<T> adjoint = scratch.carry_in(scratch.adjoint, E, Dv);
+  LinearCarry<T> carry = scratch.carry_in(scratch.carry, E, Dv);
+  LinearCarry<T> adjoint = scratch.carry_in(scratch.adjoint, E, Dv);
+  // The low parts of S, z, U, u (compensated sums), zeroed per (b, h).
+  std::vector<T> low(Sum::compensated ? scratch.carry.size() + scratch.adjoint.size() : 0);
   const TokenFeatures<T> token(scratch.features.data(), spec);
   T* d_numerator = scratch.d_features.data();
   T* d_denominator = d_numerator + E;
@@ -427,7 +441,14 @@ void linear_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
             },
             d_numerator, d_denominator, feature_scratch, d_x);
       };
-      initial_of(b, h, carry);
+      initial_of(b, h, LinearCarry<T>{carry.memory, carry.normaliser});
+      if constexpr (Sum::compensated) {
+        std::fill(low.begin(), low.end(), T(0));
+        carry.memory_low = low.data();
+        carry.normaliser_low = carry.memory_low + E * Dv;
+        adjoint.memory_low = carry.normaliser_low + E;
+        adjoint.normaliser_low = adjoint.memory_low + E * Dv;
+      }
       for (index_t t = 0; t < Tn; ++t) {  // forward scan: S_t, z_t and the query gradients
         const std::int64_t position = first_position + t;
         features_of(Side::key, k.row(b, t, h), t, position);
@@ -444,7 +465,7 @@ void linear_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
         std::copy(d_final.memory, d_final.memory + E * Dv, adjoint.memory);
         std::copy(d_final.normaliser, d_final.normaliser + E, adjoint.normaliser);
       } else {
-        linear_reset(adjoint, E, Dv);
+        linear_reset(LinearCarry<T>{adjoint.memory, adjoint.normaliser}, E, Dv);
       }
       for (index_t t = Tn; t-- > 0;) {  // reverse scan: U_t, u_t and the key/value gradients
         const std::int64_t position = first_position + t;

@@ -26,6 +26,7 @@
 #include <limits>
 #include <vector>
 
+#include "latte/backends/cpu/compensated_sums.hpp"
 #include "latte/backends/cpu/latte/forward.hpp"
 #include "latte/backends/cpu/parallel.hpp"
 #include "latte/backends/cpu/simd.hpp"
@@ -36,6 +37,7 @@
 #include "latte/core/types.hpp"
 #include "latte/policies/positional.hpp"
 #include "latte/policies/stabilizer.hpp"
+#include "latte/policies/summation.hpp"
 
 namespace latte::cpu {
 
@@ -195,7 +197,9 @@ inline void over_latent_groups(index_t L, Pass&& pass) {
 }
 
 /// Per-worker scratch of the causal backward: per token c, w, p / alpha^,
-/// p dp / alpha^ (4 T L), the carry and its adjoints, and a block's rows.
+/// p dp / alpha^ (4 T L), the carry and its adjoints, a block's rows, and
+/// (compensated sums) the window of terms since the last fold, the low parts
+/// of the normaliser's adjoint and a token's weights.
 template <Real T>
 struct LatteBackwardScratch {
   LatteBackwardScratch(index_t Tn, index_t L, index_t Dv)
@@ -203,14 +207,23 @@ struct LatteBackwardScratch {
             latte::detail::checked_count<T>("query_logits", {4, Tn, L}))),
         carry(static_cast<std::size_t>(2 * L + L * Dv)),
         memory_bar(static_cast<std::size_t>(L * Dv)),
-        latent(static_cast<std::size_t>((4 * backward_tokens + 1) * L)),
-        rows(static_cast<std::size_t>(4 * backward_tokens * Dv)) {}
+        latent(static_cast<std::size_t>((4 * backward_tokens + 3) * L)),
+        rows(static_cast<std::size_t>(4 * backward_tokens * Dv)), window(L, Dv) {}
   AlignedVector<T> per_token, carry, memory_bar, latent, rows;
+  ScaledTermWindow<T> window;
 };
 
 /// One (batch, head) of the causal backward: views of [1, T, 1, *].
-template <Stabilizer Stab, Positional Pos, Real T, class InitialOf, class FinalGradientOf,
-          class InitialGradientOf>
+///
+/// Compensated sums (Sum = CompensatedSums; compensated_sums.hpp): the four
+/// sums over the whole past or future, the recomputed memory M^ and
+/// normaliser alpha^ of pass 1 and the adjoints Mbar and Abar of pass 2, keep
+/// their error independent of T. M^, alpha^ and Mbar keep their plain running
+/// sums for the reads and restart them every fold_tokens tokens from pairs
+/// fed by a ScaledTermWindow; Abar (L values a token) is a pair updated by
+/// TwoSum per token.
+template <Stabilizer Stab, Positional Pos, Summation Sum, Real T, class InitialOf,
+          class FinalGradientOf, class InitialGradientOf>
 void latte_causal_backward_head(TensorView<const T, 4> q, TensorView<const T, 4> k,
                                 TensorView<const T, 4> v, TensorView<const T, 4> g,
                                 TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,
@@ -233,10 +246,14 @@ void latte_causal_backward_head(TensorView<const T, 4> q, TensorView<const T, 4>
   T* const dots = alpha + R * L;             // [R][L]
   T* const beta = dots + R * L;              // [R]
   T* const normaliser_bar = beta + R * L;    // [L]
+  T* const normaliser_bar_low = normaliser_bar + L;  // [L] (compensated sums)
+  T* const term_weight = normaliser_bar_low + L;     // [L] (compensated sums)
+  ScaledTermWindow<T>& window = scratch.window;
   T* const row_buffer = scratch.rows.data(); // [4][R][Dv]: v~, g~, dv~, y
   const LatteCarry<T> carry{scratch.carry.data(), scratch.carry.data() + L,
                             scratch.carry.data() + 2 * L};
   initial_of(carry);
+  if constexpr (Sum::compensated) window.start(carry.memory, carry.normaliser);
   // v~_t = R^{-t} v_t and g~_t (VAPOR) or the rows themselves.
   auto rows_of = [&](index_t t, int r, const T*& vt, const T*& gt) {
     if constexpr (!Pos::rotates_values) {
@@ -286,6 +303,10 @@ void latte_causal_backward_head(TensorView<const T, 4> q, TensorView<const T, 4>
       for (int r = 0; r < n; ++r)
         for (int j = 0; j < G; ++j) dots[r * L + l0 + j] = block[r * G + j];
     });
+    if constexpr (Sum::compensated) {
+      for (int r = 0; r < n; ++r) window.append(c + r * L, w + r * L, vt[r]);
+      if (!window.has_room(R) || t0 + n == Tn) window.fold(carry.memory, carry.normaliser);
+    }
     for (int r = 0; r < n; ++r) {
       const index_t t = t0 + r;
       T* pr = p + r * L;
@@ -332,9 +353,11 @@ void latte_causal_backward_head(TensorView<const T, 4> q, TensorView<const T, 4>
   // Pass 2, reverse, R tokens at a time (last block first).
   std::fill(memory_bar, memory_bar + L * Dv, T(0));
   std::fill(normaliser_bar, normaliser_bar + L, T(0));
+  std::fill(normaliser_bar_low, normaliser_bar_low + L, T(0));
   const reference::LatteCarryGradient<const T> final_bar = final_gradient(carry.running_max);
   if (final_bar.memory) std::copy(final_bar.memory, final_bar.memory + L * Dv, memory_bar);
   if (final_bar.normaliser) std::copy(final_bar.normaliser, final_bar.normaliser + L, normaliser_bar);
+  if constexpr (Sum::compensated) window.start(memory_bar, nullptr);
   if (d_theta && final_bar.memory && first_position != 0)
     for (index_t l = 0; l < L; ++l)
       reference::accumulate_angle_gradient(d_theta, Dv, final_bar.memory + l * Dv,
@@ -365,6 +388,16 @@ void latte_causal_backward_head(TensorView<const T, 4> q, TensorView<const T, 4>
       for (int r = 0; r < n; ++r)
         for (int j = 0; j < G; ++j) dots[r * L + l0 + j] = block[r * G + j];
     });
+    if constexpr (Sum::compensated) {
+      // Token t adds rw_t g~_t and then scales by c_t: a term c_t rw_t g~_t
+      // after a rescale c_t, latest token first as the pass went.
+      for (int r = n - 1; r >= 0; --r) {
+        for (index_t l = 0; l < L; ++l)
+          term_weight[l] = latte::detail::rounded_product(c[r * L + l], rw[r * L + l]);
+        window.append(c + r * L, term_weight, gt[r]);
+      }
+      if (!window.has_room(R) || t0 == 0) window.fold(memory_bar, nullptr);
+    }
     for (int r = n - 1; r >= 0; --r) {
       const index_t t = t0 + r;
       const std::int64_t position = first_position + t;
@@ -374,9 +407,17 @@ void latte_causal_backward_head(TensorView<const T, 4> q, TensorView<const T, 4>
       const T* dot = dots + r * L;
       T* dkt = dk.row(0, t, 0);
       for (index_t l = 0; l < L; ++l) {
-        const T abar = normaliser_bar[l] - rdp[l];
-        dkt[l] = wr[l] == T(0) ? T(0) : wr[l] * (dot[l] + abar);
-        normaliser_bar[l] = abar * cr[l];
+        if constexpr (Sum::compensated) {
+          latte::detail::compensated_add(normaliser_bar[l], normaliser_bar_low[l], -rdp[l]);
+          const T abar = normaliser_bar[l];  // fl(hi + lo): the pair is renormalised
+          dkt[l] = wr[l] == T(0) ? T(0) : wr[l] * (dot[l] + abar);
+          if (cr[l] != T(1))
+            latte::detail::compensated_scale(normaliser_bar[l], normaliser_bar_low[l], cr[l]);
+        } else {
+          const T abar = normaliser_bar[l] - rdp[l];
+          dkt[l] = wr[l] == T(0) ? T(0) : wr[l] * (dot[l] + abar);
+          normaliser_bar[l] = abar * cr[l];
+        }
       }
       if (d_theta) reference::accumulate_angle_gradient(d_theta, Dv, dvt[r], vt[r], -t);
       T* out = dv.row(0, t, 0);
@@ -398,8 +439,8 @@ void latte_causal_backward_head(TensorView<const T, 4> q, TensorView<const T, 4>
 }
 
 /// Causal Latte backward; the arguments are reference::latte_causal_backward's.
-template <Stabilizer Stab, Positional Pos, Real T, class InitialOf, class FinalGradientOf,
-          class InitialGradientOf>
+template <Stabilizer Stab, Positional Pos, Summation Sum = CompensatedSums, Real T,
+          class InitialOf, class FinalGradientOf, class InitialGradientOf>
 void latte_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
                            TensorView<const T, 4> v, TensorView<const T, 4> g,
                            TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,
@@ -414,7 +455,7 @@ void latte_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
   detail::for_each_head<T>(q, v.extent(3), angles, d_angles,
                            [&](index_t b, index_t h, const double* theta,
                                double* head_d_angles, int worker) {
-    latte_causal_backward_head<Stab, Pos>(
+    latte_causal_backward_head<Stab, Pos, Sum>(
         head_view(q, b, h), head_view(k, b, h), head_view(v, b, h), head_view(g, b, h),
         head_view(dq, b, h), head_view(dk, b, h), head_view(dv, b, h),
         theta, first_position,

@@ -28,6 +28,7 @@
 
 #include <Eigen/Core>
 
+#include "latte/backends/cpu/compensated_sums.hpp"
 #include "latte/backends/cpu/linear/forward.hpp"
 #include "latte/backends/cpu/memory_pass.hpp"
 #include "latte/backends/cpu/parallel.hpp"
@@ -39,6 +40,7 @@
 #include "latte/policies/feature_map.hpp"
 #include "latte/policies/positional.hpp"
 #include "latte/policies/reweight.hpp"
+#include "latte/policies/summation.hpp"
 
 namespace latte::cpu {
 
@@ -87,7 +89,10 @@ struct LinearBackwardWorkspace {
         d_query_numerator(linear_backward_block, spec.expanded_dim()),
         d_query_denominator(linear_backward_block, spec.expanded_dim()),
         d_key_numerator(linear_backward_block, spec.expanded_dim()),
-        d_key_denominator(linear_backward_block, spec.expanded_dim()) {}
+        d_key_denominator(linear_backward_block, spec.expanded_dim()),
+        memory_window(spec.value_dim, spec.expanded_dim()),
+        adjoint_window(spec.expanded_dim(), spec.value_dim),
+        normaliser_low(normaliser.size()), d_normaliser_low(normaliser.size()) {}
   LinearScratch<T> features;
   AlignedVector<T> carry, adjoint, feature_scratch;
   // The causal sweeps' carries for the register-blocked passes: S^T and U^T
@@ -102,6 +107,10 @@ struct LinearBackwardWorkspace {
   std::vector<reference::ReadGradient<T>> reads;  // per token of the head (causal)
   RowMatrix<T> scores, d_scores, numerators, scaled;
   RowMatrix<T> d_query_numerator, d_query_denominator, d_key_numerator, d_key_denominator;
+  // Compensated sums (compensated_sums.hpp): the terms of S^T and U since the
+  // last fold, and the low parts of z and u (TwoSum per token).
+  ScaledTermWindow<T> memory_window, adjoint_window;
+  AlignedVector<T> normaliser_low, d_normaliser_low;
 };
 
 /// to = from^T for a rows x cols row-major `from`.
@@ -209,8 +218,14 @@ void token_backward(const T* x, const T* phi, std::int64_t position, const doubl
 /// (g~_j = g_j / n_j), so every contraction accumulates whole rows and none
 /// needs a horizontal sum; U is kept twice rather than read across its rows.
 /// <g_j, o_j> = e(q_j) . S_j g~_j comes from the query's own gradient.
-template <FeatureMap Map, Reweight Rw, Positional Pos, Real T, class ProportionOf,
-          class ProportionBackward, class InitialOf, class FinalGradientOf,
+///
+/// Compensated sums (Sum = CompensatedSums): the sums over the whole past (S,
+/// z) and future (U, u) keep their error independent of T. S^T and U keep
+/// their plain running sums for the reads and restart every fold_tokens
+/// tokens from pairs fed by a ScaledTermWindow (U^T restarts as U's
+/// transpose); z and u, E values a token, are pairs updated by TwoSum.
+template <FeatureMap Map, Reweight Rw, Positional Pos, Summation Sum = CompensatedSums, Real T,
+          class ProportionOf, class ProportionBackward, class InitialOf, class FinalGradientOf,
           class InitialGradientOf>
 void linear_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
                             TensorView<const T, 4> v, TensorView<const T, 4> d_out,
@@ -234,6 +249,8 @@ void linear_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
     const double* theta = spec.theta(h);
     T* z = ws.normaliser.data();
     T* u = ws.d_normaliser.data();
+    T* z_low = ws.normaliser_low.data();
+    T* u_low = ws.d_normaliser_low.data();
     T* zero_row = ws.zero_row.data();
     T* discard = ws.discard_row.data();
     auto cached = [&](int side) { return ws.cached_features.data() + side * Tn * E; };
@@ -265,6 +282,10 @@ void linear_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
       reference::LinearCarry<T> carry{ws.carry.data(), z};
       initial_of(b, h, carry);
       transpose_into(ws.carry.data(), E, Dv, ws.memory_t.data());
+      if constexpr (Sum::compensated) {
+        ws.memory_window.start(ws.memory_t.data(), nullptr);
+        std::fill_n(z_low, E, T(0));
+      }
     }
     for (index_t c0 = 0; c0 < Tn; c0 += linear_backward_block) {  // forward sweep
       const index_t n = std::min(linear_backward_block, Tn - c0);
@@ -282,7 +303,13 @@ void linear_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
       reference::ReadGradient<T>* reads = ws.reads.data() + c0;
       std::vector<T>& D = ws.denominators;
       for (index_t r = 0; r < n; ++r) {  // z_t (after key t), D_t, 1 / n_t; z_t kept for dE'_Q
-        const T denominator = absorb_read_normaliser(z, kd + r * E, qd + r * E, E);
+        T denominator;
+        if constexpr (Sum::compensated) {
+          for (index_t e = 0; e < E; ++e) latte::detail::compensated_add(z[e], z_low[e], kd[r * E + e]);
+          denominator = dot(z, qd + r * E, E);
+        } else {
+          denominator = absorb_read_normaliser(z, kd + r * E, qd + r * E, E);
+        }
         std::copy_n(z, E, d_qd.row(r).data());
         D[static_cast<std::size_t>(r)] = denominator;
         reads[r].inverse_normaliser = T(1) / spec.normaliser.apply(denominator);
@@ -311,6 +338,11 @@ void linear_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
         update_and_read_quad_strided<T>(ws.memory_t.data(), weights, weight_stride,
                                         ws.pass_reads.data(), Dv, values, outs, Dv, E);
       }
+      if constexpr (Sum::compensated) {  // S^T += v_t e(k_t)^T
+        for (index_t r = 0; r < n; ++r) ws.memory_window.append(v.row(b, c0 + r, h), kn + r * E);
+        if (!ws.memory_window.has_room(linear_backward_block))
+          ws.memory_window.fold(ws.memory_t.data(), nullptr);
+      }
       for (index_t r = 0; r < n; ++r) {
         const T g_dot_o = dot(qn + r * E, d_qn.row(r).data(), E);  // <g, o> = e(q) . S g~
         const T inverse = reads[r].inverse_normaliser;
@@ -331,6 +363,10 @@ void linear_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
         std::fill_n(u, E, T(0));
       }
       transpose_into(ws.adjoint.data(), E, Dv, ws.adjoint_t.data());
+      if constexpr (Sum::compensated) {
+        ws.adjoint_window.start(ws.adjoint.data(), nullptr);
+        std::fill_n(u_low, E, T(0));
+      }
     }
     const index_t last = (Tn - 1) / linear_backward_block * linear_backward_block;
     for (index_t c0 = last;; c0 -= linear_backward_block) {  // reverse sweep
@@ -342,7 +378,12 @@ void linear_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
       auto d_kd = ws.d_key_denominator.topRows(n);
       const reference::ReadGradient<T>* reads = ws.reads.data() + c0;
       for (index_t r = n; r-- > 0;) {  // u_t = u_{t+1} + dD_t e'(q_t)
-        for (index_t e = 0; e < E; ++e) u[e] += reads[r].d_denominator * qd[r * E + e];
+        if constexpr (Sum::compensated)
+          for (index_t e = 0; e < E; ++e)
+            latte::detail::compensated_add(
+                u[e], u_low[e], latte::detail::rounded_product(reads[r].d_denominator, qd[r * E + e]));
+        else
+          for (index_t e = 0; e < E; ++e) u[e] += reads[r].d_denominator * qd[r * E + e];
         std::copy_n(u, E, d_kd.row(r).data());
       }
       for (index_t r1 = n; r1 > 0; r1 -= std::min<index_t>(4, r1)) {  // tokens r1 - 1, r1 - 2, ...
@@ -389,6 +430,15 @@ void linear_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
         }
         update_and_read_quad_strided<T>(ws.adjoint_t.data(), ws.pass_values.data(), Dv,
                                         value_rows, value_stride, query_rows, d_keys, Dv, E);
+        if constexpr (Sum::compensated)  // U += e(q_j) g~_j^T
+          for (index_t j = 0; j < count; ++j)
+            ws.adjoint_window.append(qn + token(j) * E, ws.pass_values.data() + j * Dv);
+      }
+      if constexpr (Sum::compensated) {  // U and U^T restart from the compensated U
+        if (!ws.adjoint_window.has_room(linear_backward_block) || c0 == 0) {
+          ws.adjoint_window.fold(ws.adjoint.data(), nullptr);
+          transpose_into(ws.adjoint.data(), E, Dv, ws.adjoint_t.data());
+        }
       }
       for (index_t r = 0; r < n; ++r)
         backward_row(Side::key, k.row(b, c0 + r, h), kn + r * E, c0 + r, d_kn.row(r).data(),
