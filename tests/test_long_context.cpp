@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <random>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -63,9 +64,10 @@ struct RowErrors {
   double worst = 0, first_1k = 0, last_1k = 0;
 };
 
-RowErrors row_errors(const Tensor<float, 4>& got, const Tensor<double, 4>& want) {
+/// Over the first `rows` rows (all of them by default).
+RowErrors row_errors(const Tensor<float, 4>& got, const Tensor<double, 4>& want, index_t rows = -1) {
   RowErrors errors;
-  const index_t T = want.extent(1), Dv = want.extent(3);
+  const index_t T = rows < 0 ? want.extent(1) : rows, Dv = want.extent(3);
   for (index_t t = 0; t < T; ++t)
     for (index_t h = 0; h < want.extent(2); ++h) {
       double diff = 0, norm = 0;
@@ -89,13 +91,19 @@ void check_bounded(const std::string& label, RowErrors errors) {
   CHECK(errors.last_1k <= kGrowth * errors.first_1k);
 }
 
+/// The first `T` tokens of x.
+template <class X>
+auto first_rows(const X& x, index_t T) {
+  using V = std::remove_const_t<std::remove_pointer_t<decltype(x.data())>>;
+  return TensorView<const V, 4>(x.data(), {1, T, x.extent(2), x.extent(3)});
+}
+
 /// A prefill of the first half in three pieces that continue one state, then
 /// decode steps for the rest: every state path of a long context.
-template <class A>
-Tensor<float, 4> prefill_then_decode(const A& attention, const Inputs& in) {
+template <class A, class State>
+Tensor<float, 4> prefill_then_decode(const A& attention, const Inputs& in, State&& state) {
   const index_t T = in.q.extent(1), kL = in.q.extent(3);
   Tensor<float, 4> out({1, T, kH, kDv});
-  auto state = attention.template make_state<float>(1);
   const index_t cuts[] = {0, T / 8 + 1, T / 4 + 3, T / 2};
   auto rows = [&](const auto& x, index_t t0, index_t t1) {
     return TensorView<const float, 4>(x.data() + t0 * kH * x.extent(3),
@@ -132,7 +140,8 @@ void check_every_path(const std::string& name, const A& attention, std::uint64_t
   attention.forward(exec::reference, in.q, in.k, in.v, got.view());
   check_bounded(label + ", exec::reference forward", row_errors(got, want));
   check_bounded(label + ", prefill in pieces, then steps",
-                row_errors(prefill_then_decode(attention, in), want));
+                row_errors(prefill_then_decode(attention, in, attention.template make_state<float>(1)),
+                           want));
 }
 
 template <class Pos>
@@ -156,7 +165,7 @@ TEST_CASE("the long-context check fails on plain sums (the mutation it guards ag
   plain.forward(exec::cpu, in.q64, in.k64, in.v64, want.view());
   Tensor<float, 4> got({1, T, kH, kDv});
   for (const bool stepwise : {false, true}) {
-    const RowErrors errors = stepwise ? row_errors(prefill_then_decode(plain, in), want)
+    const RowErrors errors = stepwise ? row_errors(prefill_then_decode(plain, in, plain.make_state<float>(1)), want)
                                       : (plain.forward(exec::cpu, in.q, in.k, in.v, got.view()),
                                          row_errors(got, want));
     INFO(std::string(stepwise ? "prefill + steps" : "forward")
@@ -190,6 +199,44 @@ TEST_CASE("LAVO at 2^20 tokens: its memory sums (Neumaier-compensated) keep fp32
   // Window 16, 4 bases: the memory sums every window older than the last.
   const Lavo<Causal> lavo({.heads = kH, .dim = kL, .bases = 4, .window = 16}, {.basis_seed = 5});
   check_every_path("LAVO", lavo, 3200, 1.0);
+}
+
+TEST_CASE("conv-compression: its read over the compressed past keeps fp32 rows within 1e-5") {
+  // Group 4, one level: token t reads floor(t / 4) compressed tokens, a
+  // softmax whose sums across key blocks are compensated. The mechanism is
+  // quadratic (T^2 / 4 reads): 2^16 tokens (the reference's scalar read on
+  // the first 2^13), 2^12 / 2^11 in a scaled run.
+  const index_t T = token_count() >> 4, T_reference = T >> 3;
+  const ConvCompressedDims dims{.heads = kH, .key_dim = kL, .value_dim = kDv, .group_size = 4,
+                                .levels = 1};
+  Rng rng(3500);
+  ConvCompressedParams params = ConvCompressedParams::zeros(dims);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  auto fill = [&](auto& tensor, double stddev) {
+    for (index_t i = 0; i < tensor.size(); ++i) tensor.data()[i] = normal(rng) * stddev;
+  };
+  for (auto& w : params.conv_weight) fill(w, 1.0 / std::sqrt(4.0 * kDv));
+  for (auto& b : params.conv_bias) fill(b, 0.5);
+  fill(params.cross_query, 1.0 / std::sqrt(double(kDv)));
+  fill(params.cross_key, 1.0 / std::sqrt(double(kDv)));
+  fill(params.cross_value, 1.0 / std::sqrt(double(kDv)));
+  const ConvCompressedAttention<Causal> conv(dims, params);
+  const Inputs in = make_inputs(3501, T, 1.0);
+  const std::string label = "conv-compression M 4, T " + std::to_string(T);
+  Tensor<double, 4> want({1, T, kH, kDv});
+  conv.forward(exec::cpu, in.q64, in.k64, in.v64, want.view());
+  Tensor<float, 4> got({1, T, kH, kDv});
+  conv.forward(exec::cpu, in.q, in.k, in.v, got.view());
+  check_bounded(label + ", exec::cpu forward", row_errors(got, want));
+  check_bounded(label + ", prefill in pieces, then steps",
+                row_errors(prefill_then_decode(conv, in, conv.make_state<float>(1, T)), want));
+  Tensor<float, 4> got_reference({1, T_reference, kH, kDv});
+  conv.forward(exec::reference, first_rows(in.q, T_reference), first_rows(in.k, T_reference),
+               first_rows(in.v, T_reference), got_reference.view());
+  Tensor<float, 4> padded({1, T, kH, kDv});
+  std::copy(got_reference.data(), got_reference.data() + got_reference.size(), padded.data());
+  check_bounded(label + ", exec::reference forward (first " + std::to_string(T_reference) + " tokens)",
+                row_errors(padded, want, T_reference));
 }
 
 TEST_CASE("the linear long-context check fails on plain sums") {
@@ -257,12 +304,6 @@ GradientErrors gradient_errors(const Tensor<float, 4>& got, const Tensor<double,
           quantile(blocks, n - part, n, 0.5), static_cast<std::size_t>(worst - blocks.begin())};
 }
 
-/// The first `T` tokens of x.
-template <class X>
-auto first_tokens(const X& x, index_t T) {
-  using V = std::remove_const_t<std::remove_pointer_t<decltype(x.data())>>;
-  return TensorView<const V, 4>(x.data(), {1, T, x.extent(2), x.extent(3)});
-}
 
 /// Errors of the fp32 gradients (d_queries, d_keys, d_values) of `attention`
 /// on the first T tokens against the exec::cpu backward in fp64.
@@ -272,12 +313,12 @@ std::array<GradientErrors, 3> backward_errors(const A& attention, E exec_policy,
                                               const Tensor<double, 4>& d_out64, index_t T) {
   const index_t Dq = in.q.extent(3);
   Tensor<double, 4> dq64({1, T, kH, Dq}), dk64({1, T, kH, Dq}), dv64({1, T, kH, kDv});
-  attention.backward(exec::cpu, first_tokens(in.q64, T), first_tokens(in.k64, T),
-                     first_tokens(in.v64, T), first_tokens(d_out64, T),
+  attention.backward(exec::cpu, first_rows(in.q64, T), first_rows(in.k64, T),
+                     first_rows(in.v64, T), first_rows(d_out64, T),
                      typename A::template Gradients<double>{dq64.view(), dk64.view(), dv64.view()});
   Tensor<float, 4> dq({1, T, kH, Dq}), dk({1, T, kH, Dq}), dv({1, T, kH, kDv});
-  attention.backward(exec_policy, first_tokens(in.q, T), first_tokens(in.k, T),
-                     first_tokens(in.v, T), first_tokens(d_out, T),
+  attention.backward(exec_policy, first_rows(in.q, T), first_rows(in.k, T),
+                     first_rows(in.v, T), first_rows(d_out, T),
                      typename A::template Gradients<float>{dq.view(), dk.view(), dv.view()});
   return {gradient_errors(dq, dq64), gradient_errors(dk, dk64), gradient_errors(dv, dv64)};
 }
@@ -394,22 +435,22 @@ TEST_CASE("Latte Macchiato at 2^20 tokens: its latent sums keep forward rows and
         want_d.emplace_back(std::array<index_t, 4>{1, n, kH, width});
         got_d.emplace_back(std::array<index_t, 4>{1, n, kH, width});
       }
-      macchiato.backward(exec::cpu, first_tokens(q.f64, n), first_tokens(k.f64, n),
-                         first_tokens(wq.f64, n), first_tokens(wk.f64, n), first_tokens(v.f64, n),
-                         first_tokens(d_out.f64, n),
+      macchiato.backward(exec::cpu, first_rows(q.f64, n), first_rows(k.f64, n),
+                         first_rows(wq.f64, n), first_rows(wk.f64, n), first_rows(v.f64, n),
+                         first_rows(d_out.f64, n),
                          MacchiatoGradients<double>{want_d[0].view(), want_d[1].view(),
                                                     want_d[2].view(), want_d[3].view(),
                                                     want_d[4].view()});
       const MacchiatoGradients<float> into{got_d[0].view(), got_d[1].view(), got_d[2].view(),
                                            got_d[3].view(), got_d[4].view()};
       if (reference)
-        macchiato.backward(exec::reference, first_tokens(q.f32, n), first_tokens(k.f32, n),
-                           first_tokens(wq.f32, n), first_tokens(wk.f32, n),
-                           first_tokens(v.f32, n), first_tokens(d_out.f32, n), into);
+        macchiato.backward(exec::reference, first_rows(q.f32, n), first_rows(k.f32, n),
+                           first_rows(wq.f32, n), first_rows(wk.f32, n),
+                           first_rows(v.f32, n), first_rows(d_out.f32, n), into);
       else
-        macchiato.backward(exec::cpu, first_tokens(q.f32, n), first_tokens(k.f32, n),
-                           first_tokens(wq.f32, n), first_tokens(wk.f32, n),
-                           first_tokens(v.f32, n), first_tokens(d_out.f32, n), into);
+        macchiato.backward(exec::cpu, first_rows(q.f32, n), first_rows(k.f32, n),
+                           first_rows(wq.f32, n), first_rows(wk.f32, n),
+                           first_rows(v.f32, n), first_rows(d_out.f32, n), into);
       std::vector<GradientErrors> errors;
       for (std::size_t i = 0; i < 5; ++i) errors.push_back(gradient_errors(got_d[i], want_d[i]));
       return errors;

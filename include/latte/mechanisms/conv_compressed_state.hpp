@@ -56,7 +56,7 @@ class ConvCompressedState final : public StateStorage<T> {
       : StateStorage<T>(std::move(kind), sizes_for(shape), fields_for(shape), 0),
         shape_(shape),
         scratch_(static_cast<std::size_t>(detail::checked_sum(
-            "value_dim", {detail::checked_product("value_dim", {4, shape.value_dim}),
+            "value_dim", {detail::checked_product("value_dim", {6, shape.value_dim}),
                           detail::checked_product("key_dim", {2, shape.key_dim})}))) {}
 
   static std::vector<StateSize> sizes_for(const ConvCompressedStateShape& s) {
@@ -106,7 +106,8 @@ class ConvCompressedState final : public StateStorage<T> {
   [[nodiscard]] reference::ConvCompressedScratch<T> scratch() noexcept {
     T* p = scratch_.data();
     const index_t Dk = shape_.key_dim, Dv = shape_.value_dim;
-    return {p, p + Dv, p + 2 * Dv, p + 2 * Dv + Dk, p + 2 * Dv + 2 * Dk, p + 3 * Dv + 2 * Dk};
+    return {p,          p + Dv,     p + 2 * Dv, p + 2 * Dv + Dk, p + 2 * Dv + 2 * Dk,
+            p + 3 * Dv + 2 * Dk, p + 4 * Dv + 2 * Dk};
   }
 
  protected:

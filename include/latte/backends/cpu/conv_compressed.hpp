@@ -38,6 +38,7 @@
 #include "latte/backends/cpu/softmax.hpp"
 #include "latte/backends/cpu/softmax_row.hpp"
 #include "latte/backends/reference/conv_compressed.hpp"
+#include "latte/core/compensated_sum.hpp"
 #include "latte/core/huge_page_allocator.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
@@ -62,9 +63,11 @@ template <Real T>
 struct BlockScratch {
   BlockScratch(index_t Dk, index_t Dv)
       : query(block_rows, Dk), scores(block_rows, block_keys), acc(block_rows, Dv),
-        row_max(block_rows), row_sum(block_rows), correction(block_rows) {}
-  Matrix<T> query, scores, acc;
-  AlignedVector<T> row_max, row_sum, correction;
+        acc_low(block_rows, Dv), block_acc(block_rows, Dv), row_max(block_rows),
+        row_sum(block_rows), row_sum_low(block_rows), correction(block_rows) {}
+  // acc / row_sum with their low parts: compensated sums across key blocks.
+  Matrix<T> query, scores, acc, acc_low, block_acc;
+  AlignedVector<T> row_max, row_sum, row_sum_low, correction;
 };
 
 /// The compressed sequences of one head (reused from head to head).
@@ -113,7 +116,10 @@ void window_attend(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v, M
 
 /// Steps 3-4 for the query rows [i0, i0 + nq) of one head: out += softmax(scale
 /// Q_x K_x^T) V_x over the compressed tokens each row sees (`visible(t)`, a
-/// count non-decreasing in t). `out` rows hold y^(0) on entry.
+/// count non-decreasing in t). `out` rows hold y^(0) on entry. A row's read
+/// spans the whole past (T / M^L tokens): its sums across key blocks (the
+/// softmax normaliser and the weighted values) are compensated, each block's
+/// GEMM result added by TwoSum (core/compensated_sum.hpp).
 template <Real T, class Visible>
 void cross_block(T* out_rows, index_t out_stride, index_t i0, index_t nq, const T* query_weight,
                  const Matrix<T>& keys, const Matrix<T>& values, T scale, Visible&& visible,
@@ -127,9 +133,13 @@ void cross_block(T* out_rows, index_t out_stride, index_t i0, index_t nq, const 
   auto Q = s.query.topRows(nq);
   Q.noalias() = Y * Wq.transpose();  // Wq_x y^(0)_t
   auto acc = s.acc.topRows(nq);
+  auto acc_low = s.acc_low.topRows(nq);
+  auto block_acc = s.block_acc.topRows(nq);
   acc.setZero();
+  acc_low.setZero();
   std::fill(s.row_max.begin(), s.row_max.end(), neg_inf);
   std::fill(s.row_sum.begin(), s.row_sum.end(), T(0));
+  std::fill(s.row_sum_low.begin(), s.row_sum_low.end(), T(0));
   for (index_t j0 = 0; j0 < reach; j0 += block_keys) {
     const index_t nk = std::min(block_keys, reach - j0);
     auto S = s.scores.topLeftCorner(nq, nk);
@@ -153,11 +163,20 @@ void cross_block(T* out_rows, index_t out_stride, index_t i0, index_t nq, const 
       }
       const T total = simd::exp_shifted_sum(row, count, m_new, row);
       s.correction[r] = std::exp(s.row_max[r] - m_new);
-      s.row_sum[r] = s.row_sum[r] * s.correction[r] + total;
+      if (s.correction[r] != T(1))
+        latte::detail::compensated_scale(s.row_sum[r], s.row_sum_low[r], s.correction[r]);
+      latte::detail::compensated_add(s.row_sum[r], s.row_sum_low[r], total);
       s.row_max[r] = m_new;
     }
-    for (index_t r = 0; r < nq; ++r) acc.row(r) *= s.correction[r];
-    acc.noalias() += S * values.middleRows(j0, nk);
+    block_acc.noalias() = S * values.middleRows(j0, nk);
+    for (index_t r = 0; r < nq; ++r) {
+      T* hi = &acc(r, 0);
+      T* lo = &acc_low(r, 0);
+      const T c = s.correction[r];
+      if (c != T(1))
+        for (index_t d = 0; d < Dv; ++d) latte::detail::compensated_scale(hi[d], lo[d], c);
+      for (index_t d = 0; d < Dv; ++d) latte::detail::compensated_add(hi[d], lo[d], block_acc(r, d));
+    }
   }
   for (index_t r = 0; r < nq; ++r)
     if (s.row_sum[r] > T(0)) Y.row(r) += acc.row(r) / s.row_sum[r];  // step 4: y + cross
@@ -334,7 +353,7 @@ void conv_compressed_step(const T* q, const T* k, const T* v, T* out,
         Eigen::Map<Eigen::Matrix<T, Eigen::Dynamic, 1>>(acc, Dv).noalias() +=
             V.transpose() * Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>>(p, n);
       },
-      scratch.cross);
+      scratch.cross, scratch.cross_compensation);  // compensated: the read spans the whole past
   index_t d = 0;
   for (; d + W <= Dv; d += W)
     simd::store(out + d, simd::load(scratch.level_output + d) + simd::load(scratch.cross + d));
@@ -385,14 +404,15 @@ void conv_compressed_forward_with_state(TensorView<const T, 4> q, TensorView<con
                                         std::int64_t first_position, CarryOf&& carry_of) {
   const index_t Bn = q.extent(0), Tn = q.extent(1), H = q.extent(2);
   if (Bn == 0 || Tn == 0) return;
-  const index_t Dk = w.key_dim, Dv = w.value_dim, per_worker = 4 * Dv + 2 * Dk;
+  const index_t Dk = w.key_dim, Dv = w.value_dim, per_worker = 6 * Dv + 2 * Dk;
   const int workers = thread_count();
   AlignedVector<T> buffer(static_cast<std::size_t>(workers * per_worker));
   parallel_for(Bn * H, workers, [&](index_t bh, int worker) {
     const index_t b = bh / H, h = bh % H;
     T* p = buffer.data() + worker * per_worker;
     const reference::ConvCompressedScratch<T> scratch{
-        p, p + Dv, p + 2 * Dv, p + 2 * Dv + Dk, p + 2 * Dv + 2 * Dk, p + 3 * Dv + 2 * Dk};
+        p,          p + Dv,     p + 2 * Dv, p + 2 * Dv + Dk, p + 2 * Dv + 2 * Dk,
+        p + 3 * Dv + 2 * Dk, p + 4 * Dv + 2 * Dk};
     const reference::ConvCompressedCarry<T> carry = carry_of(b, h);
     for (index_t t = 0; t < Tn; ++t)
       cpu::conv_compressed_step(q.row(b, t, h), k.row(b, t, h), v.row(b, t, h), out.row(b, t, h),
@@ -511,7 +531,11 @@ struct ConvCompressedParts {
     if (n_top > 0) {
       const Mat K = top * Wk.transpose(), V = top * Wv.transpose();
       const Mat Q = Y0 * Wq.transpose();
-      Mat dQ = Mat::Zero(Tn, Dk), dK = Mat::Zero(n_top, Dk), dV = Mat::Zero(n_top, Dv), P, dS;
+      Mat dQ = Mat::Zero(Tn, Dk), P, dS;
+      // dK and dV sum over every later query block (T / 64 of them): in double,
+      // as the rows' softmax sums, so that their error does not grow with T.
+      using Wide = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+      Wide dK_sum = Wide::Zero(n_top, Dk), dV_sum = Wide::Zero(n_top, Dv);
       const std::int64_t span = reference::tokens_per_compressed_token(M, L);
       auto visible = [&](index_t t) {
         return Causal ? static_cast<index_t>(std::min<std::int64_t>(t / span, n_top)) : n_top;
@@ -532,15 +556,17 @@ struct ConvCompressedParts {
           }
           const T m = p.head(count).maxCoeff();
           p.head(count) = (p.head(count).array() - m).exp().matrix();
-          p.head(count) /= p.head(count).sum();
+          p.head(count) /= static_cast<T>(p.head(count).template cast<double>().sum());
           p.tail(seen - count).setZero();
-          const T row_dot = p.dot(dS.row(r));
+          const T row_dot =
+              static_cast<T>(p.template cast<double>().dot(dS.row(r).template cast<double>()));
           dS.row(r) = (p.array() * (dS.row(r).array() - row_dot)).matrix();
         }
         dQ.middleRows(t0, nq).noalias() = (dS * K.topRows(seen)) * scale;
-        dK.topRows(seen).noalias() += (dS.transpose() * Q.middleRows(t0, nq)) * scale;
-        dV.topRows(seen).noalias() += P.transpose() * G.middleRows(t0, nq);
+        dK_sum.topRows(seen) += (Mat(dS.transpose() * Q.middleRows(t0, nq)) * scale).template cast<double>();
+        dV_sum.topRows(seen) += Mat(P.transpose() * G.middleRows(t0, nq)).template cast<double>();
       }
+      const Mat dK = dK_sum.template cast<T>(), dV = dV_sum.template cast<T>();
       dY0.noalias() += dQ * Wq;
       add_to_double(Mat(dQ.transpose() * Y0), flat(&reference::ConvCompressedWeightGradients::cross_query, h * Dk * Dv));
       add_to_double(Mat(dK.transpose() * top), flat(&reference::ConvCompressedWeightGradients::cross_key, h * Dk * Dv));

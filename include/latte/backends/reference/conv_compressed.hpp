@@ -130,7 +130,8 @@ void conv_compressed_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
 
   const std::int64_t span = tokens_per_compressed_token(M, L);
   std::vector<T> previous, compressed, level_q, level_k, level_v, level_y, cross_k, cross_v;
-  std::vector<T> query(static_cast<std::size_t>(Dk)), cross(static_cast<std::size_t>(Dv));
+  std::vector<T> query(static_cast<std::size_t>(Dk)), cross(static_cast<std::size_t>(Dv)),
+      cross_low(cross.size());
   auto as_sequence = [](std::vector<T>& data, index_t n, index_t D) {
     return TensorView<T, 4>(data.data(), {1, n, 1, D});
   };
@@ -187,7 +188,8 @@ void conv_compressed_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
         softmax_row(
             query.data(), Dk, Dv, scale, visible,
             [&](index_t j) { return cross_k.data() + j * Dk; },
-            [&](index_t j) { return cross_v.data() + j * Dv; }, cross.data());
+            [&](index_t j) { return cross_v.data() + j * Dv; }, cross.data(),
+            cross_low.data());  // compensated: the read spans the whole past
         for (index_t d = 0; d < Dv; ++d) y[d] += cross[d];
       }
     }
@@ -212,6 +214,7 @@ struct ConvCompressedScratch {
   T* key;           // [Dk]
   T* value;         // [Dv]
   T* cross;         // [Dv]
+  T* cross_compensation;  // [2 Dv]: the cross read's low parts, and a block's sum (cpu)
 };
 
 /// One causal decode step at absolute position `position`: the token's window
@@ -243,7 +246,8 @@ void conv_compressed_step(const T* q, const T* k, const T* v, T* out, ConvCompre
   softmax_row(
       scratch.query, Dk, Dv, scale, visible,
       [&](index_t j) { return carry.compressed_keys + j * Dk; },
-      [&](index_t j) { return carry.compressed_values + j * Dv; }, scratch.cross);
+      [&](index_t j) { return carry.compressed_values + j * Dv; }, scratch.cross,
+      scratch.cross_compensation);  // compensated: the read spans the whole past
   for (index_t d = 0; d < Dv; ++d) out[d] = scratch.level_output[d] + scratch.cross[d];
 
   // Step 2 / approach 2: the token climbs while it closes groups.

@@ -11,6 +11,7 @@
 #include <limits>
 #include <vector>
 
+#include "latte/core/compensated_sum.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
 #include "latte/policies/window.hpp"
@@ -18,12 +19,17 @@
 namespace latte::reference {
 
 /// out = sum_j softmax_j(scale * q . key(j)) value(j) over j in [0, count).
+/// With `out_low` (Dv values of scratch) the running sums l and out are
+/// compensated (core/compensated_sum.hpp: TwoSum per key and element), so that
+/// their error does not grow with count (a read over a whole past, such as
+/// conv-compression's over its compressed tokens).
 template <Real T, class KeyAt, class ValueAt>
 void softmax_row(const T* q, index_t Dk, index_t Dv, T scale, index_t count, KeyAt&& key_at,
-                 ValueAt&& value_at, T* out) noexcept {
+                 ValueAt&& value_at, T* out, T* out_low = nullptr) noexcept {
   std::fill(out, out + Dv, T(0));
+  if (out_low) std::fill(out_low, out_low + Dv, T(0));
   T m = -std::numeric_limits<T>::infinity();
-  T l = 0;
+  T l = 0, l_low = 0;
   for (index_t j = 0; j < count; ++j) {
     const T* key = key_at(j);
     T dot = 0;
@@ -34,10 +40,20 @@ void softmax_row(const T* q, index_t Dk, index_t Dv, T scale, index_t count, Key
     const T m_new = std::isnan(score) ? score : std::max(m, score);
     if (m_new == -std::numeric_limits<T>::infinity()) continue;
     const T carry_scale = std::exp(m - m_new), weight = std::exp(score - m_new);
-    l = l * carry_scale + weight;
     const T* value = value_at(j);
-    for (index_t d = 0; d < Dv; ++d) out[d] = out[d] * carry_scale + weight * value[d];
     m = m_new;
+    if (out_low) {
+      if (carry_scale != T(1)) {
+        detail::compensated_scale(l, l_low, carry_scale);
+        for (index_t d = 0; d < Dv; ++d) detail::compensated_scale(out[d], out_low[d], carry_scale);
+      }
+      detail::compensated_add(l, l_low, weight);
+      for (index_t d = 0; d < Dv; ++d)
+        detail::compensated_add(out[d], out_low[d], detail::rounded_product(weight, value[d]));
+      continue;
+    }
+    l = l * carry_scale + weight;
+    for (index_t d = 0; d < Dv; ++d) out[d] = out[d] * carry_scale + weight * value[d];
   }
   if (l > T(0))
     for (index_t d = 0; d < Dv; ++d) out[d] /= l;
