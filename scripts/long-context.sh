@@ -2,9 +2,10 @@
 # The long-context error measurement (docs/numerics.md, "Long contexts"):
 # builds bench/long_context_error.cpp in Release and runs it over 2^20 tokens
 # and 10^7 decode steps, for key-logit spreads 1, 3 and 10, with compensated
-# and plain sums; the CSV goes to docs/long-context-results.csv.
+# and plain sums (forward, decode, the backward of Latte and elu+1, and
+# conv-compression's forward); the CSV goes to docs/long-context-results.csv.
 #
-#   scripts/long-context.sh                    the full run (about 5 minutes on 2 cores)
+#   scripts/long-context.sh                    the full run (about 10 minutes on 2 cores)
 #   scripts/long-context.sh --steps 100000     shorter decode runs (other flags pass through)
 #
 # Environment: LATTE_BUILD_DIR (default build-long-context).

@@ -14,7 +14,9 @@
 // stored once per block. The 16 dots of a pass stay in registers and are
 // reduced together (simd::reduce_add_each). VAPOR rotates rows with
 // PairRotation (a cos / sin per pair and token; the forward's steppers are
-// not used yet), and learned angles run pass 1 a token at a time.
+// not used yet), and learned angles run pass 1 a token at a time. The sums
+// over the whole past (pass 1) and future (pass 2) are compensated
+// (compensated_sums.hpp's ScaledTermWindow; latte_causal_backward_head).
 //
 // Bidirectional (DESIGN §3.6): five GEMM-shaped products per (batch, head),
 // Eigen GEMMs over T x L and T x Dv matrices (W = exp(K - shift), P, dp and,
