@@ -40,7 +40,13 @@ fi
 
 # OpenMP off: one input is one small call sequence, and threads would only make
 # runs slower and less reproducible; threads are TSan's job (scripts/sanitize.sh).
-cmake -S . -B "$build" -G Ninja -DCMAKE_CXX_COMPILER="$compiler" \
+# LATTE_SANITIZE_DEBUG_INFO=none (.ci/run): no debug information, a faster compile
+# (a crash's artifact reproduces locally with it).
+debug_info=()
+if [ "${LATTE_SANITIZE_DEBUG_INFO:-lines}" = none ]; then
+  debug_info=(-DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g0 -DNDEBUG")
+fi
+cmake -S . -B "$build" -G Ninja -DCMAKE_CXX_COMPILER="$compiler" "${debug_info[@]}" \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLATTE_BUILD_FUZZERS=ON -DLATTE_BUILD_TESTS=OFF \
   -DLATTE_BUILD_BENCHMARKS=OFF -DLATTE_BUILD_EXAMPLES=OFF -DLATTE_WITH_OPENMP=OFF >/dev/null
 cmake --build "$build" --target fuzz_attention

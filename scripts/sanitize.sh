@@ -19,6 +19,10 @@
 # test_golden_gradients: its kernels are each under ASan in their own gradient test,
 # and it is the longest compile). Without these variables every test runs: the full
 # run's result is in docs/sanitizers.md.
+# LATTE_SANITIZE_DEBUG_INFO=none builds without debug information (reports name
+# functions, not lines): clang's line tables are ~30 % of an ASan compile here
+# (test_linear_golden.cpp: 91 s with -g1, 64 s with -g0); .ci/run sets it, a local
+# run keeps the line tables (default: lines).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,6 +32,13 @@ jobs="$(nproc)"
 scale="${LATTE_TEST_CASE_SCALE:-0.1}"
 # Tests only; CUDA is off because nvcc does not take the host sanitizer flags.
 options=(-DLATTE_BUILD_BENCHMARKS=OFF -DLATTE_BUILD_EXAMPLES=OFF -DLATTE_WITH_CUDA=OFF)
+# The presets' optimisation (asan -O1; tsan RelWithDebInfo's -O2) without debug information.
+asan_flags=()
+tsan_flags=()
+if [ "${LATTE_SANITIZE_DEBUG_INFO:-lines}" = none ]; then
+  asan_flags=(-DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g0 -DNDEBUG")
+  tsan_flags=(-DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g0 -DNDEBUG")
+fi
 
 # The tsan tests: the threaded one and the cpu-backend ones that exist in this checkout.
 tsan_tests=()
@@ -56,7 +67,7 @@ for part in "${parts[@]}"; do
     asan)
       build="$root/build-asan"
       echo "== sanitize: ASan + UBSan (clang), every test except label 'package', LATTE_TEST_CASE_SCALE=$scale"
-      cmake --preset asan -B "$build" "${options[@]}" >/dev/null
+      cmake --preset asan -B "$build" "${options[@]}" "${asan_flags[@]}" >/dev/null
       selection=(-LE "package|cuda_emulated")  # the emulated CUDA tests: part cuda-emulated
       if ((${#asan_exclude[@]})); then
         echo "   (every test program but ${asan_exclude[*]}; without LATTE_ASAN_EXCLUDE, every test)"
@@ -76,7 +87,7 @@ for part in "${parts[@]}"; do
     tsan)
       build="$root/build-tsan"
       echo "== sanitize: TSan, ${tsan_tests[*]}, LATTE_TEST_CASE_SCALE=$scale"
-      cmake --preset tsan -B "$build" "${options[@]}" >/dev/null
+      cmake --preset tsan -B "$build" "${options[@]}" "${tsan_flags[@]}" >/dev/null
       cmake --build "$build" -j "$jobs" --target "${tsan_tests[@]}"
       regex="^($(IFS='|'; echo "${tsan_tests[*]}"))\$"
       TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:ignore_noninstrumented_modules=1" \
