@@ -532,8 +532,9 @@ struct ConvCompressedParts {
       const Mat K = top * Wk.transpose(), V = top * Wv.transpose();
       const Mat Q = Y0 * Wq.transpose();
       Mat dQ = Mat::Zero(Tn, Dk), P, dS;
-      // dK and dV sum over every later query block (T / 64 of them): in double,
-      // as the rows' softmax sums, so that their error does not grow with T.
+      // dK and dV sum over every later query block (T / 64 of them), dQ over a
+      // row's keys: in double, as the rows' softmax sums, so that their error
+      // does not grow with T.
       using Wide = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
       Wide dK_sum = Wide::Zero(n_top, Dk), dV_sum = Wide::Zero(n_top, Dv);
       const std::int64_t span = reference::tokens_per_compressed_token(M, L);
@@ -562,7 +563,15 @@ struct ConvCompressedParts {
               static_cast<T>(p.template cast<double>().dot(dS.row(r).template cast<double>()));
           dS.row(r) = (p.array() * (dS.row(r).array() - row_dot)).matrix();
         }
-        dQ.middleRows(t0, nq).noalias() = (dS * K.topRows(seen)) * scale;
+        // dQ sums over the row's keys (the compressed past): per block of
+        // block_keys keys, in double, as the forward's read is compensated.
+        Wide dQ_sum = Wide::Zero(nq, Dk);
+        using conv_compressed_detail::block_keys;
+        for (index_t j0 = 0; j0 < seen; j0 += block_keys) {
+          const index_t nk = std::min(block_keys, seen - j0);
+          dQ_sum += Mat(dS.middleCols(j0, nk) * K.middleRows(j0, nk)).template cast<double>();
+        }
+        dQ.middleRows(t0, nq) = (dQ_sum * double(scale)).template cast<T>();
         dK_sum.topRows(seen) += (Mat(dS.transpose() * Q.middleRows(t0, nq)) * scale).template cast<double>();
         dV_sum.topRows(seen) += Mat(P.transpose() * G.middleRows(t0, nq)).template cast<double>();
       }
