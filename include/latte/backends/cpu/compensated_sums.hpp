@@ -85,6 +85,12 @@ void scale_pairs(T* high, T* low, T c, index_t n) noexcept {
   for (index_t i = 0; i < n; ++i) latte::detail::compensated_scale(high[i], low[i], c);
 }
 
+/// (high, low) <- (high, low) + terms, renormalised, for n elements.
+template <Real T>
+void add_to_pairs(T* high, T* low, const T* terms, index_t n) noexcept {
+  for (index_t i = 0; i < n; ++i) latte::detail::compensated_add(high[i], low[i], terms[i]);
+}
+
 namespace detail {
 
 /// One register block of R vectors of a decode step's pass over the pairs:

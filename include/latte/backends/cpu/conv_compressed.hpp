@@ -33,6 +33,7 @@
 
 #include <Eigen/Core>
 
+#include "latte/backends/cpu/compensated_sums.hpp"
 #include "latte/backends/cpu/parallel.hpp"
 #include "latte/backends/cpu/simd.hpp"
 #include "latte/backends/cpu/softmax.hpp"
@@ -169,13 +170,9 @@ void cross_block(T* out_rows, index_t out_stride, index_t i0, index_t nq, const 
       s.row_max[r] = m_new;
     }
     block_acc.noalias() = S * values.middleRows(j0, nk);
-    for (index_t r = 0; r < nq; ++r) {
-      T* hi = &acc(r, 0);
-      T* lo = &acc_low(r, 0);
-      const T c = s.correction[r];
-      if (c != T(1))
-        for (index_t d = 0; d < Dv; ++d) latte::detail::compensated_scale(hi[d], lo[d], c);
-      for (index_t d = 0; d < Dv; ++d) latte::detail::compensated_add(hi[d], lo[d], block_acc(r, d));
+    for (index_t r = 0; r < nq; ++r) {  // rows are contiguous (row-major)
+      if (s.correction[r] != T(1)) scale_pairs(&acc(r, 0), &acc_low(r, 0), s.correction[r], Dv);
+      add_to_pairs(&acc(r, 0), &acc_low(r, 0), &block_acc(r, 0), Dv);
     }
   }
   for (index_t r = 0; r < nq; ++r)

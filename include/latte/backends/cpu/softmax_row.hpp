@@ -21,6 +21,7 @@
 #include <cmath>
 #include <limits>
 
+#include "latte/backends/cpu/compensated_sums.hpp"
 #include "latte/backends/cpu/simd.hpp"
 #include "latte/core/compensated_sum.hpp"
 #include "latte/core/types.hpp"
@@ -59,13 +60,12 @@ void softmax_row_blocked(index_t Dv, index_t count, ScoreBlock&& score_block,
     if (compensation) {
       if (carry_scale != T(1)) {
         latte::detail::compensated_scale(l, l_low, carry_scale);
-        for (index_t d = 0; d < Dv; ++d)
-          latte::detail::compensated_scale(out[d], out_low[d], carry_scale);
+        scale_pairs(out, out_low, carry_scale, Dv);
       }
       latte::detail::compensated_add(l, l_low, total);
       std::fill(block_sum, block_sum + Dv, T(0));
       accumulate_block(j0, n, static_cast<const T*>(p), block_sum);
-      for (index_t d = 0; d < Dv; ++d) latte::detail::compensated_add(out[d], out_low[d], block_sum[d]);
+      add_to_pairs(out, out_low, block_sum, Dv);
       m = m_new;
       continue;
     }
