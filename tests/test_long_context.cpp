@@ -310,21 +310,26 @@ GradientErrors gradient_errors(const Tensor<float, 4>& got, const Tensor<double,
 
 
 /// Errors of the fp32 gradients (d_queries, d_keys, d_values) of `attention`
-/// on the first T tokens against the exec::cpu backward in fp64.
-template <class E, class A>
-std::array<GradientErrors, 3> backward_errors(const A& attention, E exec_policy, const Inputs& in,
-                                              const Tensor<float, 4>& d_out,
-                                              const Tensor<double, 4>& d_out64, index_t T) {
+/// on the first T tokens, one row per exec policy, against the exec::cpu
+/// backward in fp64 (computed once for them all).
+template <class A, class... E>
+std::array<std::array<GradientErrors, 3>, sizeof...(E)> backward_errors(
+    const A& attention, const Inputs& in, const Tensor<float, 4>& d_out,
+    const Tensor<double, 4>& d_out64, index_t T, E... exec_policies) {
   const index_t Dq = in.q.extent(3);
   Tensor<double, 4> dq64({1, T, kH, Dq}), dk64({1, T, kH, Dq}), dv64({1, T, kH, kDv});
   attention.backward(exec::cpu, first_rows(in.q64, T), first_rows(in.k64, T),
                      first_rows(in.v64, T), first_rows(d_out64, T),
                      typename A::template Gradients<double>{dq64.view(), dk64.view(), dv64.view()});
   Tensor<float, 4> dq({1, T, kH, Dq}), dk({1, T, kH, Dq}), dv({1, T, kH, kDv});
-  attention.backward(exec_policy, first_rows(in.q, T), first_rows(in.k, T),
-                     first_rows(in.v, T), first_rows(d_out, T),
-                     typename A::template Gradients<float>{dq.view(), dk.view(), dv.view()});
-  return {gradient_errors(dq, dq64), gradient_errors(dk, dk64), gradient_errors(dv, dv64)};
+  auto errors_of = [&](auto exec_policy) {
+    attention.backward(exec_policy, first_rows(in.q, T), first_rows(in.k, T),
+                       first_rows(in.v, T), first_rows(d_out, T),
+                       typename A::template Gradients<float>{dq.view(), dk.view(), dv.view()});
+    return std::array<GradientErrors, 3>{gradient_errors(dq, dq64), gradient_errors(dk, dk64),
+                                         gradient_errors(dv, dv64)};
+  };
+  return {errors_of(exec_policies)...};
 }
 
 /// Gradient errors at the full length and over the first 1K tokens alone.
@@ -332,16 +337,21 @@ struct BackwardRun {
   std::array<GradientErrors, 3> full, short_run;
 };
 
-template <class E, class A>
-BackwardRun run_backward(const A& attention, E exec_policy, std::uint64_t seed, double key_spread) {
+/// One BackwardRun per exec policy.
+template <class A, class... E>
+std::array<BackwardRun, sizeof...(E)> run_backward(const A& attention, std::uint64_t seed,
+                                                   double key_spread, E... exec_policies) {
   const index_t T = token_count();
   const Inputs in = make_inputs(seed, T, key_spread);
   Rng rng(seed + 1);
   const Tensor<float, 4> d_out = random_tensor<float, 4>(rng, {1, T, kH, kDv}, 1.0);
   Tensor<double, 4> d_out64({1, T, kH, kDv});
   for (index_t i = 0; i < d_out.size(); ++i) d_out64.data()[i] = d_out.data()[i];
-  return {backward_errors(attention, exec_policy, in, d_out, d_out64, T),
-          backward_errors(attention, exec_policy, in, d_out, d_out64, 1024)};
+  const auto full = backward_errors(attention, in, d_out, d_out64, T, exec_policies...);
+  const auto short_run = backward_errors(attention, in, d_out, d_out64, 1024, exec_policies...);
+  std::array<BackwardRun, sizeof...(E)> runs;
+  for (std::size_t i = 0; i < runs.size(); ++i) runs[i] = {full[i], short_run[i]};
+  return runs;
 }
 
 /// Whether a gradient's error grew: the first or last 16th's median block
@@ -350,10 +360,8 @@ bool grew(const GradientErrors& full, const GradientErrors& short_run) {
   return std::max(full.first, full.last) > kGrowth * short_run.worst;
 }
 
-template <class E, class A>
-void check_backward(const std::string& name, const A& attention, E exec_policy,
-                    std::uint64_t seed, double key_spread, bool latte) {
-  const BackwardRun run = run_backward(attention, exec_policy, seed, key_spread);
+void check_backward(const std::string& name, const BackwardRun& run, double key_spread,
+                    bool latte) {
   const char* gradients[] = {"d_queries", "d_keys", "d_values"};
   for (int i = 0; i < 3; ++i) {
     const GradientErrors& e = run.full[static_cast<std::size_t>(i)];
@@ -371,8 +379,9 @@ void check_backward(const std::string& name, const A& attention, E exec_policy,
 template <class A>
 void check_backward_paths(const std::string& name, const A& attention, std::uint64_t seed,
                           double key_spread, bool latte) {
-  check_backward(name + ", exec::cpu", attention, exec::cpu, seed, key_spread, latte);
-  check_backward(name + ", exec::reference", attention, exec::reference, seed, key_spread, latte);
+  const auto runs = run_backward(attention, seed, key_spread, exec::cpu, exec::reference);
+  check_backward(name + ", exec::cpu", runs[0], key_spread, latte);
+  check_backward(name + ", exec::reference", runs[1], key_spread, latte);
 }
 
 TEST_CASE("backward at 2^20 tokens: fp32 gradients within 1e-5 of fp64 per 1K rows, no growth") {
@@ -390,10 +399,11 @@ TEST_CASE("backward at 2^20 tokens: fp32 gradients within 1e-5 of fp64 per 1K ro
 
 TEST_CASE("the backward's long-context check fails on plain sums") {
   const BackwardRun latte = run_backward(
-      LatteAttention<Causal, RunningMax, NoPositional, PlainSums>({kH, kL, kDv}), exec::cpu, 3304, 3.0);
+      LatteAttention<Causal, RunningMax, NoPositional, PlainSums>({kH, kL, kDv}), 3304, 3.0,
+      exec::cpu)[0];
   const BackwardRun linear = run_backward(
       LinearAttention<Causal, EluPlusOne, NoReweight, NoPositional, PlainSums>({kH, kL, kDv}),
-      exec::cpu, 3310, 1.0);
+      3310, 1.0, exec::cpu)[0];
   INFO("plain sums, d_values: Latte median of the first / last 16th "
        << latte.full[2].first << " / " << latte.full[2].last << ", 1K tokens alone "
        << latte.short_run[2].worst << "; elu+1 " << linear.full[2].first << " / "
@@ -423,6 +433,21 @@ TEST_CASE("Latte Macchiato at 2^20 tokens: its latent sums keep forward rows and
   Tensor<double, 4> want({1, T, kH, kDv});
   macchiato.forward(exec::cpu, q.f64, k.f64, wq.f64, wk.f64, v.f64, want.view());
   Tensor<float, 4> got({1, T, kH, kDv});
+  // The fp64 gradients over all T tokens and over the first 1K alone, once.
+  const index_t widths[] = {kL + 1, kL, kL, kL, kDv};
+  auto want_gradients = [&](index_t n) {
+    std::vector<Tensor<double, 4>> want_d;
+    for (const index_t width : widths) want_d.emplace_back(std::array<index_t, 4>{1, n, kH, width});
+    macchiato.backward(exec::cpu, first_rows(q.f64, n), first_rows(k.f64, n),
+                       first_rows(wq.f64, n), first_rows(wk.f64, n), first_rows(v.f64, n),
+                       first_rows(d_out.f64, n),
+                       MacchiatoGradients<double>{want_d[0].view(), want_d[1].view(),
+                                                  want_d[2].view(), want_d[3].view(),
+                                                  want_d[4].view()});
+    return want_d;
+  };
+  const std::vector<Tensor<double, 4>> want_full = want_gradients(T),
+                                       want_short = want_gradients(1024);
   for (const bool reference : {false, true}) {
     const std::string label = std::string("Latte Macchiato, ") +
                               (reference ? "exec::reference" : "exec::cpu") + ", T " +
@@ -430,21 +455,10 @@ TEST_CASE("Latte Macchiato at 2^20 tokens: its latent sums keep forward rows and
     if (reference) macchiato.forward(exec::reference, q.f32, k.f32, wq.f32, wk.f32, v.f32, got.view());
     else macchiato.forward(exec::cpu, q.f32, k.f32, wq.f32, wk.f32, v.f32, got.view());
     check_bounded(label + " forward", row_errors(got, want));
-    // The backward over all T tokens and over the first 1K alone.
-    auto gradients = [&](index_t n) {
-      const index_t widths[] = {kL + 1, kL, kL, kL, kDv};
-      std::vector<Tensor<double, 4>> want_d;
+    auto gradients = [&](const std::vector<Tensor<double, 4>>& want_d) {
+      const index_t n = want_d[0].extent(1);
       std::vector<Tensor<float, 4>> got_d;
-      for (const index_t width : widths) {
-        want_d.emplace_back(std::array<index_t, 4>{1, n, kH, width});
-        got_d.emplace_back(std::array<index_t, 4>{1, n, kH, width});
-      }
-      macchiato.backward(exec::cpu, first_rows(q.f64, n), first_rows(k.f64, n),
-                         first_rows(wq.f64, n), first_rows(wk.f64, n), first_rows(v.f64, n),
-                         first_rows(d_out.f64, n),
-                         MacchiatoGradients<double>{want_d[0].view(), want_d[1].view(),
-                                                    want_d[2].view(), want_d[3].view(),
-                                                    want_d[4].view()});
+      for (const index_t width : widths) got_d.emplace_back(std::array<index_t, 4>{1, n, kH, width});
       const MacchiatoGradients<float> into{got_d[0].view(), got_d[1].view(), got_d[2].view(),
                                            got_d[3].view(), got_d[4].view()};
       if (reference)
@@ -459,7 +473,7 @@ TEST_CASE("Latte Macchiato at 2^20 tokens: its latent sums keep forward rows and
       for (std::size_t i = 0; i < 5; ++i) errors.push_back(gradient_errors(got_d[i], want_d[i]));
       return errors;
     };
-    const std::vector<GradientErrors> full = gradients(T), short_run = gradients(1024);
+    const std::vector<GradientErrors> full = gradients(want_full), short_run = gradients(want_short);
     const char* names[] = {"d_query_logits", "d_key_logits", "d_window_queries", "d_window_keys",
                            "d_values"};
     for (std::size_t i = 0; i < 5; ++i) {
