@@ -176,6 +176,8 @@ class StateStorage {
   [[nodiscard]] const T* field(std::size_t index) const noexcept { return data_[index].data(); }
   /// Elements of field `index`.
   [[nodiscard]] std::size_t field_size(std::size_t index) const noexcept { return data_[index].size(); }
+  /// Number of fields.
+  [[nodiscard]] std::size_t field_count() const noexcept { return data_.size(); }
 
   /// Throws latte::Error("state") unless this state has `kind` and `sizes`.
   void require_matches(std::string_view kind, const std::vector<StateSize>& sizes) const {
@@ -185,6 +187,17 @@ class StateStorage {
     detail::require(sizes_ == sizes, "state",
                     detail::expected_given("state sizes", detail::describe_sizes(sizes),
                                            detail::describe_sizes(sizes_)));
+  }
+
+  /// Throws latte::Error("later") unless `later` is a state of this kind and
+  /// these sizes whose position is not before this one's (append_state's
+  /// checks), then moves this state's position to later's.
+  void append_position(const StateStorage& later) {
+    later.require_kind_and_sizes(kind_, sizes_, "later");
+    detail::require(later.position_ >= position_, "later",
+                    detail::expected_given("position", ">= " + std::to_string(position_),
+                                           later.position_));
+    position_ = later.position_;
   }
 
   /// Throws latte::Error(argument) unless this state has `kind` and `sizes`,

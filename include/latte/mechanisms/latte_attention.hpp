@@ -241,6 +241,31 @@ class LatteAttention {
     state.advance(query_logits.extent(1));
   }
 
+  /// Advances `state` over key_logits [B, T, H, L] and values [B, T, H, Dv]
+  /// without computing their outputs: the state forward would leave, in the
+  /// memory pass alone (no queries read). For a prompt whose outputs are not
+  /// needed, and a slice's summary in sequence parallelism (latte/distributed/).
+  template <exec::Policy E, Real T>
+    requires(Dir::is_causal)
+  void absorb(E, InputView<T> key_logits, InputView<T> values, State<T>& state) const {
+    static_assert(!std::is_same_v<E, exec::cuda_t>,
+                  "LatteState lives in host memory: absorb runs on exec::cpu or exec::reference");
+    static_assert(exec::implemented<E>, "this execution backend is not implemented yet");
+    check_view(key_logits, "key_logits");
+    const index_t B = key_logits.extent(0), Tn = key_logits.extent(1);
+    detail::check_shape(key_logits, "key_logits", {B, Tn, dims_.heads, dims_.latents},
+                        "[B, T, H, L]");
+    detail::check_shape(values, "values", {B, Tn, dims_.heads, dims_.value_dim}, "[B, T, H, Dv]");
+    validate_state(state, B, Tn);
+    auto carry_of = [&](index_t b, index_t h) { return carry(state, b, h); };
+    if constexpr (std::is_same_v<E, exec::cpu_t>)
+      cpu::latte_causal_absorb<Stab, Pos>(key_logits, values, angles_, state.position(), carry_of);
+    else
+      reference::latte_causal_absorb<Stab, Pos>(key_logits, values, angles_, state.position(),
+                                                carry_of);
+    state.advance(Tn);
+  }
+
   /// Next-token decode: inputs [B, H, L], [B, H, L], [B, H, Dv]; out [B, H, Dv].
   /// O(L * Dv) per head, independent of the tokens already absorbed; no allocation.
   template <exec::Policy E, Real T>

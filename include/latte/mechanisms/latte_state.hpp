@@ -68,6 +68,19 @@ class LatteState final : public StateStorage<T> {
     return reference::latte_head_carry([this](std::size_t i) { return this->field(i); },
                                        b * heads() + h, latents(), value_dim());
   }
+  /// This state becomes the state of its tokens followed by `later`'s:
+  /// `later` started fresh (make_state) at this state's position and absorbed
+  /// the tokens after it. Latte's associative merge: per latent, both sums
+  /// rescaled to the larger running maximum and added (compensated pairs by
+  /// TwoSum; reference::latte_append_carry). latte/distributed/ combines the
+  /// states of a sequence's slices with it.
+  void append_state(const LatteState& later) {
+    this->append_position(later);
+    for (index_t b = 0; b < this->batch(); ++b)
+      for (index_t h = 0; h < heads(); ++h)
+        reference::latte_append_carry(carry(b, h), later.carry(b, h), latents(), value_dim());
+  }
+
   /// 4 L + Dv values of scratch for a step (not part of the saved state).
   [[nodiscard]] T* scratch() noexcept { return scratch_.data(); }
 

@@ -260,6 +260,33 @@ class LinearAttention {
     state.advance(queries.extent(1));
   }
 
+  /// Advances `state` over keys [B, T, H, Dk] and values [B, T, H, Dv] without
+  /// computing outputs: the state forward would leave, from the keys' features
+  /// and the S, z sums alone. For a prompt whose outputs are not needed, and a
+  /// slice's summary in sequence parallelism (latte/distributed/). LeaP with
+  /// given proportions has no absorb (its forward takes them).
+  template <exec::Policy E, Real T>
+    requires(Dir::is_causal)
+  void absorb(E, InputView<T> keys, InputView<T> values, State<T>& state) const {
+    require_implemented<E>();
+    check_view(keys, "keys");
+    const index_t B = keys.extent(0), Tn = keys.extent(1), H = dims_.heads;
+    detail::check_shape(keys, "keys", {B, Tn, H, dims_.key_dim}, "[B, T, H, Dk]");
+    detail::check_shape(values, "values", {B, Tn, H, dims_.value_dim}, "[B, T, H, Dv]");
+    validate_state(state, B, Tn);
+    require_modules();
+    const reference::LinearSpec call = spec();
+    const auto proportion_of = sequence_proportions<T>(nullptr, state.length());
+    auto carry_of = [&](index_t b, index_t h) { return carry(state, b, h); };
+    if constexpr (std::is_same_v<E, exec::cpu_t>)
+      cpu::linear_causal_absorb<Map, Rw, Pos>(keys, values, call, state.position(), proportion_of,
+                                              carry_of);
+    else
+      reference::linear_causal_absorb<Map, Rw, Pos>(keys, values, call, state.position(),
+                                                    proportion_of, carry_of);
+    state.advance(Tn);
+  }
+
   /// Next-token decode: queries, keys [B, H, Dk], values [B, H, Dv]; out [B, H, Dv].
   /// O(E * Dv) per head, independent of the tokens already absorbed; no allocation.
   template <exec::Policy E, Real T>

@@ -78,6 +78,19 @@ class LinearState final : public StateStorage<T> {
     return {this->field(0) + head * E * value_dim(), this->field(1) + head * E,
             this->field(2) + head * E * value_dim(), this->field(3) + head * E};
   }
+  /// This state becomes the state of its tokens followed by `later`'s:
+  /// `later` started fresh (make_state) at this state's position and absorbed
+  /// the tokens after it. The linear family's associative merge: S and z
+  /// added (compensated pairs by TwoSum; reference::linear_append_carry).
+  /// latte/distributed/ combines the states of a sequence's slices with it.
+  void append_state(const LinearState& later) {
+    this->append_position(later);
+    for (index_t b = 0; b < this->batch(); ++b)
+      for (index_t h = 0; h < heads(); ++h)
+        reference::linear_append_carry(carry(b, h), later.carry(b, h), expanded_dim(),
+                                       value_dim());
+  }
+
   /// 2F + 4E values of scratch for a step (not part of the saved state).
   [[nodiscard]] T* scratch() noexcept { return scratch_.data(); }
 

@@ -122,12 +122,11 @@ void latte_absorb(const T* k, const T* value, LatteCarry<T> carry, index_t L,
     latte_absorb_term(Stab::absorb(carry.running_max[l], k[l]), value, carry, l, Dv);  // eq. 21
 }
 
-/// One causal step at absolute position `position` (paper 000 eqs. 12 and 21,
-/// VAPOR eq. 22). `rotated` is Dv scratch values.
+/// Absorbs the token at absolute position `position` (eq. 21; VAPOR eq. 22
+/// enters R^{-s} v_s). `rotated` is Dv scratch values.
 template <Stabilizer Stab, Positional Pos, Real T>
-void latte_causal_step(const T* q, const T* k, const T* v, T* out, LatteCarry<T> carry, index_t L,
-                       index_t Dv, const double* theta, std::int64_t position,
-                       T* rotated) noexcept {
+void latte_absorb_token(const T* k, const T* v, LatteCarry<T> carry, index_t L, index_t Dv,
+                        const double* theta, std::int64_t position, T* rotated) noexcept {
   const T* value = v;
   if constexpr (Pos::rotates_values) {
     std::copy(v, v + Dv, rotated);
@@ -135,6 +134,51 @@ void latte_causal_step(const T* q, const T* k, const T* v, T* out, LatteCarry<T>
     value = rotated;
   }
   latte_absorb<Stab>(k, value, carry, L, Dv);
+}
+
+/// carry <- the carry of carry's tokens followed by `later`'s (each started
+/// from an empty carry where its tokens begin): both sums rescaled to the
+/// larger running maximum and added. The associative merge that segments a
+/// scan over threads (cpu latte_causal_forward) and over ranks
+/// (latte/distributed/). Compensated carries merge their pairs by TwoSum.
+template <Real T>
+void latte_append_carry(LatteCarry<T> carry, LatteCarry<const T> later, index_t L,
+                        index_t Dv) noexcept {
+  constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+  for (index_t l = 0; l < L; ++l) {
+    const T m_a = carry.running_max[l], m_b = later.running_max[l];
+    const T m = std::max(m_a, m_b);
+    const T scale_a = m_a == neg_inf ? T(0) : std::exp(m_a - m);
+    const T scale_b = m_b == neg_inf ? T(0) : std::exp(m_b - m);
+    carry.running_max[l] = m;
+    if (carry.compensated()) {  // both compensated: (a, a_low) scale_a + (b, b_low) scale_b
+      auto merge = [&](T& hi, T& lo, T later_hi, T later_lo) {
+        detail::compensated_scale(hi, lo, scale_a);
+        detail::compensated_scale(later_hi, later_lo, scale_b);
+        detail::compensated_add(hi, lo, later_hi);
+        detail::compensated_add(hi, lo, later_lo);
+      };
+      merge(carry.normaliser[l], carry.normaliser_low[l], later.normaliser[l],
+            later.normaliser_low[l]);
+      for (index_t d = 0; d < Dv; ++d)
+        merge(carry.memory[l * Dv + d], carry.memory_low[l * Dv + d], later.memory[l * Dv + d],
+              later.memory_low[l * Dv + d]);
+      continue;
+    }
+    carry.normaliser[l] = carry.normaliser[l] * scale_a + later.normaliser[l] * scale_b;
+    T* mem_a = carry.memory + l * Dv;
+    const T* mem_b = later.memory + l * Dv;
+    for (index_t d = 0; d < Dv; ++d) mem_a[d] = mem_a[d] * scale_a + mem_b[d] * scale_b;
+  }
+}
+
+/// One causal step at absolute position `position` (paper 000 eqs. 12 and 21,
+/// VAPOR eq. 22). `rotated` is Dv scratch values.
+template <Stabilizer Stab, Positional Pos, Real T>
+void latte_causal_step(const T* q, const T* k, const T* v, T* out, LatteCarry<T> carry, index_t L,
+                       index_t Dv, const double* theta, std::int64_t position,
+                       T* rotated) noexcept {
+  latte_absorb_token<Stab, Pos>(k, v, carry, L, Dv, theta, position, rotated);
   latte_read(q, carry.normaliser, carry.memory, L, Dv, out);
   if constexpr (Pos::rotates_values) Pos::rotate(out, Dv, theta, position);  // R^t
 }
@@ -157,6 +201,25 @@ void latte_causal_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
         latte_causal_step<Stab, Pos>(q.row(b, t, h), k.row(b, t, h), v.row(b, t, h),
                                      out.row(b, t, h), carry, L, Dv, theta, first_position + t,
                                      rotated.data());
+    }
+}
+
+/// Absorbs a [B, T, H, *] sequence into carry_of(b, h) from absolute position
+/// `first_position` without reading it: the carry forward would leave.
+template <Stabilizer Stab, Positional Pos, Real T, class CarryOf>
+void latte_causal_absorb(TensorView<const T, 4> k, TensorView<const T, 4> v,
+                         const std::vector<double>& angles, std::int64_t first_position,
+                         CarryOf&& carry_of) {
+  const index_t B = k.extent(0), Tn = k.extent(1), H = k.extent(2), L = k.extent(3);
+  const index_t Dv = v.extent(3), pairs = Dv / 2;
+  std::vector<T> rotated(static_cast<std::size_t>(Dv));
+  for (index_t b = 0; b < B; ++b)
+    for (index_t h = 0; h < H; ++h) {
+      const LatteCarry<T> carry = carry_of(b, h);
+      const double* theta = angles.empty() ? nullptr : angles.data() + h * pairs;
+      for (index_t t = 0; t < Tn; ++t)
+        latte_absorb_token<Stab, Pos>(k.row(b, t, h), v.row(b, t, h), carry, L, Dv, theta,
+                                      first_position + t, rotated.data());
     }
 }
 

@@ -142,6 +142,27 @@ void linear_absorb(const TokenFeatures<T>& key, const T* v, LinearCarry<T> carry
   }
 }
 
+/// carry <- the carry of carry's tokens followed by `later`'s (each summed
+/// from zero where its tokens begin): S and z added, compensated pairs by
+/// TwoSum. The associative merge of a sequence cut into slices (cpu
+/// linear_causal_absorb, latte/distributed/).
+template <Real T>
+void linear_append_carry(LinearCarry<T> carry, LinearCarry<const T> later, index_t E,
+                         index_t Dv) noexcept {
+  auto add = [&](T* hi, T* lo, const T* later_hi, const T* later_lo, index_t n) {
+    for (index_t x = 0; x < n; ++x) {
+      if (!carry.compensated()) {
+        hi[x] += later_hi[x];
+        continue;
+      }
+      detail::compensated_add(hi[x], lo[x], later_hi[x]);
+      detail::compensated_add(hi[x], lo[x], later_lo[x]);
+    }
+  };
+  add(carry.memory, carry.memory_low, later.memory, later.memory_low, E * Dv);
+  add(carry.normaliser, carry.normaliser_low, later.normaliser, later.normaliser_low, E);
+}
+
 /// out = S^T e(q) / N(e'(q) . z)   (paper 001 eq. 4, normaliser N).
 template <Real T>
 void linear_read(const TokenFeatures<T>& query, LinearCarry<T> carry, index_t E, index_t Dv,
@@ -196,6 +217,29 @@ void linear_causal_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
             spec.theta(h), position,
             [&](Side side, const T* phi) { return proportion_of(side, b, t, h, position, phi); },
             scratch.data());
+      }
+    }
+}
+
+/// Absorbs keys [B, T, H, Dk] and values [B, T, H, Dv] into carry_of(b, h)
+/// from absolute position `first_position` without reading: the carry
+/// linear_causal_forward would leave. proportion_of as there (key side only).
+template <FeatureMap Map, Reweight Rw, Positional Pos, Real T, class ProportionOf, class CarryOf>
+void linear_causal_absorb(TensorView<const T, 4> k, TensorView<const T, 4> v,
+                          const LinearSpec& spec, std::int64_t first_position,
+                          ProportionOf&& proportion_of, CarryOf&& carry_of) {
+  const index_t B = k.extent(0), Tn = k.extent(1), H = k.extent(2);
+  std::vector<T> scratch(static_cast<std::size_t>(spec.scratch_size()));
+  const TokenFeatures<T> token(scratch.data(), spec);
+  for (index_t b = 0; b < B; ++b)
+    for (index_t h = 0; h < H; ++h) {
+      const LinearCarry<T> carry = carry_of(b, h);
+      for (index_t t = 0; t < Tn; ++t) {
+        const std::int64_t position = first_position + t;
+        linear_features<Map, Rw, Pos>(
+            k.row(b, t, h), position, spec.theta(h), spec,
+            [&](const T* phi) { return proportion_of(Side::key, b, t, h, position, phi); }, token);
+        linear_absorb(token, v.row(b, t, h), carry, spec.expanded_dim(), spec.value_dim);
       }
     }
 }

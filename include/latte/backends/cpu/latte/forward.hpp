@@ -592,39 +592,6 @@ void scan(const TensorView<const In, 4>& q, const TensorView<const In, 4>& k,
   }
 }
 
-/// carry_into <- the state after the tokens of `carry_into` followed by those of `later`
-/// (both with sums scaled by exp(-their reference)).
-template <Real T>
-void merge_carry(LatteCarry<T> carry_into, LatteCarry<const T> later, index_t L,
-                 index_t Dv) noexcept {
-  constexpr T neg_inf = -std::numeric_limits<T>::infinity();
-  for (index_t l = 0; l < L; ++l) {
-    const T m_a = carry_into.running_max[l], m_b = later.running_max[l];
-    const T m = std::max(m_a, m_b);
-    const T scale_a = m_a == neg_inf ? T(0) : std::exp(m_a - m);
-    const T scale_b = m_b == neg_inf ? T(0) : std::exp(m_b - m);
-    carry_into.running_max[l] = m;
-    if (carry_into.compensated()) {  // both compensated: (a, a_low) scale_a + (b, b_low) scale_b
-      auto merge = [&](T& hi, T& lo, T later_hi, T later_lo) {
-        latte::detail::compensated_scale(hi, lo, scale_a);
-        latte::detail::compensated_scale(later_hi, later_lo, scale_b);
-        latte::detail::compensated_add(hi, lo, later_hi);
-        latte::detail::compensated_add(hi, lo, later_lo);
-      };
-      merge(carry_into.normaliser[l], carry_into.normaliser_low[l], later.normaliser[l],
-            later.normaliser_low[l]);
-      for (index_t d = 0; d < Dv; ++d)
-        merge(carry_into.memory[l * Dv + d], carry_into.memory_low[l * Dv + d],
-              later.memory[l * Dv + d], later.memory_low[l * Dv + d]);
-      continue;
-    }
-    carry_into.normaliser[l] = carry_into.normaliser[l] * scale_a + later.normaliser[l] * scale_b;
-    T* mem_a = carry_into.memory + l * Dv;
-    const T* mem_b = later.memory + l * Dv;
-    for (index_t d = 0; d < Dv; ++d) mem_a[d] = mem_a[d] * scale_a + mem_b[d] * scale_b;
-  }
-}
-
 /// Causal Latte over [B, T, H, *], continuing from carry_of(b, h) at `first_position`.
 /// With bf16 / fp16 activations the sums and the carries are fp32.
 template <Stabilizer Stab, Positional Pos, Activation In, class CarryOf>
@@ -688,9 +655,10 @@ void latte_causal_forward(TensorView<const In, 4> q, TensorView<const In, 4> k,
     for (index_t p = 1; p < segments; ++p) {
       copy_carry(carry_at(segments + p), carry_at(segments + p - 1));
       const LatteCarry<T> local = carry_at(p - 1);
-      merge_carry<T>(carry_at(segments + p), {local.running_max, local.normaliser, local.memory,
-                                              local.normaliser_low, local.memory_low},
-                     L, Dv);
+      reference::latte_append_carry<T>(carry_at(segments + p),
+                                       {local.running_max, local.normaliser, local.memory,
+                                        local.normaliser_low, local.memory_low},
+                                       L, Dv);
     }
     // Pass 3: every segment from its incoming state, writing outputs.
     parallel_for(segments, workers, [&](index_t p, int worker) {
@@ -699,6 +667,57 @@ void latte_causal_forward(TensorView<const In, 4> q, TensorView<const In, 4> k,
                       scratch[worker]);
     });
     copy_carry(incoming, carry_at(2 * segments - 1));
+  }
+}
+
+/// Absorbs [B, T, H, *] into carry_of(b, h) from `first_position` without
+/// reading it (the scan's memory pass alone): the carry latte_causal_forward
+/// would leave. With fewer heads than threads, each head's tokens are cut into
+/// pieces absorbed from empty carries, then appended in order.
+template <Stabilizer Stab, Positional Pos, Real T, class CarryOf>
+void latte_causal_absorb(TensorView<const T, 4> k, TensorView<const T, 4> v,
+                         const std::vector<double>& angles, std::int64_t first_position,
+                         CarryOf&& carry_of) {
+  const index_t B = k.extent(0), Tn = k.extent(1), H = k.extent(2), L = k.extent(3);
+  const index_t Dv = v.extent(3), pairs = Dv / 2, heads = B * H;
+  if (Tn == 0 || heads == 0) return;
+  const double work = double(heads) * double(Tn) * double(L) * double(Dv);
+  const int workers = work >= 1 << 18 ? thread_count() : 1;
+  auto theta_of = [&](index_t h) { return angles.empty() ? nullptr : angles.data() + h * pairs; };
+  const index_t pieces = heads >= workers ? 1 : std::clamp<index_t>(Tn / 256, 1, workers);
+  std::vector<LatteScratch<T>> scratch(static_cast<std::size_t>(workers),
+                                       LatteScratch<T>(L, Dv, Pos::rotates_values, false));
+  const TensorView<T, 4> no_out{};  // read = false: the scan touches no query or output row
+  if (pieces == 1) {
+    parallel_for(heads, workers, [&](index_t i, int worker) {
+      scan<Stab, Pos>(k, k, v, no_out, i / H, i % H, 0, Tn, carry_of(i / H, i % H),
+                      theta_of(i % H), first_position, false, scratch[worker]);
+    });
+    return;
+  }
+  const index_t carry_size = reference::latte_carry_size(L, Dv);
+  AlignedVector<T> storage(static_cast<std::size_t>(pieces * carry_size));
+  auto piece_begin = [&](index_t p) { return p * Tn / pieces; };
+  for (index_t i = 0; i < heads; ++i) {
+    const index_t b = i / H, h = i % H;
+    const LatteCarry<T> carry = carry_of(b, h);
+    auto slot = [&](index_t p) {  // compensated as the carry is (the summation policy's choice)
+      const LatteCarry<T> at = reference::latte_carry_at(storage.data() + p * carry_size, L, Dv);
+      return carry.compensated() ? at : LatteCarry<T>{at.running_max, at.normaliser, at.memory};
+    };
+    parallel_for(pieces, workers, [&](index_t p, int worker) {
+      const LatteCarry<T> local = p == 0 ? carry : slot(p);
+      if (p > 0) reference::latte_reset<Stab>(local, L, Dv);
+      scan<Stab, Pos>(k, k, v, no_out, b, h, piece_begin(p), piece_begin(p + 1), local,
+                      theta_of(h), first_position + piece_begin(p), false, scratch[worker]);
+    });
+    for (index_t p = 1; p < pieces; ++p) {
+      const LatteCarry<T> local = slot(p);
+      reference::latte_append_carry<T>(carry,
+                                       {local.running_max, local.normaliser, local.memory,
+                                        local.normaliser_low, local.memory_low},
+                                       L, Dv);
+    }
   }
 }
 

@@ -633,6 +633,54 @@ void linear_causal_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
   }
 }
 
+/// Absorbs keys and values [B, T, H, *] into carry_of(b, h) from
+/// `first_position` without reading (absorb_segment's GEMMs alone): the carry
+/// linear_causal_forward would leave. With fewer heads than threads, each
+/// head's tokens are cut into pieces summed from zero, then appended in order.
+template <FeatureMap Map, Reweight Rw, Positional Pos, Real T, class ProportionOf, class CarryOf>
+void linear_causal_absorb(TensorView<const T, 4> k, TensorView<const T, 4> v,
+                          const LinearSpec& spec, std::int64_t first_position,
+                          ProportionOf&& proportion_of, CarryOf&& carry_of) {
+  const index_t B = k.extent(0), Tn = k.extent(1), H = k.extent(2), heads = B * H;
+  const index_t E = spec.expanded_dim(), Dv = spec.value_dim;
+  if (Tn == 0 || heads == 0) return;
+  const double work = double(heads) * double(Tn) * double(E) * double(Dv);
+  const int workers = work >= 1 << 18 ? thread_count() : 1;
+  const index_t pieces = heads >= workers ? 1 : std::clamp<index_t>(Tn / 256, 1, workers);
+  std::vector<LinearScratch<T>> scratch(static_cast<std::size_t>(workers),
+                                        LinearScratch<T>(spec, linear_block));
+  if (pieces == 1) {
+    parallel_for(heads, workers, [&](index_t i, int worker) {
+      absorb_segment<Map, Rw, Pos>(k, v, i / H, i % H, 0, Tn, carry_of(i / H, i % H),
+                                   first_position, spec, proportion_of, scratch[worker]);
+    });
+    return;
+  }
+  const index_t carry_size = reference::linear_carry_size(E, Dv);
+  AlignedVector<T> storage(static_cast<std::size_t>(pieces * carry_size));
+  auto piece_begin = [&](index_t p) { return p * Tn / pieces; };
+  for (index_t i = 0; i < heads; ++i) {
+    const index_t b = i / H, h = i % H;
+    const LinearCarry<T> carry = carry_of(b, h);
+    auto slot = [&](index_t p) {  // compensated as the carry is (the summation policy's choice)
+      const LinearCarry<T> at = reference::linear_carry_at(storage.data() + p * carry_size, E, Dv);
+      return carry.compensated() ? at : LinearCarry<T>{at.memory, at.normaliser};
+    };
+    parallel_for(pieces, workers, [&](index_t p, int worker) {
+      const LinearCarry<T> local = p == 0 ? carry : slot(p);
+      if (p > 0) reference::linear_reset(local, E, Dv);
+      absorb_segment<Map, Rw, Pos>(k, v, b, h, piece_begin(p), piece_begin(p + 1), local,
+                                   first_position + piece_begin(p), spec, proportion_of,
+                                   scratch[worker]);
+    });
+    for (index_t p = 1; p < pieces; ++p) {
+      const LinearCarry<T> local = slot(p);
+      reference::linear_append_carry<T>(
+          carry, {local.memory, local.normaliser, local.memory_low, local.normaliser_low}, E, Dv);
+    }
+  }
+}
+
 /// One decode step for every (b, h) at absolute position `position` (eq. 4);
 /// allocation-free. proportion_of(side, b, h, phi) gives the proportions;
 /// `scratch` holds step_scratch_size(spec) values.

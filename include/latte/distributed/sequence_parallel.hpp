@@ -1,0 +1,379 @@
+#pragma once
+// Sequence parallelism over MPI: one causal sequence cut into contiguous
+// slices, one per rank of a communicator, whose ranks pass each other states,
+// never keys and values (docs/distributed.md).
+//
+//   auto state = latte::distributed::forward(latte::exec::cpu, comm, attention,
+//                                            q_slice, k_slice, v_slice, out_slice);
+//
+// Forward, for a mechanism whose causal state is a sum over the past with an
+// associative merge (SequenceParallel<Attention> below: causal Latte and the
+// linear family):
+//   1. every rank agrees the call's shapes with the others (agreement.hpp);
+//   2. every rank but the last absorbs its slice into a state from empty (its
+//      summary: Attention::absorb, no outputs);
+//   3. an exclusive scan of the summaries with the state's merge
+//      (State::append_state; state_scan.hpp) gives each rank the state of
+//      everything before its slice;
+//   4. each rank runs the forward of its slice from that state.
+// The state each rank returns is the one after its slice: the last rank's is
+// the decode state of the whole sequence.
+//
+// Backward (the gradients of a loss of the whole sequence's outputs): the
+// gradient of the state a slice starts from is affine in the gradient of the
+// state it ends with, d_initial(r) = g(r) + D(r) d_final(r) with g(r) the
+// part through the slice's own outputs and D(r) the state's own carry-over
+// (1 for the linear family, exp(m_in - m_out) per latent for Latte). So each
+// rank but the first finds g(r) by a backward with no final gradient, a
+// reverse exclusive scan sums the g of the ranks after each rank (rescaled to
+// a common reference), and each rank runs its backward with that sum as the
+// gradient of its final state. Parameter gradients (VAPOR's angles) are summed
+// over the ranks and added on every rank.
+#include <mpi.h>
+
+#include <array>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "latte/core/crc32c.hpp"
+#include "latte/core/shape_check.hpp"
+#include "latte/core/tensor.hpp"
+#include "latte/distributed/agreement.hpp"
+#include "latte/distributed/state_scan.hpp"
+#include "latte/mechanisms/latte_attention.hpp"
+#include "latte/mechanisms/linear_attention.hpp"
+#include "latte/policies/execution.hpp"
+
+namespace latte::distributed {
+
+/// What sequence parallelism needs of a mechanism beyond its forward, absorb
+/// and chunked backward: the names and sizes of its inputs, a description of
+/// its parameters (so that ranks holding different attentions are refused),
+/// and how two of its states' gradients add. Specialised for causal
+/// LatteAttention and causal LinearAttention.
+template <class Attention>
+struct SequenceParallel;
+
+template <Stabilizer Stab, Positional Pos, Summation Sum>
+struct SequenceParallel<LatteAttention<Causal, Stab, Pos, Sum>> {
+  using Attention = LatteAttention<Causal, Stab, Pos, Sum>;
+  static constexpr const char* queries = "query_logits";
+  static constexpr const char* keys = "key_logits";
+  static constexpr const char* layout = "[B, T, H, L]";
+
+  /// {H, features of a query / key row, Dv}.
+  [[nodiscard]] static std::array<index_t, 3> dims(const Attention& attention) noexcept {
+    return {attention.dims().heads, attention.dims().latents, attention.dims().value_dim};
+  }
+  /// VAPOR's angles: ranks must rotate alike.
+  static void describe(latte::detail::ByteSink& sink, const Attention& attention) {
+    const auto angles = attention.angles();
+    sink.put_raw(angles.data(), static_cast<std::size_t>(angles.size()) * sizeof(double));
+  }
+  /// into <- into + from, two gradients of the stored normaliser and memory
+  /// taken against the running maxima in their running_max fields (docs/backward.md):
+  /// the sum is taken against the smaller of the two, so that every factor
+  /// exp(m_sum - m) is at most 1 (a latent whose reference is -inf on one side
+  /// and finite on the other takes nothing from the finite side's terms: they
+  /// belong to tokens after an empty prefix, whose stored sums are zero).
+  template <Real T>
+  static void add_gradient(LatteState<T>& into, const LatteState<T>& from) {
+    const index_t L = into.latents(), Dv = into.value_dim();
+    const index_t heads = into.batch() * into.heads();
+    T* m_into = into.field(0);
+    const T* m_from = from.field(0);
+    for (index_t i = 0; i < heads * L; ++i) {
+      const T m = std::min(m_into[i], m_from[i]);
+      auto factor = [&](T reference) { return reference == m ? T(1) : std::exp(m - reference); };
+      const T scale_into = factor(m_into[i]), scale_from = factor(m_from[i]);
+      T& normaliser = into.field(1)[i];
+      normaliser = normaliser * scale_into + from.field(1)[i] * scale_from;
+      T* memory = into.field(2) + i * Dv;
+      const T* memory_from = from.field(2) + i * Dv;
+      for (index_t d = 0; d < Dv; ++d)
+        memory[d] = memory[d] * scale_into + memory_from[d] * scale_from;
+      m_into[i] = m;
+    }
+  }
+  /// The state-gradient argument of Attention::backward.
+  template <Real T>
+  using StateGradients = LatteStateGradients<T>;
+  /// Checks the buffers backward writes: the inputs' gradients and VAPOR's
+  /// angles' [H, Dv/2] (or empty).
+  template <Real T>
+  static void check_gradients(const Attention& attention, const LatteGradients<T>& gradients,
+                              index_t batch, index_t length) {
+    const auto [H, L, Dv] = dims(attention);
+    latte::detail::check_shape(gradients.d_query_logits, "gradients.d_query_logits",
+                               {batch, length, H, L}, layout);
+    latte::detail::check_shape(gradients.d_key_logits, "gradients.d_key_logits",
+                               {batch, length, H, L}, layout);
+    latte::detail::check_shape(gradients.d_values, "gradients.d_values", {batch, length, H, Dv},
+                               "[B, T, H, Dv]");
+    if (gradients.d_angles.empty()) return;
+    const auto angles = attention.angles();
+    latte::detail::require(angles.size() > 0, "gradients.d_angles",
+                           "expected empty: this attention has no VAPOR angles");
+    latte::detail::check_shape(gradients.d_angles, "gradients.d_angles",
+                               {angles.extent(0), angles.extent(1)}, "[H, Dv/2]");
+  }
+  /// Parameter gradients this rank's slice adds, summed over the ranks and
+  /// added into `gradients` on every rank: the call's own `local` buffers.
+  template <Real T>
+  struct ParameterGradients {
+    Tensor<T, 2> d_angles;
+    bool wanted;
+    ParameterGradients(const Attention&, const LatteGradients<T>& gradients)
+        : d_angles({gradients.d_angles.extent(0), gradients.d_angles.extent(1)}),
+          wanted(!gradients.d_angles.empty()) {}
+    void attach(LatteGradients<T>& local) {
+      local.d_angles = wanted ? d_angles.view() : TensorView<T, 2>{};
+    }
+    void detach(LatteGradients<T>& local) const { local.d_angles = {}; }
+    void sum_into(MPI_Comm comm, const LatteGradients<T>& gradients) {
+      if (!wanted) return;
+      std::vector<T> total(static_cast<std::size_t>(d_angles.size()));
+      MPI_Allreduce(d_angles.data(), total.data(), static_cast<int>(total.size()),
+                    detail::mpi_type<T>(), MPI_SUM, comm);
+      const index_t pairs = d_angles.view().extent(1);
+      for (index_t h = 0; h < d_angles.view().extent(0); ++h)
+        for (index_t i = 0; i < pairs; ++i)
+          gradients.d_angles(h, i) += total[static_cast<std::size_t>(h * pairs + i)];
+    }
+  };
+};
+
+template <FeatureMap Map, Reweight Rw, Positional Pos, Summation Sum>
+struct SequenceParallel<LinearAttention<Causal, Map, Rw, Pos, Sum>> {
+  using Attention = LinearAttention<Causal, Map, Rw, Pos, Sum>;
+  static constexpr const char* queries = "queries";
+  static constexpr const char* keys = "keys";
+  static constexpr const char* layout = "[B, T, H, Dk]";
+
+  [[nodiscard]] static std::array<index_t, 3> dims(const Attention& attention) noexcept {
+    return {attention.dims().heads, attention.dims().key_dim, attention.dims().value_dim};
+  }
+  /// The feature dimension, the normaliser, cosFormer's M, the RoPE
+  /// denominator and the LeaP modules' weights: ranks must compute alike.
+  static void describe(latte::detail::ByteSink& sink, const Attention& attention) {
+    const auto& options = attention.options();
+    sink.put(attention.feature_dim());
+    sink.put(static_cast<int>(options.normaliser.kind));
+    sink.put(options.normaliser.value);
+    sink.put(static_cast<int>(options.rope_denominator));
+    if constexpr (Attention::position_proportions)
+      sink.put(options.reweight.length.value_or(index_t{-1}));
+    if constexpr (Attention::learned_proportions) {
+      sink.put(options.reweight.leap_factor);
+      for (const auto* module : {&options.reweight.query_module, &options.reweight.key_module}) {
+        if (!module->has_value()) continue;
+        sink.put_raw((*module)->w1.data(), static_cast<std::size_t>((*module)->w1.size()) * sizeof(double));
+        sink.put_raw((*module)->b1.data(), static_cast<std::size_t>((*module)->b1.size()) * sizeof(double));
+        sink.put_raw((*module)->w2.data(), static_cast<std::size_t>((*module)->w2.size()) * sizeof(double));
+        sink.put((*module)->b2);
+      }
+    }
+  }
+  template <Real T>
+  static void add_gradient(LinearState<T>& into, const LinearState<T>& from) {
+    for (std::size_t f = 0; f < 2; ++f)  // memory, normaliser (the gradient has no low parts)
+      for (std::size_t i = 0; i < into.field_size(f); ++i) into.field(f)[i] += from.field(f)[i];
+  }
+  template <Real T>
+  using StateGradients = LinearStateGradients<T>;
+  template <Real T>
+  static void check_gradients(const Attention& attention, const LinearGradients<T>& gradients,
+                              index_t batch, index_t length) {
+    const auto [H, Dk, Dv] = dims(attention);
+    latte::detail::check_shape(gradients.d_queries, "gradients.d_queries", {batch, length, H, Dk},
+                               layout);
+    latte::detail::check_shape(gradients.d_keys, "gradients.d_keys", {batch, length, H, Dk},
+                               layout);
+    latte::detail::check_shape(gradients.d_values, "gradients.d_values", {batch, length, H, Dv},
+                               "[B, T, H, Dv]");
+    latte::detail::require(gradients.d_query_module == nullptr && gradients.d_key_module == nullptr,
+                           "gradients.d_query_module",
+                           "expected nullptr: the LeaP modules' gradients are not summed across "
+                           "ranks yet (docs/distributed.md)");
+    latte::detail::require(
+        gradients.d_query_proportions.empty() && gradients.d_key_proportions.empty(),
+        "gradients.d_query_proportions",
+        "expected empty: given proportions are not taken across ranks");
+  }
+  template <Real T>
+  struct ParameterGradients {
+    ParameterGradients(const Attention&, const LinearGradients<T>&) {}
+    void attach(LinearGradients<T>&) {}
+    void detach(LinearGradients<T>&) const {}
+    void sum_into(MPI_Comm, const LinearGradients<T>&) {}
+  };
+};
+
+namespace detail {
+
+/// crc32c of the attention's kind (type and dtype), sizes and parameters.
+template <class Attention, Real T>
+[[nodiscard]] CallDescription describe_call(Call call, const Attention& attention, index_t batch,
+                                            index_t length) {
+  using Parallel = SequenceParallel<Attention>;
+  latte::detail::ByteSink sink;
+  const std::string kind = Attention::template kind<T>();
+  sink.put_string(kind);
+  const auto dims = Parallel::dims(attention);
+  for (index_t d : dims) sink.put(d);
+  Parallel::describe(sink, attention);
+  CallDescription description;
+  description.call = call;
+  description.batch = batch;
+  description.length = length;
+  description.heads = dims[0];
+  description.features = dims[1];
+  description.value_dim = dims[2];
+  description.element_bytes = sizeof(T);
+  description.fingerprint = latte::crc32c(std::span<const std::byte>(sink.bytes));
+  description.attention = kind;
+  return description;
+}
+
+/// This rank's inputs against the attention: [B, T, H, features] and [B, T, H, Dv].
+template <class Attention, Real T>
+void check_slice(const Attention& attention, const TensorView<const T, 4>& q,
+                 const TensorView<const T, 4>& k, const TensorView<const T, 4>& v) {
+  using Parallel = SequenceParallel<Attention>;
+  latte::check_view(q, Parallel::queries);
+  const auto [H, features, Dv] = Parallel::dims(attention);
+  const index_t B = q.extent(0), Tn = q.extent(1);
+  latte::detail::check_positive(B, "batch");
+  latte::detail::check_shape(q, Parallel::queries, {B, Tn, H, features}, Parallel::layout);
+  latte::detail::check_shape(k, Parallel::keys, {B, Tn, H, features}, Parallel::layout);
+  latte::detail::check_shape(v, "values", {B, Tn, H, Dv}, "[B, T, H, Dv]");
+}
+
+/// The state before this rank's slice: the forward's steps 2 and 3. `local`
+/// receives this rank's summary (empty on the last rank, which needs none).
+template <class Attention, class E, Real T>
+[[nodiscard]] typename Attention::template State<T> incoming_state(
+    E e, MPI_Comm comm, const SliceLayout& layout, const Attention& attention, index_t batch,
+    const TensorView<const T, 4>& k, const TensorView<const T, 4>& v,
+    std::optional<typename Attention::template State<T>>& local) {
+  using State = typename Attention::template State<T>;
+  const bool last = layout.rank == layout.ranks - 1;
+  State summary = attention.template make_state<T>(batch, layout.first());
+  if (!last) attention.absorb(e, k, v, summary);
+  local = summary;
+  std::optional<State> before = exclusive_scan(
+      comm, layout, false, std::move(summary),
+      [&](int partner) { return attention.template make_state<T>(batch, layout.first_of(partner + 1)); },
+      [](State& earlier, const State& later) { earlier.append_state(later); });
+  if (before) return std::move(*before);
+  return attention.template make_state<T>(batch, 0);
+}
+
+}  // namespace detail
+
+/// The causal forward of one sequence cut across the ranks of `comm`: this
+/// rank holds tokens [first, first + T) of it (its slice, in rank order; the
+/// ranks' T may differ and may be 0), as queries / keys [B, T, H, *] and
+/// values [B, T, H, Dv], and gets their outputs in `out` [B, T, H, Dv]. Returns
+/// the state after this rank's slice (on the last rank, the decode state of
+/// the whole sequence). Collective over `comm`: every rank calls it with the
+/// same attention and batch; a rank whose inputs are wrong, or ranks that
+/// disagree, make every rank throw the same latte::Error before data moves.
+template <class Attention, exec::Policy E, Real T>
+[[nodiscard]] typename Attention::template State<T> forward(
+    E e, MPI_Comm comm, const Attention& attention, std::type_identity_t<TensorView<const T, 4>> queries,
+    std::type_identity_t<TensorView<const T, 4>> keys,
+    std::type_identity_t<TensorView<const T, 4>> values, TensorView<T, 4> out) {
+  using State = typename Attention::template State<T>;
+  const SliceLayout layout = detail::agree(
+      comm,
+      detail::describe_call<Attention, T>(detail::Call::forward, attention, queries.extent(0),
+                                          queries.extent(1)),
+      [&] {
+        detail::check_slice(attention, queries, keys, values);
+        const auto dims = SequenceParallel<Attention>::dims(attention);
+        latte::detail::check_shape(out, "out",
+                                   {queries.extent(0), queries.extent(1), dims[0], dims[2]},
+                                   "[B, T, H, Dv]");
+      });
+  const index_t B = queries.extent(0);
+  // States: made, and checked for room, alike on every rank before the scan.
+  detail::agree_without_error(comm, layout.rank, [&] {
+    State probe = attention.template make_state<T>(B, layout.first());
+    detail::require_sendable(probe);
+    attention.validate_state(probe, B, queries.extent(1));
+  });
+  std::optional<State> local;
+  State state = detail::incoming_state(e, comm, layout, attention, B, keys, values, local);
+  attention.forward(e, queries, keys, values, out, state);
+  return state;
+}
+
+/// The gradients of a loss of the whole sequence's outputs, whose gradient
+/// with respect to this rank's outputs is `d_out` [B, T, H, Dv]: writes this
+/// rank's inputs' gradients (as Attention::backward), and adds the parameters'
+/// gradients (VAPOR's angles), summed over every rank, on every rank.
+/// Collective over `comm`, with the slices of forward.
+template <class Attention, exec::Policy E, class Gradients,
+          Real T = typename decltype(Gradients::d_values)::element_type>
+  requires std::is_same_v<Gradients, typename Attention::template Gradients<T>>
+void backward(E e, MPI_Comm comm, const Attention& attention,
+              std::type_identity_t<TensorView<const T, 4>> queries,
+              std::type_identity_t<TensorView<const T, 4>> keys,
+              std::type_identity_t<TensorView<const T, 4>> values,
+              std::type_identity_t<TensorView<const T, 4>> d_out, const Gradients& gradients) {
+  using Parallel = SequenceParallel<Attention>;
+  using State = typename Attention::template State<T>;
+  const SliceLayout layout = detail::agree(
+      comm,
+      detail::describe_call<Attention, T>(detail::Call::backward, attention, queries.extent(0),
+                                          queries.extent(1)),
+      [&] {
+        detail::check_slice(attention, queries, keys, values);
+        const auto dims = Parallel::dims(attention);
+        const index_t B = queries.extent(0), Tn = queries.extent(1);
+        latte::detail::check_shape(d_out, "d_out", {B, Tn, dims[0], dims[2]}, "[B, T, H, Dv]");
+        Parallel::check_gradients(attention, gradients, B, Tn);
+      });
+  const index_t B = queries.extent(0);
+  detail::agree_without_error(comm, layout.rank, [&] {
+    State probe = attention.template make_state<T>(B, layout.first());
+    detail::require_sendable(probe);
+    attention.validate_state(probe, B, queries.extent(1));
+  });
+  std::optional<State> local;
+  const State initial = detail::incoming_state(e, comm, layout, attention, B, keys, values, local);
+
+  // g(r): the gradient of this slice's initial state through its own outputs.
+  // The first rank's is not needed (nothing before it); the last rank's final
+  // state has no gradient (nothing after it).
+  typename Parallel::template ParameterGradients<T> parameters(attention, gradients);
+  auto local_gradients = gradients;
+  parameters.detach(local_gradients);
+  State through_outputs = attention.template make_state<T>(B, layout.first());
+  if (layout.rank > 0) {
+    typename Parallel::template StateGradients<T> states;
+    states.initial = &initial;
+    states.d_initial = &through_outputs;
+    attention.backward(e, queries, keys, values, d_out, local_gradients, states);
+  }
+  // d_final(r) = sum over later ranks r' of g(r') carried back to r's end.
+  State d_final_storage = through_outputs;
+  std::optional<State> after = detail::exclusive_scan(
+      comm, layout, true, std::move(d_final_storage),
+      [&](int) { return attention.template make_state<T>(B, 0); },
+      [](State& earlier, const State& later) { Parallel::add_gradient(earlier, later); });
+  typename Parallel::template StateGradients<T> states;
+  states.initial = &initial;
+  if (after) states.d_final = &*after;
+  parameters.attach(local_gradients);
+  attention.backward(e, queries, keys, values, d_out, local_gradients, states);
+  parameters.sum_into(comm, gradients);
+}
+
+}  // namespace latte::distributed

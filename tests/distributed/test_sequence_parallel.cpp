@@ -1,0 +1,351 @@
+// latte::distributed against the single-process result (issue 28): one
+// sequence cut across the ranks of MPI_COMM_WORLD, even and uneven slices
+// (slices of 0 and 1 tokens), random shapes and adversarial logits (a spread
+// of 30 and a jump of the running maximum at a slice boundary); outputs, the
+// last rank's decode state and the gradients must equal those of the whole
+// sequence on one rank within the oracle tolerances; the bytes each rank hands
+// MPI must be the theory's; bad input must make every rank throw the same
+// latte::Error. Run under mpirun with 1 to 4 ranks (tests/CMakeLists.txt).
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "latte/distributed.hpp"
+#include "mpi_bytes.hpp"
+
+namespace {
+
+using latte::index_t;
+using latte::Tensor;
+using latte::TensorView;
+
+int world_rank() {
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  return rank;
+}
+int world_size() {
+  int size = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  return size;
+}
+
+/// Every rank draws the same whole-sequence tensors from the same seed.
+template <class T>
+Tensor<T, 4> random_input(std::mt19937_64& rng, std::array<index_t, 4> extents, double stddev,
+                          double shift = 0, index_t shift_from = 0) {
+  Tensor<T, 4> tensor(extents);
+  std::normal_distribution<double> normal(0.0, stddev);
+  for (index_t b = 0; b < extents[0]; ++b)
+    for (index_t t = 0; t < extents[1]; ++t)
+      for (index_t h = 0; h < extents[2]; ++h)
+        for (index_t d = 0; d < extents[3]; ++d)
+          tensor(b, t, h, d) = static_cast<T>(normal(rng) + (t >= shift_from ? shift : 0.0));
+  return tensor;
+}
+
+/// Tokens [first, first + length) of a [B, T, H, D] tensor (a strided view).
+template <class T>
+TensorView<T, 4> tokens(TensorView<T, 4> whole, std::int64_t first, std::int64_t length) {
+  return {whole.data() + first * whole.stride(1),
+          {whole.extent(0), static_cast<index_t>(length), whole.extent(2), whole.extent(3)},
+          whole.strides()};
+}
+
+/// max |a - b| / max(1, max |b|) over a slice of b.
+template <class T>
+double relative_difference(TensorView<const T, 4> a, TensorView<const T, 4> b) {
+  double worst = 0, scale = 1;
+  for (index_t i = 0; i < a.extent(0); ++i)
+    for (index_t t = 0; t < a.extent(1); ++t)
+      for (index_t h = 0; h < a.extent(2); ++h)
+        for (index_t d = 0; d < a.extent(3); ++d) {
+          worst = std::max(worst, std::abs(double(a(i, t, h, d)) - double(b(i, t, h, d))));
+          scale = std::max(scale, std::abs(double(b(i, t, h, d))));
+        }
+  return worst / scale;
+}
+
+/// The slices this test cuts a sequence into for `ranks` ranks.
+std::vector<std::vector<std::int64_t>> slice_patterns(int ranks) {
+  std::vector<std::vector<std::int64_t>> patterns;
+  patterns.emplace_back(static_cast<std::size_t>(ranks), 9);  // even
+  std::vector<std::int64_t> uneven, edges;
+  for (int r = 0; r < ranks; ++r) {
+    uneven.push_back(r == 0 ? 0 : r == 1 ? 1 : 5 + 7 * r);   // empty, one token, longer
+    edges.push_back(r == ranks - 1 ? 0 : r % 2 ? 1 : 23);      // the last rank empty
+  }
+  if (ranks == 1) uneven = {1}, edges = {0};
+  patterns.push_back(uneven);
+  patterns.push_back(edges);
+  patterns.emplace_back(static_cast<std::size_t>(ranks), 300);  // past the cpu chunks
+  return patterns;
+}
+
+template <class T>
+double tolerance() {
+  return std::is_same_v<T, double> ? 1e-11 : 2e-5;
+}
+
+/// Forward, final state and backward of `attention` across the ranks against
+/// the same calls over the whole sequence on this rank.
+template <class T, class Attention, class E>
+void check_against_whole(E e, const Attention& attention, index_t B, index_t features,
+                         const std::vector<std::int64_t>& lengths, double key_stddev,
+                         std::uint64_t seed) {
+  const auto dims = latte::distributed::SequenceParallel<Attention>::dims(attention);
+  const index_t H = dims[0], Dv = dims[2];
+  std::int64_t total = 0, first = 0;
+  const int rank = world_rank();
+  for (int r = 0; r < static_cast<int>(lengths.size()); ++r) {
+    if (r == rank) first = total;
+    total += lengths[static_cast<std::size_t>(r)];
+  }
+  const std::int64_t length = lengths[static_cast<std::size_t>(rank)];
+  const index_t Tn = static_cast<index_t>(total);
+  std::mt19937_64 rng(seed);
+  // Keys jump by +40 from the middle on: the running maximum moves at a slice boundary.
+  auto q = random_input<T>(rng, {B, Tn, H, features}, 1.0);
+  auto k = random_input<T>(rng, {B, Tn, H, features}, key_stddev, key_stddev > 3 ? 40.0 : 0.0, Tn / 2);
+  auto v = random_input<T>(rng, {B, Tn, H, Dv}, 1.0);
+  auto d_out = random_input<T>(rng, {B, Tn, H, Dv}, 1.0);
+  auto step_q = random_input<T>(rng, {1, B, H, features}, 1.0);
+  auto step_k = random_input<T>(rng, {1, B, H, features}, 1.0);
+  auto step_v = random_input<T>(rng, {1, B, H, Dv}, 1.0);
+
+  // The whole sequence on this rank.
+  Tensor<T, 4> whole_out({B, Tn, H, Dv});
+  auto whole_state = attention.template make_state<T>(B);
+  attention.forward(e, q.view(), k.view(), v.view(), whole_out.view(), whole_state);
+  Tensor<T, 4> whole_dq({B, Tn, H, features}), whole_dk({B, Tn, H, features}), whole_dv({B, Tn, H, Dv});
+  typename Attention::template Gradients<T> whole_gradients{whole_dq.view(), whole_dk.view(), whole_dv.view()};
+  attention.backward(e, q.view(), k.view(), v.view(), d_out.view(), whole_gradients);
+
+  // This rank's slice.
+  auto slice = [&](auto& tensor) {
+    return TensorView<const T, 4>(tokens<T>(tensor.view(), first, length));
+  };
+  Tensor<T, 4> out({B, static_cast<index_t>(length), H, Dv});
+  auto state = latte::distributed::forward(e, MPI_COMM_WORLD, attention, slice(q), slice(k),
+                                           slice(v), out.view());
+  INFO("rank " << rank << " of " << lengths.size() << ", slice [" << first << ", "
+                << first + length << ") of " << total);
+  CHECK(state.position() == first + length);
+  CHECK(relative_difference<T>(out.view(), slice(whole_out)) <= tolerance<T>());
+
+  // The last rank continues the whole sequence: one decode step from each state.
+  if (rank == static_cast<int>(lengths.size()) - 1) {
+    TensorView<const T, 3> sq({step_q.data(), {B, H, features}}), sk({step_k.data(), {B, H, features}}),
+        sv({step_v.data(), {B, H, Dv}});
+    Tensor<T, 3> from_parts({B, H, Dv}), from_whole({B, H, Dv});
+    attention.step(e, state, sq, sk, sv, from_parts.view());
+    attention.step(e, whole_state, sq, sk, sv, from_whole.view());
+    TensorView<const T, 4> a(from_parts.data(), {1, B, H, Dv}), b(from_whole.data(), {1, B, H, Dv});
+    CHECK(relative_difference<T>(a, b) <= tolerance<T>());
+  }
+
+  Tensor<T, 4> dq({B, static_cast<index_t>(length), H, features}),
+      dk({B, static_cast<index_t>(length), H, features}), dv({B, static_cast<index_t>(length), H, Dv});
+  typename Attention::template Gradients<T> gradients{dq.view(), dk.view(), dv.view()};
+  latte::distributed::backward(e, MPI_COMM_WORLD, attention, slice(q), slice(k), slice(v),
+                               slice(d_out), gradients);
+  CHECK(relative_difference<T>(dq.view(), slice(whole_dq)) <= tolerance<T>());
+  CHECK(relative_difference<T>(dk.view(), slice(whole_dk)) <= tolerance<T>());
+  CHECK(relative_difference<T>(dv.view(), slice(whole_dv)) <= tolerance<T>());
+}
+
+template <class T, class Attention>
+void check_all_patterns(const Attention& attention, index_t features, double key_stddev,
+                        std::uint64_t seed) {
+  for (const auto& lengths : slice_patterns(world_size())) {
+    check_against_whole<T>(latte::exec::cpu, attention, 2, features, lengths, key_stddev, seed);
+    check_against_whole<T>(latte::exec::reference, attention, 1, features, lengths, key_stddev,
+                           seed + 1);
+  }
+}
+
+using CausalLatte = latte::LatteAttention<latte::Causal, latte::RunningMax>;
+using CausalVapor = latte::LatteAttention<latte::Causal, latte::RunningMax, latte::VAPOR>;
+using EluLinear = latte::LinearAttention<latte::Causal, latte::EluPlusOne>;
+using CosFormer = latte::LinearAttention<latte::Causal, latte::Relu, latte::CosFormerReweight>;
+using RopeLinear = latte::LinearAttention<latte::Causal, latte::EluPlusOne, latte::NoReweight, latte::RoPE>;
+
+TEST_CASE("Latte across ranks equals Latte on one rank (fp64 and fp32, spread 1 and 30)") {
+  const CausalLatte attention({.heads = 2, .latents = 5, .value_dim = 6});
+  check_all_patterns<double>(attention, 5, 1.0, 11);
+  check_all_patterns<double>(attention, 5, 30.0, 12);
+  check_all_patterns<float>(attention, 5, 3.0, 13);
+}
+
+TEST_CASE("Latte with VAPOR across ranks: positions and the angles' gradient") {
+  const CausalVapor attention({.heads = 2, .latents = 4, .value_dim = 6});
+  check_all_patterns<double>(attention, 4, 3.0, 21);
+}
+
+TEST_CASE("The linear family across ranks: elu+1, cosFormer, RoPE") {
+  check_all_patterns<double>(EluLinear({.heads = 2, .key_dim = 5, .value_dim = 3}), 5, 1.0, 31);
+  const std::int64_t longest = 4 * 300 + 2;
+  check_all_patterns<double>(CosFormer({.heads = 2, .key_dim = 4, .value_dim = 3},
+                                       {.reweight = {.length = longest}}),
+                             4, 1.0, 32);
+  check_all_patterns<double>(RopeLinear({.heads = 1, .key_dim = 6, .value_dim = 4}), 6, 1.0, 33);
+  check_all_patterns<float>(EluLinear({.heads = 2, .key_dim = 5, .value_dim = 3}), 5, 1.0, 34);
+}
+
+std::int64_t sent(const latte_test::MpiBytes& bytes, const std::string& function) {
+  const auto found = bytes.sent.find(function);
+  return found == bytes.sent.end() ? 0 : found->second;
+}
+
+/// Scan rounds in which the rank at scan position `position` of `ranks` sends.
+int scan_sends(int position, int ranks) {
+  int sends = 0;
+  for (int d = 1; d < ranks; d *= 2) sends += position + d < ranks ? 1 : 0;
+  return sends;
+}
+
+TEST_CASE("Bytes each rank hands MPI: one state per scan round, against ring attention's keys and values") {
+  const index_t B = 1, H = 4, L = 16, Dv = 64;
+  const std::int64_t length = 4096;
+  const int P = world_size(), rank = world_rank();
+  const CausalLatte attention({.heads = H, .latents = L, .value_dim = Dv});
+  std::mt19937_64 rng(41 + static_cast<std::uint64_t>(rank));
+  auto q = random_input<float>(rng, {B, length, H, L}, 1.0);
+  auto k = random_input<float>(rng, {B, length, H, L}, 1.0);
+  auto v = random_input<float>(rng, {B, length, H, Dv}, 1.0);
+  auto d_out = random_input<float>(rng, {B, length, H, Dv}, 1.0);
+  Tensor<float, 4> out({B, length, H, Dv});
+  // A state: running max, normaliser and its low part [L], memory and its low part [L x Dv].
+  const std::int64_t state_bytes = B * H * (3 * L + 2 * L * Dv) * std::int64_t(sizeof(float));
+  const std::int64_t agreement_bytes = 10 * 8 + 2 * 4;  // the descriptions; two error flags
+
+  latte_test::reset_mpi_bytes();
+  (void)latte::distributed::forward(latte::exec::cpu, MPI_COMM_WORLD, attention, q.view(), k.view(),
+                                    v.view(), out.view());
+  const latte_test::MpiBytes forward = latte_test::mpi_bytes();
+  CHECK(sent(forward, "MPI_Sendrecv") == scan_sends(rank, P) * state_bytes);
+  CHECK(sent(forward, "MPI_Allgather") + sent(forward, "MPI_Allreduce") == agreement_bytes);
+  CHECK(forward.total() == scan_sends(rank, P) * state_bytes + agreement_bytes);
+
+  Tensor<float, 4> dq({B, length, H, L}), dk({B, length, H, L}), dv({B, length, H, Dv});
+  latte_test::reset_mpi_bytes();
+  latte::distributed::backward(latte::exec::cpu, MPI_COMM_WORLD, attention, q.view(), k.view(),
+                               v.view(), d_out.view(),
+                               latte::LatteGradients<float>{dq.view(), dk.view(), dv.view()});
+  const latte_test::MpiBytes backward = latte_test::mpi_bytes();
+  // The forward's scan, then the reverse scan of the states' gradients.
+  const std::int64_t backward_scans = (scan_sends(rank, P) + scan_sends(P - 1 - rank, P)) * state_bytes;
+  CHECK(sent(backward, "MPI_Sendrecv") == backward_scans);
+  CHECK(backward.total() == backward_scans + agreement_bytes);
+
+  // Ring attention passes every rank's keys and values around the ring: P - 1
+  // slices of [B, T, H, L + Dv] per rank.
+  const std::int64_t ring = (P - 1) * B * length * H * (L + Dv) * std::int64_t(sizeof(float));
+  if (rank == 0)
+    MESSAGE("P = " << P << ", slice " << length << " tokens, B H L Dv = " << B << " " << H << " "
+                   << L << " " << Dv << " fp32: rank 0 sends " << forward.total()
+                   << " bytes in the forward, " << backward.total()
+                   << " in the backward; ring attention would send " << ring);
+}
+
+/// Every rank catches a latte::Error from `call`, and all catch the same one.
+template <class Call>
+void check_every_rank_throws(Call&& call, const std::string& argument, const std::string& says) {
+  std::string message = "(no error)", caught_argument;
+  try {
+    call();
+  } catch (const latte::Error& error) {
+    message = error.what();
+    caught_argument = error.argument();
+  }
+  INFO("rank " << world_rank() << ": " << message);
+  CHECK(caught_argument == argument);
+  CHECK(message.find(says) != std::string::npos);
+  // The same text on every rank: compare checksums and lengths.
+  const std::int64_t mine[2] = {
+      latte::crc32c(std::as_bytes(std::span<const char>(message.data(), message.size()))),
+      static_cast<std::int64_t>(message.size())};
+  std::vector<std::int64_t> all(2 * static_cast<std::size_t>(world_size()));
+  MPI_Allgather(mine, 2, MPI_INT64_T, all.data(), 2, MPI_INT64_T, MPI_COMM_WORLD);
+  for (int r = 0; r < world_size(); ++r) {
+    CHECK(all[2 * static_cast<std::size_t>(r)] == mine[0]);
+    CHECK(all[2 * static_cast<std::size_t>(r) + 1] == mine[1]);
+  }
+}
+
+TEST_CASE("A rank with bad input or another attention makes every rank throw the same latte::Error") {
+  const int P = world_size(), rank = world_rank(), culprit = P - 1;
+  const index_t B = 1, H = 2, L = 3, Dv = 4, Tn = 5;
+  std::mt19937_64 rng(51);
+  auto q = random_input<double>(rng, {B, Tn, H, L}, 1.0);
+  auto v = random_input<double>(rng, {B, Tn, H, Dv}, 1.0);
+  auto wrong_v = random_input<double>(rng, {B, Tn, H, Dv + 1}, 1.0);
+  Tensor<double, 4> out({B, Tn, H, Dv}), wide_out({B, Tn, H, Dv + 1});
+  const CausalLatte attention({.heads = H, .latents = L, .value_dim = Dv});
+  const std::string who = "rank " + std::to_string(culprit);
+  check_every_rank_throws(
+      [&] {
+        const bool bad = rank == culprit;
+        (void)latte::distributed::forward(latte::exec::cpu, MPI_COMM_WORLD, attention, q.view(),
+                                          q.view(), bad ? wrong_v.view() : v.view(), out.view());
+      },
+      "values", who + ": shape [B, T, H, Dv]: expected [1, 5, 2, 4], given [1, 5, 2, 5]");
+  if (P < 2) return;  // disagreements need two ranks
+  const CausalLatte other({.heads = H, .latents = L, .value_dim = Dv + 1});
+  check_every_rank_throws(
+      [&] {
+        const bool bad = rank == culprit;
+        if (bad)
+          (void)latte::distributed::forward(latte::exec::cpu, MPI_COMM_WORLD, other, q.view(),
+                                            q.view(), wrong_v.view(), wide_out.view());
+        else
+          (void)latte::distributed::forward(latte::exec::cpu, MPI_COMM_WORLD, attention, q.view(),
+                                            q.view(), v.view(), out.view());
+      },
+      "attention", "expected the same attention on every rank");
+  auto q2 = random_input<double>(rng, {2, Tn, H, L}, 1.0);
+  auto v2 = random_input<double>(rng, {2, Tn, H, Dv}, 1.0);
+  Tensor<double, 4> out2({2, Tn, H, Dv});
+  check_every_rank_throws(
+      [&] {
+        if (rank == culprit)
+          (void)latte::distributed::forward(latte::exec::cpu, MPI_COMM_WORLD, attention, q2.view(),
+                                            q2.view(), v2.view(), out2.view());
+        else
+          (void)latte::distributed::forward(latte::exec::cpu, MPI_COMM_WORLD, attention, q.view(),
+                                            q.view(), v.view(), out.view());
+      },
+      "batch", "the same batch B on every rank");
+  Tensor<double, 4> dq({B, Tn, H, L}), dk({B, Tn, H, L}), dv({B, Tn, H, Dv});
+  check_every_rank_throws(
+      [&] {
+        if (rank == culprit)
+          latte::distributed::backward(latte::exec::cpu, MPI_COMM_WORLD, attention, q.view(),
+                                       q.view(), v.view(), TensorView<const double, 4>(out.view()),
+                                       latte::LatteGradients<double>{dq.view(), dk.view(), dv.view()});
+        else
+          (void)latte::distributed::forward(latte::exec::cpu, MPI_COMM_WORLD, attention, q.view(),
+                                            q.view(), v.view(), out.view());
+      },
+      "comm", "every rank must make the same call");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  doctest::Context context(argc, argv);
+  if (world_rank() != 0) context.setOption("out", "/dev/null");  // one rank reports
+  const int failed = context.run() != 0 ? 1 : 0;
+  int any_failed = 0;
+  MPI_Allreduce(&failed, &any_failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  MPI_Finalize();
+  return any_failed;
+}
