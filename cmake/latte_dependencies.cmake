@@ -37,3 +37,27 @@ else()
   set(latte_cuda_status "OFF")
 endif()
 message(STATUS "latte: OpenMP=${LATTE_WITH_OPENMP} xsimd=${LATTE_WITH_XSIMD} CUDA=${latte_cuda_status}")
+
+# MPI (LATTE_WITH_MPI = ON, OFF or AUTO) for latte::mpi, the distributed part
+# (latte/distributed.hpp, docs/distributed.md): Open MPI from Debian
+# (scripts/setup.sh). Only latte::mpi and its tests and example use it.
+set(LATTE_MPI_ENABLED OFF)
+if(LATTE_WITH_MPI STREQUAL "AUTO")
+  find_package(MPI QUIET COMPONENTS CXX)
+elseif(LATTE_WITH_MPI)
+  find_package(MPI REQUIRED COMPONENTS CXX)
+endif()
+if(MPI_CXX_FOUND)
+  set(LATTE_MPI_ENABLED ON)
+  # mpirun flags of latte's tests and example: more ranks than cores (CI has 2).
+  execute_process(COMMAND ${MPIEXEC_EXECUTABLE} --version OUTPUT_VARIABLE latte_mpiexec_version
+                  ERROR_QUIET RESULT_VARIABLE latte_mpiexec_result)
+  set(latte_mpirun_flags)
+  if(latte_mpiexec_version MATCHES "Open MPI|OpenRTE")
+    set(latte_mpirun_flags --oversubscribe)
+  endif()
+  string(REGEX MATCH "[^\n]*" latte_mpiexec_version "${latte_mpiexec_version}")
+  message(STATUS "latte: MPI=ON (MPI ${MPI_CXX_VERSION}; ${MPIEXEC_EXECUTABLE}: ${latte_mpiexec_version})")
+else()
+  message(STATUS "latte: MPI=OFF (latte::mpi and the distributed tests are not built)")
+endif()

@@ -4,7 +4,8 @@
 #   CMakePresets.json), Eigen 3.4, xsimd, doctest, Google Benchmark, and Python 3
 #   with venv; clang with its OpenMP runtime (libomp, with the Archer TSan tool)
 #   and its sanitizer / libFuzzer runtimes, for scripts/sanitize.sh (tsan preset)
-#   and scripts/fuzz.sh;
+#   and scripts/fuzz.sh; Open MPI (libopenmpi-dev, openmpi-bin) for latte::mpi, the
+#   distributed part, and its tests under mpirun;
 # - Conan 2 from PyPI into .venv/ (git-ignored), for the package_conan_create test;
 # - the Python module's build and test requirements (nanobind, scikit-build-core,
 #   NumPy, pytest) from PyPI into the same .venv/, for python/ and tests/python.
@@ -13,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(g++ make cmake ninja-build libeigen3-dev libxsimd-dev doctest-dev libbenchmark-dev
-          python3 python3-venv python3-dev clang libomp-dev)
+          python3 python3-venv python3-dev clang libomp-dev libopenmpi-dev openmpi-bin)
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 sudo_cmd=()
 if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi
