@@ -66,6 +66,9 @@ class LatteConan(ConanFile):
         toolchain.cache_variables["LATTE_WITH_OPENMP"] = bool(self.options.openmp)
         toolchain.cache_variables["LATTE_WITH_XSIMD"] = True
         toolchain.cache_variables["LATTE_WITH_CUDA"] = "ON" if self.options.cuda else "OFF"
+        # latte::mpi (the distributed part) is not packaged for Conan yet: the package is
+        # the same whether or not the build machine has an MPI.
+        toolchain.cache_variables["LATTE_WITH_MPI"] = "OFF"
         for part in ("TESTS", "BENCHMARKS", "EXAMPLES"):
             toolchain.cache_variables[f"LATTE_BUILD_{part}"] = False
         toolchain.generate()
