@@ -4,8 +4,9 @@
 #   CMakePresets.json), Eigen 3.4, xsimd, doctest, Google Benchmark, and Python 3
 #   with venv; clang with its OpenMP runtime (libomp, with the Archer TSan tool)
 #   and its sanitizer / libFuzzer runtimes, for scripts/sanitize.sh (tsan preset)
-#   and scripts/fuzz.sh; Open MPI (libopenmpi-dev, openmpi-bin) for latte::mpi, the
-#   distributed part, and its tests under mpirun;
+#   and scripts/fuzz.sh;
+# - Open MPI (libopenmpi-dev, openmpi-bin) for latte::mpi, the distributed part, and its
+#   tests under mpirun: optional (without it CMake leaves latte::mpi out and says so);
 # - Conan 2 from PyPI into .venv/ (git-ignored), for the package_conan_create test;
 # - the Python module's build and test requirements (nanobind, scikit-build-core,
 #   NumPy, pytest) from PyPI into the same .venv/, for python/ and tests/python.
@@ -14,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(g++ make cmake ninja-build libeigen3-dev libxsimd-dev doctest-dev libbenchmark-dev
-          python3 python3-venv python3-dev clang libomp-dev libopenmpi-dev openmpi-bin)
+          python3 python3-venv python3-dev clang libomp-dev)
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 sudo_cmd=()
 if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi
@@ -40,6 +41,17 @@ fi
 clang_major="$(clang --version | sed -n 's/.*clang version \([0-9][0-9]*\).*/\1/p' | head -n 1)"
 if [ -n "$clang_major" ] && ! installed "libclang-rt-$clang_major-dev"; then
   install_packages "libclang-rt-$clang_major-dev"
+fi
+
+# Open MPI for latte::mpi (docs/distributed.md). Not fatal: without it the rest builds.
+mpi_packages=(libopenmpi-dev openmpi-bin)
+missing_mpi=()
+for package in "${mpi_packages[@]}"; do
+  if ! installed "$package"; then missing_mpi+=("$package"); fi
+done
+if ((${#missing_mpi[@]})) && ! (install_packages "${missing_mpi[@]}"); then
+  echo "latte setup: WARNING: could not install ${missing_mpi[*]};" \
+       "latte::mpi and its tests are left out until Open MPI is installed" >&2
 fi
 
 # Conan 2 in a virtual environment of its own. A failure here is not fatal for
