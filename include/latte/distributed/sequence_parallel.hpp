@@ -37,6 +37,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -46,10 +47,31 @@
 #include "latte/distributed/agreement.hpp"
 #include "latte/distributed/state_scan.hpp"
 #include "latte/mechanisms/latte_attention.hpp"
+#include "latte/mechanisms/latte_macchiato.hpp"
 #include "latte/mechanisms/linear_attention.hpp"
 #include "latte/policies/execution.hpp"
 
 namespace latte::distributed {
+
+namespace detail {
+
+/// Queries / keys [B, T, H, features] and values [B, T, H, Dv] of one rank's
+/// slice (Latte's and the linear family's inputs).
+template <Real T>
+void check_queries_keys_values(const std::tuple<TensorView<const T, 4>, TensorView<const T, 4>,
+                                                TensorView<const T, 4>>& inputs,
+                               const std::array<index_t, 3>& dims, const char* queries,
+                               const char* keys, const char* layout) {
+  const auto& [q, k, v] = inputs;
+  latte::check_view(q, queries);
+  const index_t B = q.extent(0), Tn = q.extent(1);
+  latte::detail::check_positive(B, "batch");
+  latte::detail::check_shape(q, queries, {B, Tn, dims[0], dims[1]}, layout);
+  latte::detail::check_shape(k, keys, {B, Tn, dims[0], dims[1]}, layout);
+  latte::detail::check_shape(v, "values", {B, Tn, dims[0], dims[2]}, "[B, T, H, Dv]");
+}
+
+}  // namespace detail
 
 /// What sequence parallelism needs of a mechanism beyond its forward, absorb
 /// and chunked backward: the names and sizes of its inputs, a description of
@@ -69,6 +91,19 @@ struct SequenceParallel<LatteAttention<Causal, Stab, Pos, Sum>> {
   /// {H, features of a query / key row, Dv}.
   [[nodiscard]] static std::array<index_t, 3> dims(const Attention& attention) noexcept {
     return {attention.dims().heads, attention.dims().latents, attention.dims().value_dim};
+  }
+  /// The forward's inputs: query logits, key logits, values.
+  template <Real T>
+  using Inputs = std::tuple<TensorView<const T, 4>, TensorView<const T, 4>, TensorView<const T, 4>>;
+  template <Real T>
+  static void check_inputs(const Attention& attention, const Inputs<T>& inputs) {
+    detail::check_queries_keys_values(inputs, dims(attention), queries, keys, layout);
+  }
+  /// The state after the slice, without its outputs.
+  template <class E, Real T>
+  static void absorb(E e, const Attention& attention, const Inputs<T>& inputs,
+                     LatteState<T>& state) {
+    attention.absorb(e, std::get<1>(inputs), std::get<2>(inputs), state);
   }
   /// VAPOR's angles: ranks must rotate alike.
   static void describe(latte::detail::ByteSink& sink, const Attention& attention) {
@@ -158,6 +193,18 @@ struct SequenceParallel<LinearAttention<Causal, Map, Rw, Pos, Sum>> {
   [[nodiscard]] static std::array<index_t, 3> dims(const Attention& attention) noexcept {
     return {attention.dims().heads, attention.dims().key_dim, attention.dims().value_dim};
   }
+  /// The forward's inputs: queries, keys, values.
+  template <Real T>
+  using Inputs = std::tuple<TensorView<const T, 4>, TensorView<const T, 4>, TensorView<const T, 4>>;
+  template <Real T>
+  static void check_inputs(const Attention& attention, const Inputs<T>& inputs) {
+    detail::check_queries_keys_values(inputs, dims(attention), queries, keys, layout);
+  }
+  template <class E, Real T>
+  static void absorb(E e, const Attention& attention, const Inputs<T>& inputs,
+                     LinearState<T>& state) {
+    attention.absorb(e, std::get<1>(inputs), std::get<2>(inputs), state);
+  }
   /// The feature dimension, the normaliser, cosFormer's M, the RoPE
   /// denominator and the LeaP modules' weights: ranks must compute alike.
   static void describe(latte::detail::ByteSink& sink, const Attention& attention) {
@@ -214,6 +261,49 @@ struct SequenceParallel<LinearAttention<Causal, Map, Rw, Pos, Sum>> {
   };
 };
 
+/// Latte Macchiato (forward only): the latent carry merges as Latte's, and
+/// the state's window ring carries each slice's last w + 1 tokens to the next
+/// (the halo the window part of the slice's first tokens reads).
+template <Stabilizer Stab, Positional LatentPos, Positional WindowPos>
+struct SequenceParallel<LatteMacchiato<Causal, Stab, LatentPos, WindowPos>> {
+  using Attention = LatteMacchiato<Causal, Stab, LatentPos, WindowPos>;
+  [[nodiscard]] static std::array<index_t, 3> dims(const Attention& attention) noexcept {
+    return {attention.dims().heads, attention.dims().latents, attention.dims().value_dim};
+  }
+  /// The window's sizes, scale and VAPOR scope, and both angle sets.
+  static void describe(latte::detail::ByteSink& sink, const Attention& attention) {
+    sink.put(attention.dims().key_dim);
+    sink.put(attention.dims().window);
+    sink.put(attention.scale());
+    sink.put(static_cast<int>(attention.vapor_scope()));
+    for (const auto angles : {attention.latent_angles(), attention.window_angles()})
+      sink.put_raw(angles.data(), static_cast<std::size_t>(angles.size()) * sizeof(double));
+  }
+  /// The forward's inputs: query logits [.., L + 1], key logits [.., L],
+  /// window queries and keys [.., Dk], values [.., Dv].
+  template <Real T>
+  using Inputs = std::tuple<TensorView<const T, 4>, TensorView<const T, 4>, TensorView<const T, 4>,
+                            TensorView<const T, 4>, TensorView<const T, 4>>;
+  template <Real T>
+  static void check_inputs(const Attention& attention, const Inputs<T>& inputs) {
+    const auto& [q, k, wq, wk, v] = inputs;
+    latte::check_view(q, "query_logits");
+    const index_t B = q.extent(0), Tn = q.extent(1), H = attention.dims().heads;
+    const index_t L = attention.dims().latents, Dk = attention.dims().key_dim;
+    latte::detail::check_positive(B, "batch");
+    latte::detail::check_shape(q, "query_logits", {B, Tn, H, L + 1}, "[B, T, H, L+1]");
+    latte::detail::check_shape(k, "key_logits", {B, Tn, H, L}, "[B, T, H, L]");
+    latte::detail::check_shape(wq, "window_queries", {B, Tn, H, Dk}, "[B, T, H, Dk]");
+    latte::detail::check_shape(wk, "window_keys", {B, Tn, H, Dk}, "[B, T, H, Dk]");
+    latte::detail::check_shape(v, "values", {B, Tn, H, attention.dims().value_dim}, "[B, T, H, Dv]");
+  }
+  template <class E, Real T>
+  static void absorb(E e, const Attention& attention, const Inputs<T>& inputs,
+                     MacchiatoState<T>& state) {
+    attention.absorb(e, std::get<1>(inputs), std::get<3>(inputs), std::get<4>(inputs), state);
+  }
+};
+
 namespace detail {
 
 /// crc32c of the attention's kind (type and dtype), sizes and parameters.
@@ -222,7 +312,7 @@ template <class Attention, Real T>
                                             index_t length) {
   using Parallel = SequenceParallel<Attention>;
   latte::detail::ByteSink sink;
-  const std::string kind = Attention::template kind<T>();
+  const std::string kind = attention.template kind<T>();
   sink.put_string(kind);
   const auto dims = Parallel::dims(attention);
   for (index_t d : dims) sink.put(d);
@@ -240,38 +330,40 @@ template <class Attention, Real T>
   return description;
 }
 
-/// This rank's inputs against the attention: [B, T, H, features] and [B, T, H, Dv].
-template <class Attention, Real T>
-void check_slice(const Attention& attention, const TensorView<const T, 4>& q,
-                 const TensorView<const T, 4>& k, const TensorView<const T, 4>& v) {
-  using Parallel = SequenceParallel<Attention>;
-  latte::check_view(q, Parallel::queries);
-  const auto [H, features, Dv] = Parallel::dims(attention);
-  const index_t B = q.extent(0), Tn = q.extent(1);
-  latte::detail::check_positive(B, "batch");
-  latte::detail::check_shape(q, Parallel::queries, {B, Tn, H, features}, Parallel::layout);
-  latte::detail::check_shape(k, Parallel::keys, {B, Tn, H, features}, Parallel::layout);
-  latte::detail::check_shape(v, "values", {B, Tn, H, Dv}, "[B, T, H, Dv]");
-}
-
-/// The state before this rank's slice: the forward's steps 2 and 3. `local`
-/// receives this rank's summary (empty on the last rank, which needs none).
-template <class Attention, class E, Real T>
+/// The state before this rank's slice: the forward's steps 2 and 3 (every
+/// rank but the last absorbs its slice; an exclusive scan of the summaries).
+template <class Attention, class E, Real T, class Inputs>
 [[nodiscard]] typename Attention::template State<T> incoming_state(
     E e, MPI_Comm comm, const SliceLayout& layout, const Attention& attention, index_t batch,
-    const TensorView<const T, 4>& k, const TensorView<const T, 4>& v,
-    std::optional<typename Attention::template State<T>>& local) {
+    const Inputs& inputs) {
   using State = typename Attention::template State<T>;
-  const bool last = layout.rank == layout.ranks - 1;
   State summary = attention.template make_state<T>(batch, layout.first());
-  if (!last) attention.absorb(e, k, v, summary);
-  local = summary;
+  if (layout.rank < layout.ranks - 1)
+    SequenceParallel<Attention>::absorb(e, attention, inputs, summary);
   std::optional<State> before = exclusive_scan(
       comm, layout, false, std::move(summary),
-      [&](int partner) { return attention.template make_state<T>(batch, layout.first_of(partner + 1)); },
+      [&](int partner) {
+        return attention.template make_state<T>(batch, layout.first_of(partner + 1));
+      },
       [](State& earlier, const State& later) { earlier.append_state(later); });
   if (before) return std::move(*before);
   return attention.template make_state<T>(batch, 0);
+}
+
+/// Agrees the call and the states, as forward and backward begin.
+template <class Attention, Real T, class Check>
+[[nodiscard]] SliceLayout agree_call(MPI_Comm comm, Call call, const Attention& attention,
+                                     const TensorView<const T, 4>& first_input, Check&& check) {
+  const index_t B = first_input.extent(0), Tn = first_input.extent(1);
+  const SliceLayout layout =
+      agree(comm, describe_call<Attention, T>(call, attention, B, Tn), check);
+  // States: made, and checked for room, alike on every rank before the scan.
+  agree_without_error(comm, layout.rank, [&] {
+    auto probe = attention.template make_state<T>(B, layout.first());
+    require_sendable(probe);
+    attention.validate_state(probe, B, Tn);
+  });
+  return layout;
 }
 
 }  // namespace detail
@@ -284,34 +376,36 @@ template <class Attention, class E, Real T>
 /// the whole sequence). Collective over `comm`: every rank calls it with the
 /// same attention and batch; a rank whose inputs are wrong, or ranks that
 /// disagree, make every rank throw the same latte::Error before data moves.
-template <class Attention, exec::Policy E, Real T>
+template <class Attention, exec::Policy E, Real T, class... Inputs>
+  requires(std::is_same_v<Inputs, TensorView<const T, 4>> && ...)
 [[nodiscard]] typename Attention::template State<T> forward(
-    E e, MPI_Comm comm, const Attention& attention, std::type_identity_t<TensorView<const T, 4>> queries,
-    std::type_identity_t<TensorView<const T, 4>> keys,
-    std::type_identity_t<TensorView<const T, 4>> values, TensorView<T, 4> out) {
-  using State = typename Attention::template State<T>;
-  const SliceLayout layout = detail::agree(
-      comm,
-      detail::describe_call<Attention, T>(detail::Call::forward, attention, queries.extent(0),
-                                          queries.extent(1)),
-      [&] {
-        detail::check_slice(attention, queries, keys, values);
-        const auto dims = SequenceParallel<Attention>::dims(attention);
+    E e, MPI_Comm comm, const Attention& attention,
+    const std::tuple<TensorView<const T, 4>, Inputs...>& inputs, TensorView<T, 4> out) {
+  using Parallel = SequenceParallel<Attention>;
+  const TensorView<const T, 4>& first_input = std::get<0>(inputs);
+  const SliceLayout layout =
+      detail::agree_call(comm, detail::Call::forward, attention, first_input, [&] {
+        Parallel::check_inputs(attention, inputs);
         latte::detail::check_shape(out, "out",
-                                   {queries.extent(0), queries.extent(1), dims[0], dims[2]},
+                                   {first_input.extent(0), first_input.extent(1),
+                                    Parallel::dims(attention)[0], Parallel::dims(attention)[2]},
                                    "[B, T, H, Dv]");
       });
-  const index_t B = queries.extent(0);
-  // States: made, and checked for room, alike on every rank before the scan.
-  detail::agree_without_error(comm, layout.rank, [&] {
-    State probe = attention.template make_state<T>(B, layout.first());
-    detail::require_sendable(probe);
-    attention.validate_state(probe, B, queries.extent(1));
-  });
-  std::optional<State> local;
-  State state = detail::incoming_state(e, comm, layout, attention, B, keys, values, local);
-  attention.forward(e, queries, keys, values, out, state);
+  auto state = detail::incoming_state<Attention, E, T>(e, comm, layout, attention,
+                                                       first_input.extent(0), inputs);
+  std::apply([&](const auto&... views) { attention.forward(e, views..., out, state); }, inputs);
   return state;
+}
+
+/// The same, for a mechanism whose inputs are queries (or query logits), keys
+/// (key logits) and values: causal Latte and the linear family.
+template <class Attention, exec::Policy E, Real T>
+[[nodiscard]] typename Attention::template State<T> forward(
+    E e, MPI_Comm comm, const Attention& attention,
+    std::type_identity_t<TensorView<const T, 4>> queries,
+    std::type_identity_t<TensorView<const T, 4>> keys,
+    std::type_identity_t<TensorView<const T, 4>> values, TensorView<T, 4> out) {
+  return forward(e, comm, attention, std::tuple{queries, keys, values}, out);
 }
 
 /// The gradients of a loss of the whole sequence's outputs, whose gradient
@@ -329,25 +423,17 @@ void backward(E e, MPI_Comm comm, const Attention& attention,
               std::type_identity_t<TensorView<const T, 4>> d_out, const Gradients& gradients) {
   using Parallel = SequenceParallel<Attention>;
   using State = typename Attention::template State<T>;
-  const SliceLayout layout = detail::agree(
-      comm,
-      detail::describe_call<Attention, T>(detail::Call::backward, attention, queries.extent(0),
-                                          queries.extent(1)),
-      [&] {
-        detail::check_slice(attention, queries, keys, values);
-        const auto dims = Parallel::dims(attention);
-        const index_t B = queries.extent(0), Tn = queries.extent(1);
-        latte::detail::check_shape(d_out, "d_out", {B, Tn, dims[0], dims[2]}, "[B, T, H, Dv]");
-        Parallel::check_gradients(attention, gradients, B, Tn);
-      });
+  const auto inputs = std::tuple{queries, keys, values};
   const index_t B = queries.extent(0);
-  detail::agree_without_error(comm, layout.rank, [&] {
-    State probe = attention.template make_state<T>(B, layout.first());
-    detail::require_sendable(probe);
-    attention.validate_state(probe, B, queries.extent(1));
-  });
-  std::optional<State> local;
-  const State initial = detail::incoming_state(e, comm, layout, attention, B, keys, values, local);
+  const SliceLayout layout =
+      detail::agree_call(comm, detail::Call::backward, attention, queries, [&] {
+        Parallel::check_inputs(attention, inputs);
+        const auto dims = Parallel::dims(attention);
+        latte::detail::check_shape(d_out, "d_out", {B, queries.extent(1), dims[0], dims[2]},
+                                   "[B, T, H, Dv]");
+        Parallel::check_gradients(attention, gradients, B, queries.extent(1));
+      });
+  const State initial = detail::incoming_state<Attention, E, T>(e, comm, layout, attention, B, inputs);
 
   // g(r): the gradient of this slice's initial state through its own outputs.
   // The first rank's is not needed (nothing before it); the last rank's final

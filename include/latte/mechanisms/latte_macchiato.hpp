@@ -40,6 +40,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "latte/backends/cpu/latte/forward.hpp"
 #include "latte/backends/cpu/macchiato.hpp"
 #include "latte/backends/reference/latte.hpp"
 #include "latte/backends/reference/macchiato.hpp"
@@ -300,6 +301,55 @@ class LatteMacchiato {
             causal_step_kernel(query_logits, key_logits, window_queries, window_keys, values,
                                out, b, t, h, state.carry(b, h), state.ring(b, h), capacity,
                                std::min(fill + t + 1, capacity), first + t, state.scratch());
+    state.set_window_fill(std::min(fill + Tn, capacity));
+    state.advance(Tn);
+  }
+
+  /// Advances `state` over key_logits [B, T, H, L], window_keys [B, T, H, Dk]
+  /// and values [B, T, H, Dv] without computing outputs (no queries read): the
+  /// latent carry as Latte's absorb, and the window ring's last w + 1 tokens
+  /// stored as the window reads them. The state forward would leave; for a
+  /// prompt whose outputs are not needed and a slice's summary in sequence
+  /// parallelism (latte/distributed/).
+  template <exec::Policy E, Real T>
+    requires(Dir::is_causal)
+  void absorb(E, InputView<T> key_logits, InputView<T> window_keys, InputView<T> values,
+              State<T>& state) const {
+    require_host_backend<E>();
+    check_view(key_logits, "key_logits");
+    const index_t B = key_logits.extent(0), Tn = key_logits.extent(1), H = dims_.heads;
+    const index_t Dk = dims_.key_dim, Dv = dims_.value_dim;
+    detail::check_shape(key_logits, "key_logits", {B, Tn, H, dims_.latents}, "[B, T, H, L]");
+    detail::check_shape(window_keys, "window_keys", {B, Tn, H, Dk}, "[B, T, H, Dk]");
+    detail::check_shape(values, "values", {B, Tn, H, Dv}, "[B, T, H, Dv]");
+    validate_state(state, B, Tn);
+    const std::int64_t first = state.position();
+    const index_t capacity = state.capacity(), fill = state.window_fill();
+    auto carry_of = [&](index_t b, index_t h) { return state.carry(b, h); };
+    if constexpr (std::is_same_v<E, exec::cpu_t>)
+      cpu::latte_causal_absorb<Stab, LatentPos>(key_logits, values, latent_angles_, first, carry_of);
+    else
+      reference::latte_causal_absorb<Stab, LatentPos>(key_logits, values, latent_angles_, first,
+                                                      carry_of);
+    // The ring: token s in slot s % (w + 1), R^s k_s under RoPE, R^{-s} v_s when
+    // VAPOR acts on the window (as the step stores them).
+    for (index_t b = 0; b < B; ++b)
+      for (index_t h = 0; h < H; ++h) {
+        const reference::KVSlots<T> ring = state.ring(b, h);
+        const reference::MacchiatoAngles angles = angles_of(h);
+        for (index_t t = std::max<index_t>(0, Tn - capacity); t < Tn; ++t) {
+          const std::int64_t position = first + t;
+          const index_t slot = static_cast<index_t>(position % capacity);
+          T* key = ring.keys + slot * Dk;
+          T* value = ring.values + slot * Dv;
+          std::copy_n(window_keys.row(b, t, h), Dk, key);
+          std::copy_n(values.row(b, t, h), Dv, value);
+          if constexpr (WindowPos::rotates_queries_keys)
+            WindowPos::rotate(key, Dk, angles.key_theta, position);
+          if constexpr (LatentPos::rotates_values)
+            if (angles.rotate_window_values) LatentPos::rotate(value, Dv, angles.value_theta, -position);
+        }
+      }
     state.set_window_fill(std::min(fill + Tn, capacity));
     state.advance(Tn);
   }

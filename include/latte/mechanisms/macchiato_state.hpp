@@ -106,6 +106,33 @@ class MacchiatoState final : public StateStorage<T> {
   [[nodiscard]] index_t window_fill_limit() const noexcept { return fill_limit(this->position()); }
   void set_window_fill(index_t fill) noexcept { *this->field(7) = static_cast<T>(fill); }
 
+  /// This state becomes the state of its tokens followed by `later`'s:
+  /// `later` started fresh (make_state) at this state's position and absorbed
+  /// the tokens after it. The latent carry merges as Latte's
+  /// (reference::latte_append_carry); the ring keeps its slots and takes
+  /// later's filled ones (a token's slot is its position modulo w + 1, so
+  /// later's tokens land where a scan would have put them), and the fill adds
+  /// up to w + 1. Associative; latte/distributed/ combines slices' states with it,
+  /// the ring carrying each slice's last w + 1 tokens to the next (its halo).
+  void append_state(const MacchiatoState& later) {
+    const std::int64_t end = later.position();
+    const index_t later_fill = later.window_fill(), fill = window_fill();
+    this->append_position(later);
+    const index_t Dk = key_dim(), Dv = value_dim(), slots = capacity();
+    for (index_t b = 0; b < this->batch(); ++b)
+      for (index_t h = 0; h < heads(); ++h) {
+        reference::latte_append_carry(carry(b, h), later.carry(b, h), latents(), Dv);
+        const reference::KVSlots<T> to = ring(b, h);
+        const reference::RingRows<const T> from = later.ring(b, h);
+        for (std::int64_t p = end - later_fill; p < end; ++p) {
+          const index_t slot = static_cast<index_t>(p % slots);
+          std::copy_n(from.keys + slot * Dk, Dk, to.keys + slot * Dk);
+          std::copy_n(from.values + slot * Dv, Dv, to.values + slot * Dv);
+        }
+      }
+    set_window_fill(std::min(slots, fill + later_fill));
+  }
+
   /// Scratch for a step, 2 Dk + 2 Dv values (not part of the saved state).
   [[nodiscard]] reference::MacchiatoScratch<T> scratch() noexcept {
     return reference::MacchiatoScratch<T>::carve(scratch_.data(), key_dim(), value_dim());
