@@ -207,6 +207,82 @@ std::int64_t sent(const latte_test::MpiBytes& bytes, const std::string& function
   return found == bytes.sent.end() ? 0 : found->second;
 }
 
+/// A LeaP module of `hidden` units over `features` inputs with N(0, 0.5) weights.
+latte::LeaPModule random_module(std::mt19937_64& rng, index_t hidden, index_t features) {
+  auto w1 = random_input<double>(rng, {1, 1, hidden, features}, 0.5);
+  auto b1 = random_input<double>(rng, {1, 1, 1, hidden}, 0.5);
+  auto w2 = random_input<double>(rng, {1, 1, 1, hidden}, 0.5);
+  return latte::LeaPModule::from<double>(TensorView<const double, 2>(w1.data(), {hidden, features}),
+                                         TensorView<const double, 1>(b1.data(), {hidden}),
+                                         TensorView<const double, 1>(w2.data(), {hidden}), 0.1);
+}
+
+/// max |a - b| over a module's weights, relative to max(1, max |b|).
+double module_difference(const latte::LeaPModule& a, const latte::LeaPModule& b) {
+  double worst = std::abs(a.b2 - b.b2), scale = std::max(1.0, std::abs(b.b2));
+  auto compare = [&](const double* x, const double* y, index_t n) {
+    for (index_t i = 0; i < n; ++i) {
+      worst = std::max(worst, std::abs(x[i] - y[i]));
+      scale = std::max(scale, std::abs(y[i]));
+    }
+  };
+  compare(a.w1.data(), b.w1.data(), a.w1.size());
+  compare(a.b1.data(), b.b1.data(), a.b1.size());
+  compare(a.w2.data(), b.w2.data(), a.w2.size());
+  return worst / scale;
+}
+
+TEST_CASE("LeaPformer with modules across ranks: the modules' weight gradients summed over ranks") {
+  using Leap = latte::LinearAttention<latte::Causal, latte::Relu, latte::LeaPReweight>;
+  std::mt19937_64 rng(71);
+  const index_t Dk = 8, Dv = 3, H = 2, B = 1;
+  const Leap attention({.heads = H, .key_dim = Dk, .value_dim = Dv},
+                       {.reweight = {.query_module = random_module(rng, 2, Dk),
+                                     .key_module = random_module(rng, 2, Dk)}});
+  check_all_patterns<double>(attention, Dk, 1.0, 72);
+  const int rank = world_rank();
+  for (const auto& lengths : slice_patterns(world_size())) {
+    std::int64_t total = 0, first = 0;
+    for (int r = 0; r < static_cast<int>(lengths.size()); ++r) {
+      if (r == rank) first = total;
+      total += lengths[static_cast<std::size_t>(r)];
+    }
+    const index_t Tn = static_cast<index_t>(total), length = static_cast<index_t>(lengths[static_cast<std::size_t>(rank)]);
+    auto q = random_input<double>(rng, {B, Tn, H, Dk}, 1.0);
+    auto k = random_input<double>(rng, {B, Tn, H, Dk}, 1.0);
+    auto v = random_input<double>(rng, {B, Tn, H, Dv}, 1.0);
+    auto d_out = random_input<double>(rng, {B, Tn, H, Dv}, 1.0);
+    const latte::LeaPModule& own = *attention.options().reweight.query_module;
+    latte::LeaPModule whole_q = own.zeros_like(), whole_k = own.zeros_like();
+    Tensor<double, 4> dq({B, Tn, H, Dk}), dk({B, Tn, H, Dk}), dv({B, Tn, H, Dv});
+    latte::LinearGradients<double> whole{dq.view(), dk.view(), dv.view()};
+    whole.d_query_module = &whole_q;
+    whole.d_key_module = &whole_k;
+    attention.backward(latte::exec::cpu, q.view(), k.view(), v.view(), d_out.view(), whole);
+    // Accumulated (+=): start from ones.
+    latte::LeaPModule parts_q = own.zeros_like(), parts_k = own.zeros_like();
+    auto shift = [](latte::LeaPModule& m, double by) {  // every weight += by
+      auto add = [&](auto& t) {
+        for (index_t i = 0; i < t.size(); ++i) t.data()[i] += by;
+      };
+      add(m.w1), add(m.b1), add(m.w2);
+      m.b2 += by;
+    };
+    shift(parts_q, 1.0), shift(parts_k, 1.0);
+    Tensor<double, 4> sq({B, length, H, Dk}), sk({B, length, H, Dk}), sv({B, length, H, Dv});
+    latte::LinearGradients<double> parts{sq.view(), sk.view(), sv.view()};
+    parts.d_query_module = &parts_q;
+    parts.d_key_module = &parts_k;
+    auto slice = [&](auto& x) { return TensorView<const double, 4>(tokens<double>(x.view(), first, length)); };
+    latte::distributed::backward(latte::exec::cpu, MPI_COMM_WORLD, attention, slice(q), slice(k),
+                                 slice(v), slice(d_out), parts);
+    shift(parts_q, -1.0), shift(parts_k, -1.0);
+    INFO("rank " << rank << ", slice [" << first << ", " << first + length << ") of " << total);
+    CHECK(module_difference(parts_q, whole_q) <= 1e-11);
+    CHECK(module_difference(parts_k, whole_k) <= 1e-11);
+  }
+}
+
 /// Latte Macchiato's forward and final state across the ranks (no backward
 /// across ranks yet): the window's halo travels in the state's ring.
 template <class T, class Attention, class E>

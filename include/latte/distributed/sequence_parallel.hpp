@@ -38,6 +38,7 @@
 #include <span>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <type_traits>
 #include <vector>
 
@@ -243,21 +244,64 @@ struct SequenceParallel<LinearAttention<Causal, Map, Rw, Pos, Sum>> {
                                layout);
     latte::detail::check_shape(gradients.d_values, "gradients.d_values", {batch, length, H, Dv},
                                "[B, T, H, Dv]");
-    latte::detail::require(gradients.d_query_module == nullptr && gradients.d_key_module == nullptr,
-                           "gradients.d_query_module",
-                           "expected nullptr: the LeaP modules' gradients are not summed across "
-                           "ranks yet (docs/distributed.md)");
+    for (const auto& [module, name] :
+         {std::pair{gradients.d_query_module, "gradients.d_query_module"},
+          std::pair{gradients.d_key_module, "gradients.d_key_module"}}) {
+      if (module == nullptr) continue;
+      if constexpr (Attention::learned_proportions) {
+        const auto& own = attention.options().reweight.query_module;
+        latte::detail::require(own.has_value(), name,
+                               "expected nullptr: this attention has no LeaP modules");
+        latte::detail::require(module->w1.view().extents() == own->w1.view().extents() &&
+                                   module->w2.size() == own->w2.size(),
+                               name, "expected a module shaped as the attention's (zeros_like)");
+      } else {
+        latte::detail::require(false, name, "expected nullptr: this attention has no LeaP modules");
+      }
+    }
     latte::detail::require(
         gradients.d_query_proportions.empty() && gradients.d_key_proportions.empty(),
         "gradients.d_query_proportions",
         "expected empty: given proportions are not taken across ranks");
   }
+  /// The LeaP modules' weight gradients this rank's slice adds, summed over
+  /// the ranks (MPI_Allreduce, in double as the backward accumulates them) and
+  /// added into the caller's modules on every rank.
   template <Real T>
   struct ParameterGradients {
-    ParameterGradients(const Attention&, const LinearGradients<T>&) {}
-    void attach(LinearGradients<T>&) {}
-    void detach(LinearGradients<T>&) const {}
-    void sum_into(MPI_Comm, const LinearGradients<T>&) {}
+    std::optional<LeaPModule> query, key;
+    ParameterGradients(const Attention&, const LinearGradients<T>& gradients) {
+      if (gradients.d_query_module) query = gradients.d_query_module->zeros_like();
+      if (gradients.d_key_module) key = gradients.d_key_module->zeros_like();
+    }
+    void attach(LinearGradients<T>& local) {
+      local.d_query_module = query ? &*query : nullptr;
+      local.d_key_module = key ? &*key : nullptr;
+    }
+    void detach(LinearGradients<T>& local) const {
+      local.d_query_module = nullptr;
+      local.d_key_module = nullptr;
+    }
+    void sum_into(MPI_Comm comm, const LinearGradients<T>& gradients) {
+      auto sum = [&](LeaPModule& local, LeaPModule& into) {
+        std::vector<double> flat;
+        auto gather = [&](const auto& tensor) {
+          flat.insert(flat.end(), tensor.data(), tensor.data() + tensor.size());
+        };
+        gather(local.w1), gather(local.b1), gather(local.w2);
+        flat.push_back(local.b2);
+        MPI_Allreduce(MPI_IN_PLACE, flat.data(), static_cast<int>(flat.size()), MPI_DOUBLE,
+                      MPI_SUM, comm);
+        const double* from = flat.data();
+        auto add = [&](auto& tensor) {
+          for (index_t i = 0; i < tensor.size(); ++i) tensor.data()[i] += *from++;
+        };
+        add(into.w1), add(into.b1), add(into.w2);
+        into.b2 += *from;
+      };
+      if (query) sum(*query, *gradients.d_query_module);
+      if (key) sum(*key, *gradients.d_key_module);
+    }
   };
 };
 
