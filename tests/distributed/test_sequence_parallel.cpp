@@ -97,8 +97,9 @@ double tolerance() {
   return std::is_same_v<T, double> ? 1e-11 : 2e-5;
 }
 
-/// Forward, final state and backward of `attention` across the ranks against
-/// the same calls over the whole sequence on this rank.
+/// Forward, final state and (where the mechanism has one across ranks)
+/// backward of `attention` across the ranks against the same calls over the
+/// whole sequence on this rank.
 template <class T, class Attention, class E>
 void check_against_whole(E e, const Attention& attention, index_t B, index_t features,
                          const std::vector<std::int64_t>& lengths, double key_stddev,
@@ -127,9 +128,6 @@ void check_against_whole(E e, const Attention& attention, index_t B, index_t fea
   Tensor<T, 4> whole_out({B, Tn, H, Dv});
   auto whole_state = attention.template make_state<T>(B);
   attention.forward(e, q.view(), k.view(), v.view(), whole_out.view(), whole_state);
-  Tensor<T, 4> whole_dq({B, Tn, H, features}), whole_dk({B, Tn, H, features}), whole_dv({B, Tn, H, Dv});
-  typename Attention::template Gradients<T> whole_gradients{whole_dq.view(), whole_dk.view(), whole_dv.view()};
-  attention.backward(e, q.view(), k.view(), v.view(), d_out.view(), whole_gradients);
 
   // This rank's slice.
   auto slice = [&](auto& tensor) {
@@ -154,6 +152,11 @@ void check_against_whole(E e, const Attention& attention, index_t B, index_t fea
     CHECK(relative_difference<T>(a, b) <= tolerance<T>());
   }
 
+  if constexpr (!latte::distributed::detail::BackwardAcrossRanks<Attention>) return;
+  else {  // the gradients, where the mechanism has a backward across ranks
+  Tensor<T, 4> whole_dq({B, Tn, H, features}), whole_dk({B, Tn, H, features}), whole_dv({B, Tn, H, Dv});
+  typename Attention::template Gradients<T> whole_gradients{whole_dq.view(), whole_dk.view(), whole_dv.view()};
+  attention.backward(e, q.view(), k.view(), v.view(), d_out.view(), whole_gradients);
   Tensor<T, 4> dq({B, static_cast<index_t>(length), H, features}),
       dk({B, static_cast<index_t>(length), H, features}), dv({B, static_cast<index_t>(length), H, Dv});
   typename Attention::template Gradients<T> gradients{dq.view(), dk.view(), dv.view()};
@@ -162,6 +165,7 @@ void check_against_whole(E e, const Attention& attention, index_t B, index_t fea
   CHECK(relative_difference<T>(dq.view(), slice(whole_dq)) <= tolerance<T>());
   CHECK(relative_difference<T>(dk.view(), slice(whole_dk)) <= tolerance<T>());
   CHECK(relative_difference<T>(dv.view(), slice(whole_dv)) <= tolerance<T>());
+  }
 }
 
 template <class T, class Attention>
@@ -348,6 +352,19 @@ TEST_CASE("Latte Macchiato across ranks: the window's halo travels in the state'
     check_macchiato<double>(latte::exec::cpu, rotary, 2, lengths, 63);
     check_macchiato<float>(latte::exec::cpu, rotary, 1, lengths, 64);
   }
+}
+
+TEST_CASE("LAVO across ranks: the halo first, then the windows' sums") {
+  using CausalLavo = latte::Lavo<latte::Causal>;
+  // Windows of 4 (slices cross many borders) and 16 (a window spans several slices).
+  for (index_t w : {4, 16}) {
+    const CausalLavo attention({.heads = 2, .dim = 6, .bases = 3, .window = w}, {.basis_seed = 5});
+    check_all_patterns<double>(attention, 6, 1.0, 81 + static_cast<std::uint64_t>(w));
+    check_all_patterns<float>(attention, 6, 1.0, 91 + static_cast<std::uint64_t>(w));
+  }
+  const CausalLavo local_only({.heads = 1, .dim = 4, .bases = 2, .window = 7},
+                              {.empty_memory = latte::LavoEmptyMemory::local_only});
+  check_all_patterns<double>(local_only, 4, 1.0, 99);
 }
 
 /// Scan rounds in which the rank at scan position `position` of `ranks` sends.

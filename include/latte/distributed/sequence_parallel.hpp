@@ -49,6 +49,7 @@
 #include "latte/distributed/state_scan.hpp"
 #include "latte/mechanisms/latte_attention.hpp"
 #include "latte/mechanisms/latte_macchiato.hpp"
+#include "latte/mechanisms/lavo.hpp"
 #include "latte/mechanisms/linear_attention.hpp"
 #include "latte/policies/execution.hpp"
 
@@ -85,6 +86,7 @@ struct SequenceParallel;
 template <Stabilizer Stab, Positional Pos, Summation Sum>
 struct SequenceParallel<LatteAttention<Causal, Stab, Pos, Sum>> {
   using Attention = LatteAttention<Causal, Stab, Pos, Sum>;
+  static constexpr bool backward_across_ranks = true;
   static constexpr const char* queries = "query_logits";
   static constexpr const char* keys = "key_logits";
   static constexpr const char* layout = "[B, T, H, L]";
@@ -187,6 +189,7 @@ struct SequenceParallel<LatteAttention<Causal, Stab, Pos, Sum>> {
 template <FeatureMap Map, Reweight Rw, Positional Pos, Summation Sum>
 struct SequenceParallel<LinearAttention<Causal, Map, Rw, Pos, Sum>> {
   using Attention = LinearAttention<Causal, Map, Rw, Pos, Sum>;
+  static constexpr bool backward_across_ranks = true;
   static constexpr const char* queries = "queries";
   static constexpr const char* keys = "keys";
   static constexpr const char* layout = "[B, T, H, Dk]";
@@ -348,7 +351,58 @@ struct SequenceParallel<LatteMacchiato<Causal, Stab, LatentPos, WindowPos>> {
   }
 };
 
+/// LAVO (forward only): its memory sums the tokens' locally attended outputs,
+/// and a slice's first tokens attend to the w tokens before it, so the halo
+/// comes first: a scan of rings (LavoState::absorb_window, merged by
+/// append_state) gives each rank the keys and values before its slice; its
+/// summary then starts from that ring; a second scan merges the summaries
+/// (complete windows' sums, the open window's partial sums, the ring).
+template <>
+struct SequenceParallel<Lavo<Causal>> {
+  using Attention = Lavo<Causal>;
+  static constexpr bool halo_first = true;
+  [[nodiscard]] static std::array<index_t, 3> dims(const Attention& attention) noexcept {
+    return {attention.dims().heads, attention.dims().dim, attention.dims().dim};
+  }
+  /// The bases, the window, the relative bias, the scale and the empty-memory rule.
+  static void describe(latte::detail::ByteSink& sink, const Attention& attention) {
+    sink.put(attention.dims().bases);
+    sink.put(attention.dims().window);
+    sink.put(attention.scale());
+    sink.put(static_cast<int>(attention.empty_memory()));
+    sink.put_raw(attention.bases().data(),
+                 static_cast<std::size_t>(attention.bases().size()) * sizeof(double));
+    sink.put_raw(attention.relative_bias().data(),
+                 static_cast<std::size_t>(attention.relative_bias().size()) * sizeof(double));
+  }
+  template <Real T>
+  using Inputs = std::tuple<TensorView<const T, 4>, TensorView<const T, 4>, TensorView<const T, 4>>;
+  template <Real T>
+  static void check_inputs(const Attention& attention, const Inputs<T>& inputs) {
+    detail::check_queries_keys_values(inputs, dims(attention), "queries", "keys", "[B, T, H, d]");
+  }
+  /// The halo this slice passes on: its last w keys and values.
+  template <class E, Real T>
+  static void absorb_halo(E, const Attention&, const Inputs<T>& inputs, LavoState<T>& state) {
+    state.absorb_window(std::get<1>(inputs), std::get<2>(inputs));
+  }
+  template <class E, Real T>
+  static void absorb(E e, const Attention& attention, const Inputs<T>& inputs,
+                     LavoState<T>& state) {
+    std::apply([&](const auto&... views) { attention.absorb(e, views..., state); }, inputs);
+  }
+};
+
 namespace detail {
+
+/// Whether distributed::backward takes a mechanism (it says how its states'
+/// gradients add).
+template <class Attention>
+concept BackwardAcrossRanks = SequenceParallel<Attention>::backward_across_ranks;
+
+/// Whether a mechanism's summaries need the halo of the slices before theirs.
+template <class Parallel>
+concept HaloFirst = Parallel::halo_first;
 
 /// crc32c of the attention's kind (type and dtype), sizes and parameters.
 template <class Attention, Real T>
@@ -381,17 +435,23 @@ template <class Attention, class E, Real T, class Inputs>
     E e, MPI_Comm comm, const SliceLayout& layout, const Attention& attention, index_t batch,
     const Inputs& inputs) {
   using State = typename Attention::template State<T>;
+  using Parallel = SequenceParallel<Attention>;
+  auto scan = [&](State own) {
+    std::optional<State> before = exclusive_scan(
+        comm, layout, false, std::move(own),
+        [&](int partner) {
+          return attention.template make_state<T>(batch, layout.first_of(partner + 1));
+        },
+        [](State& earlier, const State& later) { earlier.append_state(later); });
+    return before ? std::move(*before) : attention.template make_state<T>(batch, 0);
+  };
   State summary = attention.template make_state<T>(batch, layout.first());
-  if (layout.rank < layout.ranks - 1)
-    SequenceParallel<Attention>::absorb(e, attention, inputs, summary);
-  std::optional<State> before = exclusive_scan(
-      comm, layout, false, std::move(summary),
-      [&](int partner) {
-        return attention.template make_state<T>(batch, layout.first_of(partner + 1));
-      },
-      [](State& earlier, const State& later) { earlier.append_state(later); });
-  if (before) return std::move(*before);
-  return attention.template make_state<T>(batch, 0);
+  if constexpr (HaloFirst<Parallel>) {  // the summary starts from the slices' halo before it
+    Parallel::absorb_halo(e, attention, inputs, summary);
+    summary = scan(std::move(summary));
+  }
+  if (layout.rank < layout.ranks - 1) Parallel::absorb(e, attention, inputs, summary);
+  return scan(std::move(summary));
 }
 
 /// Agrees the call and the states, as forward and backward begin.
@@ -459,7 +519,8 @@ template <class Attention, exec::Policy E, Real T>
 /// Collective over `comm`, with the slices of forward.
 template <class Attention, exec::Policy E, class Gradients,
           Real T = typename decltype(Gradients::d_values)::element_type>
-  requires std::is_same_v<Gradients, typename Attention::template Gradients<T>>
+  requires detail::BackwardAcrossRanks<Attention> &&
+           std::is_same_v<Gradients, typename Attention::template Gradients<T>>
 void backward(E e, MPI_Comm comm, const Attention& attention,
               std::type_identity_t<TensorView<const T, 4>> queries,
               std::type_identity_t<TensorView<const T, 4>> keys,

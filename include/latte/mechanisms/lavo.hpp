@@ -301,13 +301,18 @@ class Lavo {
     sums.add_to(gradients.d_bases, {});
   }
 
-  /// A fresh decode state for `batch` sequences, at position 0 (window borders
-  /// are counted from the first token).
+  /// A fresh decode state for `batch` sequences whose first token sits at
+  /// absolute position `first_position` (window borders are counted from
+  /// position 0: a state started later is a slice's, whose ring and sums
+  /// latte/distributed/ fills from the slices before it).
   template <Real T>
     requires(Dir::is_causal)
-  [[nodiscard]] State<T> make_state(index_t batch) const {
+  [[nodiscard]] State<T> make_state(index_t batch, std::int64_t first_position = 0) const {
     detail::check_positive(batch, "batch");
-    return State<T>(kind<T>(), batch, dims_.heads, dims_.dim, dims_.bases, dims_.window);
+    detail::require(first_position >= 0, "first_position",
+                    detail::expected_given("value", ">= 0", first_position));
+    return State<T>(kind<T>(), batch, dims_.heads, dims_.dim, dims_.bases, dims_.window,
+                    first_position);
   }
 
   /// Restores a state saved with State::save() by an attention of this type and
@@ -347,6 +352,20 @@ class Lavo {
           queries, keys, values, out, state.position(), [&](index_t h) { return head<T>(h); },
           [&](index_t b, index_t h) { return std::pair{state.carry(b, h), state.scratch()}; });
     state.advance(queries.extent(1));
+  }
+
+  /// Advances `state` over queries, keys and values [B, T, H, d] without
+  /// returning outputs. LAVO's memory sums the tokens' locally attended
+  /// outputs, so this runs the forward into a buffer of its own ([B, T, H, d])
+  /// and drops the outputs: the state forward would leave. For sequence
+  /// parallelism (latte/distributed/).
+  template <exec::Policy E, Real T>
+    requires(Dir::is_causal)
+  void absorb(E e, InputView<T> queries, InputView<T> keys, InputView<T> values,
+              State<T>& state) const {
+    check_view(queries, "queries");
+    Tensor<T, 4> dropped({queries.extent(0), queries.extent(1), dims_.heads, dims_.dim});
+    forward(e, queries, keys, values, dropped.view(), state);
   }
 
   /// Next-token decode: queries, keys, values [B, H, d]; out [B, H, d].
