@@ -8,9 +8,13 @@
 // of O(H * L * Dv) values, never keys and values; the last rank ends with the
 // decode state of the whole sequence and decodes from it.
 //
-// Usage: mpirun -n 2 distributed_prefill [--tokens N] [--repeats R]
-//        (defaults: 1048576 tokens, 1 timed prefill; run as root, Open MPI also
-//        wants --allow-run-as-root)
+// With --backward 1 it also times latte::distributed::backward of the same
+// slices (the gradients of a loss of the whole sequence's outputs, as in
+// training across ranks).
+//
+// Usage: mpirun -n 2 distributed_prefill [--tokens N] [--repeats R] [--backward 0|1]
+//        (defaults: 1048576 tokens, 1 timed prefill, no backward; run as root,
+//        Open MPI also wants --allow-run-as-root)
 #include <latte/distributed.hpp>
 
 #include <mpi.h>
@@ -45,10 +49,12 @@ int main(int argc, char** argv) {
   MPI_Comm_size(MPI_COMM_WORLD, &ranks);
   std::int64_t tokens = std::int64_t{1} << 20;
   int repeats = 1;
+  bool backward = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--tokens") tokens = std::max<std::int64_t>(1, std::atoll(argv[i + 1]));
     if (flag == "--repeats") repeats = std::max(1, std::atoi(argv[i + 1]));
+    if (flag == "--backward") backward = std::atoi(argv[i + 1]) != 0;
   }
 
   // This rank's slice: tokens [first, first + length).
@@ -72,6 +78,24 @@ int main(int argc, char** argv) {
     MPI_Barrier(MPI_COMM_WORLD);
     fastest = std::min(fastest, MPI_Wtime() - start);
   }
+  // The backward across ranks, timed the same way (the fastest of `repeats`).
+  double fastest_backward = 0;
+  if (backward) {
+    const auto d_out = random_tensor(rng, length, Dv);
+    latte::Tensor<float, 4> d_query({B, length, H, L}), d_key({B, length, H, L}),
+        d_values({B, length, H, Dv});
+    fastest_backward = 1e30;
+    for (int repeat = 0; repeat < repeats; ++repeat) {
+      MPI_Barrier(MPI_COMM_WORLD);
+      const double start = MPI_Wtime();
+      latte::distributed::backward(latte::exec::cpu, MPI_COMM_WORLD, attention, query_logits.view(),
+                                   key_logits.view(), values.view(), d_out.view(),
+                                   latte::LatteGradients<float>{d_query.view(), d_key.view(),
+                                                                d_values.view()});
+      MPI_Barrier(MPI_COMM_WORLD);
+      fastest_backward = std::min(fastest_backward, MPI_Wtime() - start);
+    }
+  }
   std::printf("rank %d of %d: tokens [%lld, %lld) prefilled\n", rank, ranks,
               static_cast<long long>(first), static_cast<long long>(first + length));
   std::fflush(stdout);
@@ -86,6 +110,9 @@ int main(int argc, char** argv) {
     std::printf("prefill of %lld tokens across %d ranks: %.3f s; a state is %.1f KiB "
                 "(ring attention would pass %.1f MiB of keys and values per rank)\n",
                 static_cast<long long>(tokens), ranks, fastest, state_kib, ring_mib);
+    if (backward)
+      std::printf("backward of %lld tokens across %d ranks: %.3f s\n",
+                  static_cast<long long>(tokens), ranks, fastest_backward);
     // Decode on from the whole sequence's state, in constant time per token.
     latte::Tensor<float, 3> q({B, H, L}), k({B, H, L}), v({B, H, Dv}), o({B, H, Dv});
     std::normal_distribution<float> normal(0.0f, 1.0f);

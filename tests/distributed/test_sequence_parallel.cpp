@@ -192,8 +192,45 @@ TEST_CASE("Latte across ranks equals Latte on one rank (fp64 and fp32, spread 1 
 }
 
 TEST_CASE("Latte with VAPOR across ranks: positions and the angles' gradient") {
-  const CausalVapor attention({.heads = 2, .latents = 4, .value_dim = 6});
-  check_all_patterns<double>(attention, 4, 3.0, 21);
+  const index_t B = 2, H = 2, L = 4, Dv = 6;
+  const CausalVapor attention({.heads = H, .latents = L, .value_dim = Dv});
+  check_all_patterns<double>(attention, L, 3.0, 21);
+  // The angles' gradient [H, Dv/2], summed over the ranks, accumulated (+=) on every rank.
+  const int rank = world_rank();
+  std::mt19937_64 rng(22);
+  for (const auto& lengths : slice_patterns(world_size())) {
+    std::int64_t total = 0, first = 0;
+    for (int r = 0; r < static_cast<int>(lengths.size()); ++r) {
+      if (r == rank) first = total;
+      total += lengths[static_cast<std::size_t>(r)];
+    }
+    const index_t Tn = static_cast<index_t>(total);
+    const index_t length = static_cast<index_t>(lengths[static_cast<std::size_t>(rank)]);
+    auto q = random_input<double>(rng, {B, Tn, H, L}, 1.0);
+    auto k = random_input<double>(rng, {B, Tn, H, L}, 3.0);
+    auto v = random_input<double>(rng, {B, Tn, H, Dv}, 1.0);
+    auto d_out = random_input<double>(rng, {B, Tn, H, Dv}, 1.0);
+    Tensor<double, 4> dq({B, Tn, H, L}), dk({B, Tn, H, L}), dv({B, Tn, H, Dv});
+    Tensor<double, 2> whole_angles({H, Dv / 2}), part_angles({H, Dv / 2}, 1.0);
+    attention.backward(latte::exec::cpu, q.view(), k.view(), v.view(), d_out.view(),
+                       latte::LatteGradients<double>{dq.view(), dk.view(), dv.view(),
+                                                     whole_angles.view()});
+    auto slice = [&](auto& x) {
+      return TensorView<const double, 4>(tokens<double>(x.view(), first, length));
+    };
+    Tensor<double, 4> sq({B, length, H, L}), sk({B, length, H, L}), sv({B, length, H, Dv});
+    latte::distributed::backward(
+        latte::exec::cpu, MPI_COMM_WORLD, attention, slice(q), slice(k), slice(v), slice(d_out),
+        latte::LatteGradients<double>{sq.view(), sk.view(), sv.view(), part_angles.view()});
+    double worst = 0, scale = 1;
+    for (index_t h = 0; h < H; ++h)
+      for (index_t i = 0; i < Dv / 2; ++i) {
+        worst = std::max(worst, std::abs(part_angles(h, i) - 1.0 - whole_angles(h, i)));
+        scale = std::max(scale, std::abs(whole_angles(h, i)));
+      }
+    INFO("rank " << rank << ", slice [" << first << ", " << first + length << ") of " << total);
+    CHECK(worst / scale <= 1e-11);
+  }
 }
 
 TEST_CASE("The linear family across ranks: elu+1, cosFormer, RoPE") {
@@ -345,7 +382,7 @@ TEST_CASE("Latte Macchiato across ranks: the window's halo travels in the state'
   using Rotary = latte::LatteMacchiato<latte::Causal, latte::RunningMax, latte::VAPOR, latte::RoPE>;
   const Plain plain({.heads = 2, .latents = 3, .key_dim = 4, .value_dim = 6, .window = 5});
   const Rotary rotary({.heads = 2, .latents = 3, .key_dim = 4, .value_dim = 6, .window = 12},
-                      {.vapor_scope = latte::VaporScope::all_states});
+                      {.scale = {}, .vapor_scope = latte::VaporScope::all_states});
   for (const auto& lengths : slice_patterns(world_size())) {
     check_macchiato<double>(latte::exec::cpu, plain, 2, lengths, 61);
     check_macchiato<double>(latte::exec::reference, plain, 1, lengths, 62);

@@ -542,15 +542,22 @@ void backward(E e, MPI_Comm comm, const Attention& attention,
 
   // g(r): the gradient of this slice's initial state through its own outputs.
   // The first rank's is not needed (nothing before it); the last rank's final
-  // state has no gradient (nothing after it).
+  // state has no gradient (nothing after it). A mechanism with
+  // final_state_backward computes its inputs' gradients in this same backward
+  // and adds the final state's share after the scan; the others run their
+  // backward again with the final state's gradient.
+  constexpr bool adds_final_share = requires(const State& d) {
+    attention.final_state_backward(e, keys, values, d, gradients);
+  };
   typename Parallel::template ParameterGradients<T> parameters(attention, gradients);
   auto local_gradients = gradients;
-  parameters.detach(local_gradients);
+  if constexpr (adds_final_share) parameters.attach(local_gradients);
+  else parameters.detach(local_gradients);
   State through_outputs = attention.template make_state<T>(B, layout.first());
-  if (layout.rank > 0) {
+  if (layout.rank > 0 || adds_final_share) {
     typename Parallel::template StateGradients<T> states;
     states.initial = &initial;
-    states.d_initial = &through_outputs;
+    if (layout.rank > 0) states.d_initial = &through_outputs;
     attention.backward(e, queries, keys, values, d_out, local_gradients, states);
   }
   // d_final(r) = sum over later ranks r' of g(r') carried back to r's end.
@@ -559,11 +566,18 @@ void backward(E e, MPI_Comm comm, const Attention& attention,
       comm, layout, true, std::move(d_final_storage),
       [&](int) { return attention.template make_state<T>(B, 0); },
       [](State& earlier, const State& later) { Parallel::add_gradient(earlier, later); });
-  typename Parallel::template StateGradients<T> states;
-  states.initial = &initial;
-  if (after) states.d_final = &*after;
-  parameters.attach(local_gradients);
-  attention.backward(e, queries, keys, values, d_out, local_gradients, states);
+  if constexpr (adds_final_share) {
+    if (after) {
+      after->advance(layout.first() + layout.length() - after->position());  // at the slice's end
+      attention.final_state_backward(e, keys, values, *after, local_gradients);
+    }
+  } else {
+    typename Parallel::template StateGradients<T> states;
+    states.initial = &initial;
+    if (after) states.d_final = &*after;
+    parameters.attach(local_gradients);
+    attention.backward(e, queries, keys, values, d_out, local_gradients, states);
+  }
   parameters.sum_into(comm, gradients);
 }
 

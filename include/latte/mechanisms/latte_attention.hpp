@@ -266,6 +266,53 @@ class LatteAttention {
     state.advance(Tn);
   }
 
+  /// Adds to gradients.d_key_logits, d_values (and d_angles, when not empty)
+  /// what `d_final`, the gradient of the state a causal forward over
+  /// key_logits [B, T, H, L] and values [B, T, H, Dv] left, gives those tokens
+  /// (gradients.d_query_logits is not touched: no output depends on it). The
+  /// tokens sit at positions d_final.position() - T on; d_final holds the
+  /// gradient as a backward's states.d_final does (its running_max the
+  /// reference). By linearity, backward(..., {initial, d_final}) equals
+  /// backward(..., {initial}) plus this, in O(T L Dv) per head without a scan:
+  /// latte/distributed/ finds each rank's final-state gradient after its
+  /// backward and adds it this way.
+  template <exec::Policy E, Real T>
+    requires(Dir::is_causal)
+  void final_state_backward(E, InputView<T> key_logits, InputView<T> values,
+                            const State<T>& d_final, const LatteGradients<T>& gradients) const {
+    static_assert(exec::implemented<E> && !std::is_same_v<E, exec::cuda_t>,
+                  "final_state_backward runs on exec::cpu or exec::reference");
+    check_view(key_logits, "key_logits");
+    const index_t B = key_logits.extent(0), Tn = key_logits.extent(1), H = dims_.heads;
+    const index_t L = dims_.latents, Dv = dims_.value_dim, pairs = Dv / 2;
+    detail::check_shape(key_logits, "key_logits", {B, Tn, H, L}, "[B, T, H, L]");
+    detail::check_shape(values, "values", {B, Tn, H, Dv}, "[B, T, H, Dv]");
+    d_final.require_kind_and_sizes(kind<T>(), State<T>::sizes_for(B, H, L, Dv), "d_final");
+    detail::require(d_final.position() >= Tn, "d_final",
+                    detail::expected_given("position (the tokens end there)",
+                                           ">= T = " + std::to_string(Tn), d_final.position()));
+    detail::check_shape(gradients.d_key_logits, "gradients.d_key_logits", {B, Tn, H, L},
+                        "[B, T, H, L]");
+    detail::check_shape(gradients.d_values, "gradients.d_values", {B, Tn, H, Dv}, "[B, T, H, Dv]");
+    if (!gradients.d_angles.empty())
+      detail::check_shape(gradients.d_angles, "gradients.d_angles",
+                          {Pos::rotates_values ? H : 0, Pos::rotates_values ? pairs : 0},
+                          "[H, Dv/2]");
+    std::vector<double> d_angles;  // summed in double, as backward does
+    if (!gradients.d_angles.empty()) d_angles.assign(static_cast<std::size_t>(H * pairs), 0.0);
+    reference::latte_final_state_backward<Pos>(
+        key_logits, values, angles_, d_final.position() - Tn,
+        [&](index_t b, index_t h) {
+          const index_t head = b * H + h;
+          return std::tuple{d_final.field(0) + head * L, d_final.field(1) + head * L,
+                            d_final.field(2) + head * L * Dv};
+        },
+        gradients.d_key_logits, gradients.d_values, d_angles.empty() ? nullptr : d_angles.data());
+    for (index_t h = 0; h < H && !d_angles.empty(); ++h)
+      for (index_t i = 0; i < pairs; ++i)
+        gradients.d_angles(h, i) += static_cast<T>(d_angles[static_cast<std::size_t>(h * pairs + i)]);
+  }
+
   /// Next-token decode: inputs [B, H, L], [B, H, L], [B, H, Dv]; out [B, H, Dv].
   /// O(L * Dv) per head, independent of the tokens already absorbed; no allocation.
   template <exec::Policy E, Real T>

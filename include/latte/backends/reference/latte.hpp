@@ -305,6 +305,60 @@ void accumulate_angle_gradient(double* d_theta, index_t Dv, const T* a, const T*
                    static_cast<double>(a[2 * i]) * b[2 * i + 1]);
 }
 
+/// The gradients a final state's gradient alone gives the tokens the state
+/// absorbed (the causal backward with d_out = 0; DESIGN §3.6). A carry's
+/// stored sums against the reference m (held fixed, docs/backward.md) are
+/// alpha_l = sum_s w_{s,l} and vtilde_l = sum_s w_{s,l} R^{-s} v_s with
+/// w_{s,l} = exp(k_{s,l} - m_l), so with D = (Dalpha, Dvtilde) the state's gradient:
+///   dk_{s,l} += w_{s,l} (Dalpha_l + <Dvtilde_l, R^{-s} v_s>)
+///   dv_s     += R^{s} sum_l w_{s,l} Dvtilde_l
+///   dtheta_i += -s <sum_l w_{s,l} Dvtilde_l, J R^{-s} v_s>_i   (VAPOR, eq. 22)
+/// Tokens [B, T, H, *] from absolute position `first_position`;
+/// final_of(b, h) gives {m [L], Dalpha [L], Dvtilde [L x Dv]}; adds into dk,
+/// dv and (when not null) d_theta [H * Dv/2]. O(T L Dv) per head; w <= 1
+/// where m is at least every key logit (the state's reference).
+template <Positional Pos, Real T, class FinalOf>
+void latte_final_state_backward(TensorView<const T, 4> k, TensorView<const T, 4> v,
+                                const std::vector<double>& angles, std::int64_t first_position,
+                                FinalOf&& final_of, TensorView<T, 4> dk, TensorView<T, 4> dv,
+                                double* d_theta) {
+  const index_t B = k.extent(0), Tn = k.extent(1), H = k.extent(2), L = k.extent(3);
+  const index_t Dv = v.extent(3), pairs = Dv / 2;
+  std::vector<T> rotated(static_cast<std::size_t>(Dv)), d_rotated(static_cast<std::size_t>(Dv));
+  for (index_t b = 0; b < B; ++b)
+    for (index_t h = 0; h < H; ++h) {
+      const auto [m, d_normaliser, d_memory] = final_of(b, h);
+      const double* theta = angles.empty() ? nullptr : angles.data() + h * pairs;
+      for (index_t t = 0; t < Tn; ++t) {
+        const std::int64_t s = first_position + t;
+        const T* value = v.row(b, t, h);
+        std::copy(value, value + Dv, rotated.data());
+        if constexpr (Pos::rotates_values) Pos::rotate(rotated.data(), Dv, theta, -s);  // R^{-s} v_s
+        std::fill(d_rotated.begin(), d_rotated.end(), T(0));
+        const T* key = k.row(b, t, h);
+        T* d_key = dk.row(b, t, h);
+        for (index_t l = 0; l < L; ++l) {
+          if (key[l] == -std::numeric_limits<T>::infinity()) continue;  // w = 0
+          const T weight = std::exp(key[l] - m[l]);
+          const T* row = d_memory + l * Dv;
+          T read = d_normaliser[l];
+          for (index_t d = 0; d < Dv; ++d) {
+            read += row[d] * rotated[static_cast<std::size_t>(d)];
+            d_rotated[static_cast<std::size_t>(d)] += weight * row[d];
+          }
+          d_key[l] += weight * read;
+        }
+        if constexpr (Pos::rotates_values) {
+          if (d_theta != nullptr)
+            accumulate_angle_gradient(d_theta + h * pairs, Dv, d_rotated.data(), rotated.data(), -s);
+          Pos::rotate(d_rotated.data(), Dv, theta, s);  // R^{s}: the transpose of R^{-s}
+        }
+        T* d_value = dv.row(b, t, h);
+        for (index_t d = 0; d < Dv; ++d) d_value[d] += d_rotated[static_cast<std::size_t>(d)];
+      }
+    }
+}
+
 /// p(l|t) = softmax_l(q_t) into `p` (all zero when every logit is -inf).
 template <Real T>
 void latent_softmax(const T* q, index_t L, T* p) noexcept {
