@@ -300,14 +300,21 @@ class LatteAttention {
                           "[H, Dv/2]");
     std::vector<double> d_angles;  // summed in double, as backward does
     if (!gradients.d_angles.empty()) d_angles.assign(static_cast<std::size_t>(H * pairs), 0.0);
-    reference::latte_final_state_backward<Pos>(
-        key_logits, values, angles_, d_final.position() - Tn,
-        [&](index_t b, index_t h) {
-          const index_t head = b * H + h;
-          return std::tuple{d_final.field(0) + head * L, d_final.field(1) + head * L,
-                            d_final.field(2) + head * L * Dv};
-        },
-        gradients.d_key_logits, gradients.d_values, d_angles.empty() ? nullptr : d_angles.data());
+    auto final_of = [&](index_t b, index_t h) {
+      const index_t head = b * H + h;
+      return std::tuple{d_final.field(0) + head * L, d_final.field(1) + head * L,
+                        d_final.field(2) + head * L * Dv};
+    };
+    double* d_theta = d_angles.empty() ? nullptr : d_angles.data();
+    if constexpr (std::is_same_v<E, exec::cpu_t>)
+      cpu::latte_final_state_backward<Pos>(key_logits, values, angles_, d_final.position() - Tn,
+                                           final_of, gradients.d_key_logits, gradients.d_values,
+                                           d_theta);
+    else
+      reference::latte_final_state_backward<Pos>(key_logits, values, angles_,
+                                                 d_final.position() - Tn, final_of,
+                                                 gradients.d_key_logits, gradients.d_values,
+                                                 d_theta);
     for (index_t h = 0; h < H && !d_angles.empty(); ++h)
       for (index_t i = 0; i < pairs; ++i)
         gradients.d_angles(h, i) += static_cast<T>(d_angles[static_cast<std::size_t>(h * pairs + i)]);

@@ -590,4 +590,81 @@ void latte_bidirectional_backward(TensorView<const T, 4> q, TensorView<const T, 
   });
 }
 
+/// reference::latte_final_state_backward on the CPU: per (batch, head), runs of
+/// 64 tokens: W = exp(K - m) (Eigen's vectorised exp), the run's values
+/// rotated R^{-s} (VAPOR, rows from RunRotations), then two GEMMs,
+/// dK += W o (1 Dalpha^T + V~ Dvtilde^T) and dV~ = W Dvtilde, and R^{s} dV~
+/// into dv; the angle terms per token. Heads in parallel; the angle sums of a
+/// head's batch entries added in order afterwards.
+template <Positional Pos, Real T, class FinalOf>
+void latte_final_state_backward(TensorView<const T, 4> k, TensorView<const T, 4> v,
+                                const std::vector<double>& angles, std::int64_t first_position,
+                                FinalOf&& final_of, TensorView<T, 4> dk, TensorView<T, 4> dv,
+                                double* d_theta) {
+  using Matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using Row = Eigen::Matrix<T, 1, Eigen::Dynamic>;
+  const index_t B = k.extent(0), Tn = k.extent(1), H = k.extent(2), L = k.extent(3);
+  const index_t Dv = v.extent(3), pairs = Dv / 2, heads = B * H;
+  if (Tn == 0 || heads == 0) return;
+  constexpr index_t run = 64;
+  const double work = double(heads) * double(Tn) * double(L) * double(Dv);
+  const int workers = work >= 1 << 18 ? thread_count() : 1;
+  const bool angles_wanted = Pos::rotates_values && d_theta != nullptr;
+  std::vector<double> head_theta(angles_wanted ? static_cast<std::size_t>(heads * pairs) : 0, 0.0);
+  parallel_for(heads, workers, [&](index_t i, int) {
+    const index_t b = i / H, h = i % H;
+    const auto [m, d_normaliser, d_memory] = final_of(b, h);
+    // A latent whose reference is -inf saw only -inf keys: its weights are 0.
+    Row reference(L);
+    for (index_t l = 0; l < L; ++l)
+      reference[l] = m[l] == -std::numeric_limits<T>::infinity() ? T(0) : m[l];
+    const Eigen::Map<const Matrix> d_memory_rows(d_memory, L, Dv);
+    const Eigen::Map<const Row> d_alpha(d_normaliser, L);
+    Matrix weights(run, L), rotated(run, Dv), d_rotated(run, Dv), d_keys(run, L);
+    Matrix cos_rows, sin_rows;
+    RunRotations<T> rotations;
+    const double* theta = angles.empty() ? nullptr : angles.data() + h * pairs;
+    if constexpr (Pos::rotates_values) {
+      rotations = RunRotations<T>(pairs, run);
+      rotations.seek(theta, first_position);
+      cos_rows.resize(run, Dv);
+      sin_rows.resize(run, Dv);
+    }
+    for (index_t t0 = 0; t0 < Tn; t0 += run) {
+      const index_t n = std::min(run, Tn - t0);
+      if constexpr (Pos::rotates_values) rotations.fill(n, cos_rows.data(), sin_rows.data(), Dv);
+      for (index_t j = 0; j < n; ++j) {
+        weights.row(j) = Eigen::Map<const Row>(k.row(b, t0 + j, h), L) - reference;
+        if constexpr (Pos::rotates_values)
+          rotate_pairs<false>(v.row(b, t0 + j, h), rotated.row(j).data(), cos_rows.row(j).data(),
+                              sin_rows.row(j).data(), Dv);  // R^{-s} v_s
+        else
+          rotated.row(j) = Eigen::Map<const Row>(v.row(b, t0 + j, h), Dv);
+      }
+      auto w = weights.topRows(n);
+      w = w.array().exp().matrix();
+      d_keys.topRows(n).noalias() = rotated.topRows(n) * d_memory_rows.transpose();
+      d_keys.topRows(n).rowwise() += d_alpha;
+      d_rotated.topRows(n).noalias() = w * d_memory_rows;
+      for (index_t j = 0; j < n; ++j) {
+        Eigen::Map<Row>(dk.row(b, t0 + j, h), L).array() +=
+            w.row(j).array() * d_keys.row(j).array();
+        T* d_value = dv.row(b, t0 + j, h);
+        if constexpr (Pos::rotates_values) {
+          if (angles_wanted)
+            reference::accumulate_angle_gradient(head_theta.data() + i * pairs, Dv,
+                                                 d_rotated.row(j).data(), rotated.row(j).data(),
+                                                 -(first_position + t0 + j));
+          rotate_pairs<true>(d_rotated.row(j).data(), d_rotated.row(j).data(),
+                             cos_rows.row(j).data(), sin_rows.row(j).data(), Dv);  // R^{s}
+        }
+        Eigen::Map<Row>(d_value, Dv) += d_rotated.row(j);
+      }
+    }
+  });
+  for (index_t i = 0; i < heads && angles_wanted; ++i)
+    for (index_t p = 0; p < pairs; ++p)
+      d_theta[(i % H) * pairs + p] += head_theta[static_cast<std::size_t>(i * pairs + p)];
+}
+
 }  // namespace latte::cpu
