@@ -150,4 +150,69 @@ TEST_CASE("absorb, and append_state is the associative merge: the linear family"
   check_merge<double>(latte::exec::cpu, one_head, 16, 32, 1.0, 17, 1);
 }
 
+/// final_state_backward is the final state's share of the chunked backward:
+/// backward(..., {initial, d_final}) = backward(..., {initial}) + its terms.
+template <class T, class Attention, class E>
+void check_final_state_share(E e, const Attention& attention, double key_stddev, std::uint64_t seed) {
+  const index_t B = 2, H = attention.dims().heads, L = attention.dims().latents;
+  const index_t Dv = attention.dims().value_dim, Tn = 300, before = 77;
+  std::mt19937_64 rng(seed);
+  auto q = draw<T>(rng, {B, before + Tn, H, L}, 1.0);
+  auto k = draw<T>(rng, {B, before + Tn, H, L}, key_stddev);
+  auto v = draw<T>(rng, {B, before + Tn, H, Dv}, 1.0);
+  auto d_out = draw<T>(rng, {B, Tn, H, Dv}, 1.0);
+  // The chunk's initial state (after `before` tokens) and the state it leaves.
+  auto initial = attention.template make_state<T>(B);
+  attention.absorb(e, tokens(k, 0, before), tokens(v, 0, before), initial);
+  auto final_state = initial;
+  attention.absorb(e, tokens(k, before, Tn), tokens(v, before, Tn), final_state);
+  // A gradient of the final state, against its reference.
+  auto d_final = final_state;
+  for (std::size_t f = 1; f < 3; ++f)
+    for (std::size_t i = 0; i < d_final.field_size(f); ++i)
+      d_final.field(f)[i] = static_cast<T>(std::normal_distribution<double>(0, 1)(rng));
+  for (std::size_t f = 3; f < 5; ++f) std::fill_n(d_final.field(f), d_final.field_size(f), T(0));
+  const auto qs = tokens(q, before, Tn), ks = tokens(k, before, Tn), vs = tokens(v, before, Tn);
+  Tensor<T, 4> dq({B, Tn, H, L}), dk({B, Tn, H, L}), dv({B, Tn, H, Dv});
+  Tensor<T, 4> sq({B, Tn, H, L}), sk({B, Tn, H, L}), sv({B, Tn, H, Dv});
+  Tensor<T, 2> angles_with({H, Dv / 2}), angles_share({H, Dv / 2});
+  const bool vapor = attention.angles().size() > 0;
+  attention.backward(e, qs, ks, vs, d_out.view(),
+                     latte::LatteGradients<T>{dq.view(), dk.view(), dv.view(),
+                                              vapor ? angles_with.view() : TensorView<T, 2>{}},
+                     latte::LatteStateGradients<T>{&initial, &d_final, nullptr});
+  attention.backward(e, qs, ks, vs, d_out.view(),
+                     latte::LatteGradients<T>{sq.view(), sk.view(), sv.view(),
+                                              vapor ? angles_share.view() : TensorView<T, 2>{}},
+                     latte::LatteStateGradients<T>{&initial, nullptr, nullptr});
+  attention.final_state_backward(e, ks, vs, d_final,
+                                 latte::LatteGradients<T>{sq.view(), sk.view(), sv.view(),
+                                                          vapor ? angles_share.view() : TensorView<T, 2>{}});
+  auto difference = [](const auto& a, const auto& b) {
+    double worst = 0, scale = 1;
+    for (index_t i = 0; i < a.size(); ++i) {
+      worst = std::max(worst, std::abs(double(a.data()[i]) - double(b.data()[i])));
+      scale = std::max(scale, std::abs(double(b.data()[i])));
+    }
+    return worst / scale;
+  };
+  const double tolerance = std::is_same_v<T, double> ? 1e-12 : 2e-5;
+  CHECK(difference(sq, dq) == 0.0);  // no output depends on the final state
+  CHECK(difference(sk, dk) <= tolerance);
+  CHECK(difference(sv, dv) <= tolerance);
+  if (vapor) CHECK(difference(angles_share, angles_with) <= tolerance);
+}
+
+TEST_CASE("final_state_backward: the final state's share of Latte's chunked backward") {
+  const latte::LatteAttention<latte::Causal, latte::RunningMax> plain({.heads = 2, .latents = 6, .value_dim = 5});
+  const latte::LatteAttention<latte::Causal, latte::RunningMax, latte::VAPOR> vapor({.heads = 2, .latents = 4, .value_dim = 8});
+  for (double spread : {1.0, 30.0}) {
+    check_final_state_share<double>(latte::exec::cpu, plain, spread, 21);
+    check_final_state_share<double>(latte::exec::reference, plain, spread, 22);
+    check_final_state_share<double>(latte::exec::cpu, vapor, spread, 23);
+    check_final_state_share<double>(latte::exec::reference, vapor, spread, 24);
+    check_final_state_share<float>(latte::exec::cpu, vapor, spread, 25);
+  }
+}
+
 }  // namespace test_state_merge
