@@ -76,6 +76,16 @@ double relative_difference(TensorView<const T, 4> a, TensorView<const T, 4> b) {
   return worst / scale;
 }
 
+/// Where rank `rank`'s slice sits: {first, length, total} of `lengths`.
+std::array<std::int64_t, 3> slice_of(const std::vector<std::int64_t>& lengths, int rank) {
+  std::int64_t first = 0, total = 0;
+  for (int r = 0; r < static_cast<int>(lengths.size()); ++r) {
+    if (r == rank) first = total;
+    total += lengths[static_cast<std::size_t>(r)];
+  }
+  return {first, lengths[static_cast<std::size_t>(rank)], total};
+}
+
 /// The slices this test cuts a sequence into for `ranks` ranks.
 std::vector<std::vector<std::int64_t>> slice_patterns(int ranks) {
   std::vector<std::vector<std::int64_t>> patterns;
@@ -106,13 +116,8 @@ void check_against_whole(E e, const Attention& attention, index_t B, index_t fea
                          std::uint64_t seed) {
   const auto dims = latte::distributed::SequenceParallel<Attention>::dims(attention);
   const index_t H = dims[0], Dv = dims[2];
-  std::int64_t total = 0, first = 0;
   const int rank = world_rank();
-  for (int r = 0; r < static_cast<int>(lengths.size()); ++r) {
-    if (r == rank) first = total;
-    total += lengths[static_cast<std::size_t>(r)];
-  }
-  const std::int64_t length = lengths[static_cast<std::size_t>(rank)];
+  const auto [first, length, total] = slice_of(lengths, rank);
   const index_t Tn = static_cast<index_t>(total);
   std::mt19937_64 rng(seed);
   // Keys jump by +40 from the middle on: the running maximum moves at a slice boundary.
@@ -199,13 +204,8 @@ TEST_CASE("Latte with VAPOR across ranks: positions and the angles' gradient") {
   const int rank = world_rank();
   std::mt19937_64 rng(22);
   for (const auto& lengths : slice_patterns(world_size())) {
-    std::int64_t total = 0, first = 0;
-    for (int r = 0; r < static_cast<int>(lengths.size()); ++r) {
-      if (r == rank) first = total;
-      total += lengths[static_cast<std::size_t>(r)];
-    }
-    const index_t Tn = static_cast<index_t>(total);
-    const index_t length = static_cast<index_t>(lengths[static_cast<std::size_t>(rank)]);
+    const auto [first, slice_length, total] = slice_of(lengths, rank);
+    const index_t Tn = static_cast<index_t>(total), length = static_cast<index_t>(slice_length);
     auto q = random_input<double>(rng, {B, Tn, H, L}, 1.0);
     auto k = random_input<double>(rng, {B, Tn, H, L}, 3.0);
     auto v = random_input<double>(rng, {B, Tn, H, Dv}, 1.0);
@@ -283,12 +283,8 @@ TEST_CASE("LeaPformer with modules across ranks: the modules' weight gradients s
   check_all_patterns<double>(attention, Dk, 1.0, 72);
   const int rank = world_rank();
   for (const auto& lengths : slice_patterns(world_size())) {
-    std::int64_t total = 0, first = 0;
-    for (int r = 0; r < static_cast<int>(lengths.size()); ++r) {
-      if (r == rank) first = total;
-      total += lengths[static_cast<std::size_t>(r)];
-    }
-    const index_t Tn = static_cast<index_t>(total), length = static_cast<index_t>(lengths[static_cast<std::size_t>(rank)]);
+    const auto [first, slice_length, total] = slice_of(lengths, rank);
+    const index_t Tn = static_cast<index_t>(total), length = static_cast<index_t>(slice_length);
     auto q = random_input<double>(rng, {B, Tn, H, Dk}, 1.0);
     auto k = random_input<double>(rng, {B, Tn, H, Dk}, 1.0);
     auto v = random_input<double>(rng, {B, Tn, H, Dv}, 1.0);
@@ -331,13 +327,8 @@ void check_macchiato(E e, const Attention& attention, index_t B,
                      const std::vector<std::int64_t>& lengths, std::uint64_t seed) {
   const auto& dims = attention.dims();
   const index_t H = dims.heads, L = dims.latents, Dk = dims.key_dim, Dv = dims.value_dim;
-  std::int64_t total = 0, first = 0;
   const int rank = world_rank();
-  for (int r = 0; r < static_cast<int>(lengths.size()); ++r) {
-    if (r == rank) first = total;
-    total += lengths[static_cast<std::size_t>(r)];
-  }
-  const std::int64_t length = lengths[static_cast<std::size_t>(rank)];
+  const auto [first, length, total] = slice_of(lengths, rank);
   const index_t Tn = static_cast<index_t>(total);
   std::mt19937_64 rng(seed);
   auto q = random_input<T>(rng, {B, Tn, H, L + 1}, 1.0);

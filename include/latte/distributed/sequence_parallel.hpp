@@ -73,6 +73,26 @@ void check_queries_keys_values(const std::tuple<TensorView<const T, 4>, TensorVi
   latte::detail::check_shape(v, "values", {B, Tn, dims[0], dims[2]}, "[B, T, H, Dv]");
 }
 
+/// What the traits of mechanisms whose inputs are queries (or query logits),
+/// keys (key logits) and values share: the inputs' tuple, their check, and an
+/// absorb of keys and values. `Parallel` names them (queries, keys, layout)
+/// and gives dims().
+template <class Parallel>
+struct QueriesKeysValues {
+  template <Real T>
+  using Inputs = std::tuple<TensorView<const T, 4>, TensorView<const T, 4>, TensorView<const T, 4>>;
+  template <class Attention, Real T>
+  static void check_inputs(const Attention& attention, const Inputs<T>& inputs) {
+    check_queries_keys_values(inputs, Parallel::dims(attention), Parallel::queries,
+                              Parallel::keys, Parallel::layout);
+  }
+  /// The state after the slice, without its outputs.
+  template <class E, class Attention, Real T, class State>
+  static void absorb(E e, const Attention& attention, const Inputs<T>& inputs, State& state) {
+    attention.absorb(e, std::get<1>(inputs), std::get<2>(inputs), state);
+  }
+};
+
 }  // namespace detail
 
 /// What sequence parallelism needs of a mechanism beyond its forward, absorb
@@ -84,7 +104,8 @@ template <class Attention>
 struct SequenceParallel;
 
 template <Stabilizer Stab, Positional Pos, Summation Sum>
-struct SequenceParallel<LatteAttention<Causal, Stab, Pos, Sum>> {
+struct SequenceParallel<LatteAttention<Causal, Stab, Pos, Sum>>
+    : detail::QueriesKeysValues<SequenceParallel<LatteAttention<Causal, Stab, Pos, Sum>>> {
   using Attention = LatteAttention<Causal, Stab, Pos, Sum>;
   static constexpr bool backward_across_ranks = true;
   static constexpr const char* queries = "query_logits";
@@ -94,19 +115,6 @@ struct SequenceParallel<LatteAttention<Causal, Stab, Pos, Sum>> {
   /// {H, features of a query / key row, Dv}.
   [[nodiscard]] static std::array<index_t, 3> dims(const Attention& attention) noexcept {
     return {attention.dims().heads, attention.dims().latents, attention.dims().value_dim};
-  }
-  /// The forward's inputs: query logits, key logits, values.
-  template <Real T>
-  using Inputs = std::tuple<TensorView<const T, 4>, TensorView<const T, 4>, TensorView<const T, 4>>;
-  template <Real T>
-  static void check_inputs(const Attention& attention, const Inputs<T>& inputs) {
-    detail::check_queries_keys_values(inputs, dims(attention), queries, keys, layout);
-  }
-  /// The state after the slice, without its outputs.
-  template <class E, Real T>
-  static void absorb(E e, const Attention& attention, const Inputs<T>& inputs,
-                     LatteState<T>& state) {
-    attention.absorb(e, std::get<1>(inputs), std::get<2>(inputs), state);
   }
   /// VAPOR's angles: ranks must rotate alike.
   static void describe(latte::detail::ByteSink& sink, const Attention& attention) {
@@ -187,7 +195,8 @@ struct SequenceParallel<LatteAttention<Causal, Stab, Pos, Sum>> {
 };
 
 template <FeatureMap Map, Reweight Rw, Positional Pos, Summation Sum>
-struct SequenceParallel<LinearAttention<Causal, Map, Rw, Pos, Sum>> {
+struct SequenceParallel<LinearAttention<Causal, Map, Rw, Pos, Sum>>
+    : detail::QueriesKeysValues<SequenceParallel<LinearAttention<Causal, Map, Rw, Pos, Sum>>> {
   using Attention = LinearAttention<Causal, Map, Rw, Pos, Sum>;
   static constexpr bool backward_across_ranks = true;
   static constexpr const char* queries = "queries";
@@ -196,18 +205,6 @@ struct SequenceParallel<LinearAttention<Causal, Map, Rw, Pos, Sum>> {
 
   [[nodiscard]] static std::array<index_t, 3> dims(const Attention& attention) noexcept {
     return {attention.dims().heads, attention.dims().key_dim, attention.dims().value_dim};
-  }
-  /// The forward's inputs: queries, keys, values.
-  template <Real T>
-  using Inputs = std::tuple<TensorView<const T, 4>, TensorView<const T, 4>, TensorView<const T, 4>>;
-  template <Real T>
-  static void check_inputs(const Attention& attention, const Inputs<T>& inputs) {
-    detail::check_queries_keys_values(inputs, dims(attention), queries, keys, layout);
-  }
-  template <class E, Real T>
-  static void absorb(E e, const Attention& attention, const Inputs<T>& inputs,
-                     LinearState<T>& state) {
-    attention.absorb(e, std::get<1>(inputs), std::get<2>(inputs), state);
   }
   /// The feature dimension, the normaliser, cosFormer's M, the RoPE
   /// denominator and the LeaP modules' weights: ranks must compute alike.
@@ -358,9 +355,12 @@ struct SequenceParallel<LatteMacchiato<Causal, Stab, LatentPos, WindowPos>> {
 /// summary then starts from that ring; a second scan merges the summaries
 /// (complete windows' sums, the open window's partial sums, the ring).
 template <>
-struct SequenceParallel<Lavo<Causal>> {
+struct SequenceParallel<Lavo<Causal>> : detail::QueriesKeysValues<SequenceParallel<Lavo<Causal>>> {
   using Attention = Lavo<Causal>;
   static constexpr bool halo_first = true;
+  static constexpr const char* queries = "queries";
+  static constexpr const char* keys = "keys";
+  static constexpr const char* layout = "[B, T, H, d]";
   [[nodiscard]] static std::array<index_t, 3> dims(const Attention& attention) noexcept {
     return {attention.dims().heads, attention.dims().dim, attention.dims().dim};
   }
@@ -375,17 +375,12 @@ struct SequenceParallel<Lavo<Causal>> {
     sink.put_raw(attention.relative_bias().data(),
                  static_cast<std::size_t>(attention.relative_bias().size()) * sizeof(double));
   }
-  template <Real T>
-  using Inputs = std::tuple<TensorView<const T, 4>, TensorView<const T, 4>, TensorView<const T, 4>>;
-  template <Real T>
-  static void check_inputs(const Attention& attention, const Inputs<T>& inputs) {
-    detail::check_queries_keys_values(inputs, dims(attention), "queries", "keys", "[B, T, H, d]");
-  }
   /// The halo this slice passes on: its last w keys and values.
   template <class E, Real T>
   static void absorb_halo(E, const Attention&, const Inputs<T>& inputs, LavoState<T>& state) {
     state.absorb_window(std::get<1>(inputs), std::get<2>(inputs));
   }
+  /// LAVO's absorb takes the queries too (its memory sums local outputs).
   template <class E, Real T>
   static void absorb(E e, const Attention& attention, const Inputs<T>& inputs,
                      LavoState<T>& state) {
