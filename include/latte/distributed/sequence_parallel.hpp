@@ -6,29 +6,34 @@
 //   auto state = latte::distributed::forward(latte::exec::cpu, comm, attention,
 //                                            q_slice, k_slice, v_slice, out_slice);
 //
-// Forward, for a mechanism whose causal state is a sum over the past with an
-// associative merge (SequenceParallel<Attention> below: causal Latte and the
-// linear family):
+// Forward, for a mechanism whose causal state has an associative merge
+// (SequenceParallel<Attention> below: causal Latte, the linear family, Latte
+// Macchiato, LAVO):
 //   1. every rank agrees the call's shapes with the others (agreement.hpp);
-//   2. every rank but the last absorbs its slice into a state from empty (its
-//      summary: Attention::absorb, no outputs);
+//   2. every rank but the last absorbs its slice into a state (its summary:
+//      Attention::absorb, no outputs); LAVO's summary needs the keys and
+//      values before the slice, so a scan of those (its halo) comes first;
 //   3. an exclusive scan of the summaries with the state's merge
 //      (State::append_state; state_scan.hpp) gives each rank the state of
-//      everything before its slice;
+//      everything before its slice (Macchiato's and LAVO's with their window
+//      rings: the halo travels in the state);
 //   4. each rank runs the forward of its slice from that state.
 // The state each rank returns is the one after its slice: the last rank's is
 // the decode state of the whole sequence.
 //
-// Backward (the gradients of a loss of the whole sequence's outputs): the
-// gradient of the state a slice starts from is affine in the gradient of the
-// state it ends with, d_initial(r) = g(r) + D(r) d_final(r) with g(r) the
-// part through the slice's own outputs and D(r) the state's own carry-over
-// (1 for the linear family, exp(m_in - m_out) per latent for Latte). So each
-// rank but the first finds g(r) by a backward with no final gradient, a
-// reverse exclusive scan sums the g of the ranks after each rank (rescaled to
-// a common reference), and each rank runs its backward with that sum as the
-// gradient of its final state. Parameter gradients (VAPOR's angles) are summed
-// over the ranks and added on every rank.
+// Backward (Latte and the linear family; the gradients of a loss of the whole
+// sequence's outputs): the gradient of the state a slice starts from is affine
+// in the gradient of the state it ends with, d_initial(r) = g(r) + D(r)
+// d_final(r), with g(r) the part through the slice's own outputs and D(r) the
+// state's carry-over (1 for the linear family, exp(m_in - m_out) per latent
+// for Latte). Each rank finds g(r) by a backward from its incoming state with
+// no final gradient; a reverse exclusive scan sums the g of the ranks after
+// each rank (Latte: against the smaller reference, factors <= 1); then Latte
+// adds the final state's share in closed form
+// (LatteAttention::final_state_backward) and the linear family runs its
+// backward again with the summed final gradient. Parameter gradients (VAPOR's
+// angles, the LeaP modules' weights) are summed over the ranks and added on
+// every rank.
 #include <mpi.h>
 
 #include <array>
@@ -510,7 +515,8 @@ template <class Attention, exec::Policy E, Real T>
 /// The gradients of a loss of the whole sequence's outputs, whose gradient
 /// with respect to this rank's outputs is `d_out` [B, T, H, Dv]: writes this
 /// rank's inputs' gradients (as Attention::backward), and adds the parameters'
-/// gradients (VAPOR's angles), summed over every rank, on every rank.
+/// gradients (VAPOR's angles, the LeaP modules' weights), summed over every
+/// rank, on every rank.
 /// Collective over `comm`, with the slices of forward.
 template <class Attention, exec::Policy E, class Gradients,
           Real T = typename decltype(Gradients::d_values)::element_type>
