@@ -64,6 +64,9 @@ endif()
 if(LATTE_CUDA_ENABLED)
   list(APPEND latte_built_components CUDA)  # also finds CUDAToolkit in the consumer
 endif()
+if(LATTE_MPI_ENABLED)
+  list(APPEND latte_built_components MPI)  # finds MPI in the consumer; latte::mpi must exist
+endif()
 list(JOIN latte_built_components "$<SEMICOLON>" latte_built_components_arg)
 add_test(NAME package_components
   COMMAND "${CMAKE_COMMAND}" -S "${PROJECT_SOURCE_DIR}/test_package"
