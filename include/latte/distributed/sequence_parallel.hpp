@@ -562,9 +562,8 @@ void backward(E e, MPI_Comm comm, const Attention& attention,
     attention.backward(e, queries, keys, values, d_out, local_gradients, states);
   }
   // d_final(r) = sum over later ranks r' of g(r') carried back to r's end.
-  State d_final_storage = through_outputs;
   std::optional<State> after = detail::exclusive_scan(
-      comm, layout, true, std::move(d_final_storage),
+      comm, layout, true, std::move(through_outputs),
       [&](int) { return attention.template make_state<T>(B, 0); },
       [](State& earlier, const State& later) { Parallel::add_gradient(earlier, later); });
   if constexpr (adds_final_share) {

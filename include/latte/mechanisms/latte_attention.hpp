@@ -315,9 +315,7 @@ class LatteAttention {
                                                  d_final.position() - Tn, final_of,
                                                  gradients.d_key_logits, gradients.d_values,
                                                  d_theta);
-    for (index_t h = 0; h < H && !d_angles.empty(); ++h)
-      for (index_t i = 0; i < pairs; ++i)
-        gradients.d_angles(h, i) += static_cast<T>(d_angles[static_cast<std::size_t>(h * pairs + i)]);
+    detail::add_angle_sums(gradients.d_angles, d_angles);
   }
 
   /// Next-token decode: inputs [B, H, L], [B, H, L], [B, H, Dv]; out [B, H, Dv].
@@ -491,9 +489,7 @@ class LatteAttention {
         else std::fill_n(into, count, T(0));
       }
     }
-    for (index_t h = 0; h < H && !d_angles.empty(); ++h)
-      for (index_t i = 0; i < pairs; ++i)
-        gradients.d_angles(h, i) += static_cast<T>(d_angles[static_cast<std::size_t>(h * pairs + i)]);
+    detail::add_angle_sums(gradients.d_angles, d_angles);
   }
 
   template <class T>

@@ -15,10 +15,22 @@
 #include "latte/backends/reference/latte.hpp"
 #include "latte/core/checked_size.hpp"
 #include "latte/core/error.hpp"
+#include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
 #include "latte/policies/stabilizer.hpp"
 
 namespace latte::detail {
+
+/// d_angles [H, Dv/2] += the angle gradient a backward summed in double
+/// (`sums`, H * Dv/2 values; nothing when empty).
+template <Real T>
+void add_angle_sums(const TensorView<T, 2>& d_angles, const std::vector<double>& sums) {
+  if (sums.empty()) return;
+  const index_t pairs = d_angles.extent(1);
+  for (index_t h = 0; h < d_angles.extent(0); ++h)
+    for (index_t i = 0; i < pairs; ++i)
+      d_angles(h, i) += static_cast<T>(sums[static_cast<std::size_t>(h * pairs + i)]);
+}
 
 template <Stabilizer Stab, Real T, class State>
 class LatteCarryHooks {

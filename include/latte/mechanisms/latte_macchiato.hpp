@@ -543,9 +543,7 @@ class LatteMacchiato {
       for (int field : {3, 4})  // the low parts: unused in a gradient
         std::fill_n(d_initial->field(field), d_initial->field_size(field), T(0));
     }
-    for (index_t h = 0; h < H && !d_angles.empty(); ++h)
-      for (index_t i = 0; i < pairs; ++i)
-        gradients.d_angles(h, i) += static_cast<T>(d_angles[static_cast<std::size_t>(h * pairs + i)]);
+    detail::add_angle_sums(gradients.d_angles, d_angles);
   }
 
   template <Real T>

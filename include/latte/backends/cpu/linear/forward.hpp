@@ -576,7 +576,7 @@ void linear_causal_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
   // every worker has work even with two segments); the state entering
   // segment p is then the incoming state plus the sums of segments < p.
   const index_t pieces = (workers + segments - 2) / (segments - 1);
-  const index_t carry_size = reference::linear_carry_size(E, Dv), sums = E * Dv + E;
+  const index_t carry_size = reference::linear_carry_size(E, Dv);
   const index_t partial_slots = (segments - 1) * pieces;
   AlignedVector<T> storage(static_cast<std::size_t>((partial_slots + segments) * carry_size));
   bool compensated = false;  // as the incoming carry (the summation policy's choice)
@@ -613,15 +613,10 @@ void linear_causal_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
       T* into = carry_at(partial_slots + p).memory;
       std::copy(into - carry_size, into, into);
       for (index_t j = 0; j < pieces; ++j) {
-        const T* part = carry_at((p - 1) * pieces + j).memory;
-        if (!compensated) {
-          for (index_t x = 0; x < sums; ++x) into[x] += part[x];
-          continue;
-        }
-        for (index_t x = 0; x < sums; ++x) {  // (hi, lo) += part's (hi, lo)
-          latte::detail::compensated_add(into[x], into[sums + x], part[x]);
-          latte::detail::compensated_add(into[x], into[sums + x], part[sums + x]);
-        }
+        const LinearCarry<T> part = carry_at((p - 1) * pieces + j);
+        reference::linear_append_carry<T>(
+            carry_at(partial_slots + p),
+            {part.memory, part.normaliser, part.memory_low, part.normaliser_low}, E, Dv);
       }
     }
     parallel_for(segments, workers, [&](index_t p, int worker) {
