@@ -203,6 +203,92 @@ void check_final_state_share(E e, const Attention& attention, double key_stddev,
   if (vapor) CHECK(difference(angles_share, angles_with) <= tolerance);
 }
 
+/// <D, S(k, v)> in long double, from the definition of the stored sums
+/// against the reference m: alpha_l = sum_s exp(k_{s,l} - m_l) and
+/// vtilde_l = sum_s exp(k_{s,l} - m_l) R^{-s} v_s (R^p turns pair i by p theta_i).
+template <class T>
+long double final_state_pairing(const std::vector<long double>& k, const std::vector<long double>& v,
+                                index_t Tn, index_t L, index_t Dv, std::int64_t first,
+                                const double* theta, const T* m, const T* d_alpha,
+                                const T* d_memory) {
+  long double total = 0;
+  for (index_t s = 0; s < Tn; ++s) {
+    std::vector<long double> rotated(static_cast<std::size_t>(Dv));
+    for (index_t d = 0; d < Dv; ++d) rotated[d] = v[s * Dv + d];
+    for (index_t i = 0; theta != nullptr && i < Dv / 2; ++i) {
+      const long double angle = -static_cast<long double>(first + s) * theta[i];
+      const long double x = rotated[2 * i], y = rotated[2 * i + 1];
+      rotated[2 * i] = std::cos(angle) * x - std::sin(angle) * y;
+      rotated[2 * i + 1] = std::sin(angle) * x + std::cos(angle) * y;
+    }
+    for (index_t l = 0; l < L; ++l) {
+      const long double w = std::exp(k[s * L + l] - static_cast<long double>(m[l]));
+      long double read = d_alpha[l];
+      for (index_t d = 0; d < Dv; ++d) read += static_cast<long double>(d_memory[l * Dv + d]) * rotated[d];
+      total += w * read;
+    }
+  }
+  return total;
+}
+
+/// final_state_backward against central differences of that definition:
+/// the directional derivative along random (dk, dv) directions, fp64.
+template <class Attention, class E>
+void check_final_state_directional(E e, const Attention& attention, double key_stddev,
+                                   std::uint64_t seed) {
+  const index_t H = attention.dims().heads, L = attention.dims().latents;
+  const index_t Dv = attention.dims().value_dim, Tn = 37, before = 11;
+  std::mt19937_64 rng(seed);
+  auto k = draw<double>(rng, {1, before + Tn, H, L}, key_stddev);
+  auto v = draw<double>(rng, {1, before + Tn, H, Dv}, 1.0);
+  auto dir_k = draw<double>(rng, {1, Tn, H, L}, 1.0);
+  auto dir_v = draw<double>(rng, {1, Tn, H, Dv}, 1.0);
+  auto state = attention.template make_state<double>(1);
+  attention.absorb(e, k.view(), v.view(), state);  // the reference m covers every key
+  auto d_final = state;
+  for (std::size_t f = 1; f < 3; ++f)
+    for (std::size_t i = 0; i < d_final.field_size(f); ++i)
+      d_final.field(f)[i] = std::normal_distribution<double>(0, 1)(rng);
+  Tensor<double, 4> dk({1, Tn, H, L}), dv({1, Tn, H, Dv}), dq({1, Tn, H, L});
+  attention.final_state_backward(e, tokens(k, before, Tn), tokens(v, before, Tn), d_final,
+                                 latte::LatteGradients<double>{dq.view(), dk.view(), dv.view()});
+  const auto angles = attention.angles();
+  for (index_t h = 0; h < H; ++h) {
+    const double* theta = angles.size() > 0 ? angles.data() + h * (Dv / 2) : nullptr;
+    const double* m = d_final.field(0) + h * L;
+    const double* d_alpha = d_final.field(1) + h * L;
+    const double* d_memory = d_final.field(2) + h * L * Dv;
+    auto pairing = [&](long double step) {
+      std::vector<long double> ks(static_cast<std::size_t>(Tn * L)), vs(static_cast<std::size_t>(Tn * Dv));
+      for (index_t s = 0; s < Tn; ++s) {
+        for (index_t l = 0; l < L; ++l) ks[s * L + l] = k(0, before + s, h, l) + step * dir_k(0, s, h, l);
+        for (index_t d = 0; d < Dv; ++d) vs[s * Dv + d] = v(0, before + s, h, d) + step * dir_v(0, s, h, d);
+      }
+      return final_state_pairing(ks, vs, Tn, L, Dv, before, theta, m, d_alpha, d_memory);
+    };
+    const long double epsilon = 1e-6L;
+    const long double numeric = (pairing(epsilon) - pairing(-epsilon)) / (2 * epsilon);
+    long double analytic = 0;
+    for (index_t s = 0; s < Tn; ++s) {
+      for (index_t l = 0; l < L; ++l) analytic += static_cast<long double>(dk(0, s, h, l)) * dir_k(0, s, h, l);
+      for (index_t d = 0; d < Dv; ++d) analytic += static_cast<long double>(dv(0, s, h, d)) * dir_v(0, s, h, d);
+    }
+    INFO("head " << h << ": analytic " << double(analytic) << ", central difference " << double(numeric));
+    CHECK(std::abs(double(analytic - numeric)) <= 1e-8 * std::max(1.0, std::abs(double(numeric))));
+  }
+}
+
+TEST_CASE("final_state_backward against central differences of the stored sums' definition") {
+  const latte::LatteAttention<latte::Causal, latte::RunningMax> plain({.heads = 2, .latents = 5, .value_dim = 4});
+  const latte::LatteAttention<latte::Causal, latte::RunningMax, latte::VAPOR> vapor({.heads = 2, .latents = 3, .value_dim = 6});
+  for (double spread : {1.0, 30.0}) {
+    check_final_state_directional(latte::exec::cpu, plain, spread, 31);
+    check_final_state_directional(latte::exec::reference, plain, spread, 32);
+    check_final_state_directional(latte::exec::cpu, vapor, spread, 33);
+    check_final_state_directional(latte::exec::reference, vapor, spread, 34);
+  }
+}
+
 TEST_CASE("final_state_backward: the final state's share of Latte's chunked backward") {
   const latte::LatteAttention<latte::Causal, latte::RunningMax> plain({.heads = 2, .latents = 6, .value_dim = 5});
   const latte::LatteAttention<latte::Causal, latte::RunningMax, latte::VAPOR> vapor({.heads = 2, .latents = 4, .value_dim = 8});
