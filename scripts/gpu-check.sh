@@ -143,7 +143,7 @@ if [ "$step" = all ] || [ "$step" = build-tests ]; then
   fi
   if $has_gpu; then
     part cuda-tests 200 tests.log \
-      ctest --test-dir "$build" -L cuda -j 4 --output-on-failure --timeout 190
+      ctest --test-dir "$build" -L '^cuda$' -j 4 --output-on-failure --timeout 190
   else
     not_run cuda-tests "no GPU"
   fi
