@@ -5,5 +5,6 @@
 // (docs/distributed.md). Not included by latte/attention.hpp.
 #include "latte/attention.hpp"
 #include "latte/distributed/agreement.hpp"
+#include "latte/distributed/conv_compressed_parallel.hpp"
 #include "latte/distributed/sequence_parallel.hpp"
 #include "latte/distributed/state_scan.hpp"

@@ -57,4 +57,15 @@ int MPI_Allreduce(const void* send, void* receive, int count, MPI_Datatype type,
   return PMPI_Allreduce(send, receive, count, type, op, comm);
 }
 
+int MPI_Alltoallv(const void* send, const int* send_counts, const int* send_offsets,
+                  MPI_Datatype send_type, void* receive, const int* receive_counts,
+                  const int* receive_offsets, MPI_Datatype receive_type, MPI_Comm comm) {
+  int ranks = 0, elements = 0;
+  PMPI_Comm_size(comm, &ranks);
+  for (int r = 0; r < ranks; ++r) elements += send_counts[r];
+  latte_test::count("MPI_Alltoallv", elements, send_type);
+  return PMPI_Alltoallv(send, send_counts, send_offsets, send_type, receive, receive_counts,
+                        receive_offsets, receive_type, comm);
+}
+
 }  // extern "C"

@@ -320,6 +320,83 @@ TEST_CASE("LeaPformer with modules across ranks: the modules' weight gradients s
   }
 }
 
+/// Uniform proportions in [0, 1] [B, T, H], the same on every rank.
+Tensor<double, 3> random_proportions(std::mt19937_64& rng, index_t B, index_t Tn, index_t H) {
+  Tensor<double, 3> p({B, Tn, H});
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  for (index_t i = 0; i < p.size(); ++i) p.data()[i] = uniform(rng);
+  return p;
+}
+
+TEST_CASE("LeaPformer with given proportions across ranks: outputs, inputs' and proportions' gradients") {
+  using Leap = latte::LinearAttention<latte::Causal, latte::Relu, latte::LeaPReweight>;
+  const index_t Dk = 8, Dv = 3, H = 2, B = 2;
+  const Leap attention({.heads = H, .key_dim = Dk, .value_dim = Dv});
+  std::mt19937_64 rng(73);
+  const int rank = world_rank();
+  auto check = [&](auto e, const std::vector<std::int64_t>& lengths) {
+    const auto [first, slice_length, total] = slice_of(lengths, rank);
+    const index_t Tn = static_cast<index_t>(total), length = static_cast<index_t>(slice_length);
+    auto q = random_input<double>(rng, {B, Tn, H, Dk}, 1.0);
+    auto k = random_input<double>(rng, {B, Tn, H, Dk}, 1.0);
+    auto v = random_input<double>(rng, {B, Tn, H, Dv}, 1.0);
+    auto d_out = random_input<double>(rng, {B, Tn, H, Dv}, 1.0);
+    auto pq = random_proportions(rng, B, Tn, H), pk = random_proportions(rng, B, Tn, H);
+    // The whole sequence on this rank.
+    Tensor<double, 4> whole_out({B, Tn, H, Dv});
+    auto whole_state = attention.make_state<double>(B);
+    attention.forward(e, q.view(), k.view(), v.view(), {pq.view(), pk.view()}, whole_out.view(),
+                      whole_state);
+    Tensor<double, 4> dq({B, Tn, H, Dk}), dk({B, Tn, H, Dk}), dv({B, Tn, H, Dv});
+    Tensor<double, 3> dpq({B, Tn, H}), dpk({B, Tn, H});
+    latte::LinearGradients<double> whole{dq.view(), dk.view(), dv.view()};
+    whole.d_query_proportions = dpq.view();
+    whole.d_key_proportions = dpk.view();
+    attention.backward(e, q.view(), k.view(), v.view(), {pq.view(), pk.view()}, d_out.view(), whole);
+
+    // This rank's slice.
+    auto slice = [&](auto& x) {
+      return TensorView<const double, 4>(tokens<double>(x.view(), first, length));
+    };
+    auto slice3 = [&](Tensor<double, 3>& x) {
+      return TensorView<double, 3>(x.data() + first * x.view().stride(1), {B, length, H},
+                                   x.view().strides());
+    };
+    const latte::SequenceProportions<double> proportions{slice3(pq), slice3(pk)};
+    Tensor<double, 4> out({B, length, H, Dv});
+    auto state = latte::distributed::forward(
+        e, MPI_COMM_WORLD, attention, std::tuple{slice(q), slice(k), slice(v), proportions},
+        out.view());
+    INFO("rank " << rank << ", slice [" << first << ", " << first + length << ") of " << total);
+    CHECK(state.position() == first + length);
+    CHECK(relative_difference<double>(out.view(), slice(whole_out)) <= 1e-11);
+    Tensor<double, 4> sq({B, length, H, Dk}), sk({B, length, H, Dk}), sv({B, length, H, Dv});
+    Tensor<double, 3> spq({B, length, H}), spk({B, length, H});  // accumulated (+=): from ones
+    for (auto* p : {&spq, &spk})
+      for (index_t i = 0; i < p->size(); ++i) p->data()[i] = 1.0;
+    latte::LinearGradients<double> parts{sq.view(), sk.view(), sv.view()};
+    parts.d_query_proportions = spq.view();
+    parts.d_key_proportions = spk.view();
+    latte::distributed::backward(e, MPI_COMM_WORLD, attention, slice(q), slice(k), slice(v),
+                                 proportions, slice(d_out), parts);
+    CHECK(relative_difference<double>(sq.view(), slice(dq)) <= 1e-11);
+    CHECK(relative_difference<double>(sk.view(), slice(dk)) <= 1e-11);
+    CHECK(relative_difference<double>(sv.view(), slice(dv)) <= 1e-11);
+    for (auto* p : {&spq, &spk})
+      for (index_t i = 0; i < p->size(); ++i) p->data()[i] -= 1.0;
+    auto as4 = [&](TensorView<double, 3> x) {
+      return TensorView<const double, 4>(x.data(), {1, x.extent(0), x.extent(1), x.extent(2)},
+                                         {0, x.stride(0), x.stride(1), x.stride(2)});
+    };
+    CHECK(relative_difference<double>(as4(spq.view()), as4(slice3(dpq))) <= 1e-11);
+    CHECK(relative_difference<double>(as4(spk.view()), as4(slice3(dpk))) <= 1e-11);
+  };
+  for (const auto& lengths : slice_patterns(world_size())) {
+    check(latte::exec::cpu, lengths);
+    check(latte::exec::reference, lengths);
+  }
+}
+
 /// Latte Macchiato's forward and final state across the ranks (no backward
 /// across ranks yet): the window's halo travels in the state's ring.
 template <class T, class Attention, class E>
@@ -393,6 +470,91 @@ TEST_CASE("LAVO across ranks: the halo first, then the windows' sums") {
   const CausalLavo local_only({.heads = 1, .dim = 4, .bases = 2, .window = 7},
                               {.empty_memory = latte::LavoEmptyMemory::local_only});
   check_all_patterns<double>(local_only, 4, 1.0, 99);
+}
+
+/// Random weights of the shapes `dims` needs (1/sqrt(fan-in), as
+/// test_conv_compressed.cpp draws them), the same on every rank.
+latte::ConvCompressedParams random_conv_params(std::mt19937_64& rng,
+                                               const latte::ConvCompressedDims& dims) {
+  latte::ConvCompressedParams params = latte::ConvCompressedParams::zeros(dims);
+  const double Dv = double(dims.value_dim), M = double(dims.group_size);
+  auto fill = [&](auto& tensor, double stddev) {
+    std::normal_distribution<double> normal(0.0, stddev);
+    for (index_t i = 0; i < tensor.size(); ++i) tensor.data()[i] = normal(rng);
+  };
+  for (auto& w : params.conv_weight) fill(w, 1.0 / std::sqrt(M * Dv));
+  for (auto& b : params.conv_bias) fill(b, 0.5);
+  for (auto* list : {&params.level_query, &params.level_key, &params.level_value})
+    for (auto& w : *list) fill(w, 1.0 / std::sqrt(Dv));
+  for (auto* w : {&params.cross_query, &params.cross_key, &params.cross_value})
+    fill(*w, 1.0 / std::sqrt(Dv));
+  return params;
+}
+
+/// Convolutional compression's forward and final state across the ranks
+/// against the whole sequence on this rank (the level pipeline).
+template <class T, class E>
+void check_conv_compressed(E e, const latte::ConvCompressedAttention<latte::Causal>& attention,
+                           index_t B, const std::vector<std::int64_t>& lengths,
+                           std::uint64_t seed) {
+  const auto& dims = attention.dims();
+  const index_t H = dims.heads, Dk = dims.key_dim, Dv = dims.value_dim;
+  const int rank = world_rank();
+  const auto [first, length, total] = slice_of(lengths, rank);
+  const index_t Tn = static_cast<index_t>(total), capacity = Tn + 1;
+  std::mt19937_64 rng(seed);
+  auto q = random_input<T>(rng, {B, Tn, H, Dk}, 1.0);
+  auto k = random_input<T>(rng, {B, Tn, H, Dk}, 1.0);
+  auto v = random_input<T>(rng, {B, Tn, H, Dv}, 1.0);
+  auto step_inputs = random_input<T>(rng, {3, B, H, std::max(Dk, Dv)}, 1.0);
+  Tensor<T, 4> whole_out({B, Tn, H, Dv});
+  auto whole_state = attention.template make_state<T>(B, capacity);
+  attention.forward(e, q.view(), k.view(), v.view(), whole_out.view(), whole_state);
+  auto slice = [&](auto& tensor) {
+    return TensorView<const T, 4>(tokens<T>(tensor.view(), first, length));
+  };
+  Tensor<T, 4> out({B, static_cast<index_t>(length), H, Dv});
+  auto state = latte::distributed::forward(e, MPI_COMM_WORLD, attention, slice(q), slice(k),
+                                           slice(v), out.view(), capacity);
+  INFO("rank " << rank << " of " << lengths.size() << ", slice [" << first << ", "
+                << first + length << ") of " << total << ", M " << dims.group_size
+                << ", levels " << dims.levels << ", window " << attention.window().left);
+  CHECK(state.position() == first + length);
+  CHECK(state.context_capacity() == capacity);
+  CHECK(relative_difference<T>(out.view(), slice(whole_out)) <= tolerance<T>());
+  if (rank == static_cast<int>(lengths.size()) - 1) {  // one decode step past the sequence
+    auto row = [&](index_t i, index_t width) {
+      return TensorView<const T, 3>(step_inputs.data() + i * step_inputs.view().stride(0),
+                                    {B, H, width}, {step_inputs.view().stride(1),
+                                                    step_inputs.view().stride(2), 1});
+    };
+    Tensor<T, 3> from_parts({B, H, Dv}), from_whole({B, H, Dv});
+    attention.step(e, state, row(0, Dk), row(1, Dk), row(2, Dv), from_parts.view());
+    attention.step(e, whole_state, row(0, Dk), row(1, Dk), row(2, Dv), from_whole.view());
+    TensorView<const T, 4> a(from_parts.data(), {1, B, H, Dv}), b(from_whole.data(), {1, B, H, Dv});
+    CHECK(relative_difference<T>(a, b) <= tolerance<T>());
+  }
+}
+
+TEST_CASE("Convolutional compression across ranks: rings, straddling groups and top-level tokens") {
+  using ConvCompressed = latte::ConvCompressedAttention<latte::Causal>;
+  std::mt19937_64 rng(71);
+  // One level with M = 4 (groups straddle slices of 1 and 9 tokens); two levels
+  // with M = 3 and a window of 5 (level 1's ring spans slices); three levels of
+  // M = 2 with a window of 1.
+  const std::vector<latte::ConvCompressedDims> shapes = {
+      {.heads = 2, .key_dim = 3, .value_dim = 4, .group_size = 4, .levels = 1},
+      {.heads = 1, .key_dim = 4, .value_dim = 3, .group_size = 3, .levels = 2, .window_left = 5},
+      {.heads = 2, .key_dim = 2, .value_dim = 3, .group_size = 2, .levels = 3, .window_left = 1}};
+  std::uint64_t seed = 171;
+  for (const auto& dims : shapes) {
+    const ConvCompressed attention(dims, random_conv_params(rng, dims));
+    for (const auto& lengths : slice_patterns(world_size())) {
+      check_conv_compressed<double>(latte::exec::cpu, attention, 2, lengths, seed++);
+      check_conv_compressed<double>(latte::exec::reference, attention, 1, lengths, seed++);
+      check_conv_compressed<float>(latte::exec::cpu, attention, 1, lengths, seed++);
+    }
+  }
 }
 
 /// Scan rounds in which the rank at scan position `position` of `ranks` sends.

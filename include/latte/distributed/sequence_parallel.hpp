@@ -156,9 +156,9 @@ struct SequenceParallel<LatteAttention<Causal, Stab, Pos, Sum>>
   using StateGradients = LatteStateGradients<T>;
   /// Checks the buffers backward writes: the inputs' gradients and VAPOR's
   /// angles' [H, Dv/2] (or empty).
-  template <Real T>
+  template <Real T, class Inputs>
   static void check_gradients(const Attention& attention, const LatteGradients<T>& gradients,
-                              index_t batch, index_t length) {
+                              index_t batch, index_t length, const Inputs&) {
     const auto [H, L, Dv] = dims(attention);
     latte::detail::check_shape(gradients.d_query_logits, "gradients.d_query_logits",
                                {batch, length, H, L}, layout);
@@ -203,7 +203,27 @@ template <FeatureMap Map, Reweight Rw, Positional Pos, Summation Sum>
 struct SequenceParallel<LinearAttention<Causal, Map, Rw, Pos, Sum>>
     : detail::QueriesKeysValues<SequenceParallel<LinearAttention<Causal, Map, Rw, Pos, Sum>>> {
   using Attention = LinearAttention<Causal, Map, Rw, Pos, Sum>;
+  using Base = detail::QueriesKeysValues<SequenceParallel<Attention>>;
+  using Base::absorb;
+  using Base::check_inputs;
   static constexpr bool backward_across_ranks = true;
+  /// LeaPformer's inputs with precomputed proportions P_q, P_k [B, T, H].
+  template <Real T>
+  using InputsWithProportions = std::tuple<TensorView<const T, 4>, TensorView<const T, 4>,
+                                           TensorView<const T, 4>, SequenceProportions<T>>;
+  template <Real T>
+    requires(Attention::learned_proportions)
+  static void check_inputs(const Attention& attention, const InputsWithProportions<T>& inputs) {
+    const auto& [q, k, v, proportions] = inputs;
+    check_inputs(attention, std::tuple{q, k, v});
+    attention.validate_proportions(proportions, q.extent(0), q.extent(1));
+  }
+  template <class E, Real T, class State>
+    requires(Attention::learned_proportions)
+  static void absorb(E e, const Attention& attention, const InputsWithProportions<T>& inputs,
+                     State& state) {
+    attention.absorb(e, std::get<1>(inputs), std::get<2>(inputs), std::get<3>(inputs), state);
+  }
   static constexpr const char* queries = "queries";
   static constexpr const char* keys = "keys";
   static constexpr const char* layout = "[B, T, H, Dk]";
@@ -239,9 +259,9 @@ struct SequenceParallel<LinearAttention<Causal, Map, Rw, Pos, Sum>>
   }
   template <Real T>
   using StateGradients = LinearStateGradients<T>;
-  template <Real T>
+  template <Real T, class Inputs>
   static void check_gradients(const Attention& attention, const LinearGradients<T>& gradients,
-                              index_t batch, index_t length) {
+                              index_t batch, index_t length, const Inputs&) {
     const auto [H, Dk, Dv] = dims(attention);
     latte::detail::check_shape(gradients.d_queries, "gradients.d_queries", {batch, length, H, Dk},
                                layout);
@@ -264,28 +284,41 @@ struct SequenceParallel<LinearAttention<Causal, Map, Rw, Pos, Sum>>
         latte::detail::require(false, name, "expected nullptr: this attention has no LeaP modules");
       }
     }
-    latte::detail::require(
-        gradients.d_query_proportions.empty() && gradients.d_key_proportions.empty(),
-        "gradients.d_query_proportions",
-        "expected empty: given proportions are not taken across ranks");
+    constexpr bool given = std::tuple_size_v<Inputs> == 4;  // with proportions
+    for (const auto& [d_proportions, name] :
+         {std::pair{gradients.d_query_proportions, "gradients.d_query_proportions"},
+          std::pair{gradients.d_key_proportions, "gradients.d_key_proportions"}}) {
+      if (d_proportions.empty()) continue;
+      latte::detail::require(given, name, "expected empty: this call takes no proportions");
+      latte::detail::check_shape(d_proportions, name, {batch, length, H}, "[B, T, H]");
+    }
   }
   /// The LeaP modules' weight gradients this rank's slice adds, summed over
   /// the ranks (MPI_Allreduce, in double as the backward accumulates them) and
-  /// added into the caller's modules on every rank.
+  /// added into the caller's modules on every rank. Given proportions'
+  /// gradients are the slice's own (accumulated by the backward pass that
+  /// has the final state's gradient only, so they are counted once).
   template <Real T>
   struct ParameterGradients {
     std::optional<LeaPModule> query, key;
-    ParameterGradients(const Attention&, const LinearGradients<T>& gradients) {
+    TensorView<T, 3> d_query_proportions, d_key_proportions;
+    ParameterGradients(const Attention&, const LinearGradients<T>& gradients)
+        : d_query_proportions(gradients.d_query_proportions),
+          d_key_proportions(gradients.d_key_proportions) {
       if (gradients.d_query_module) query = gradients.d_query_module->zeros_like();
       if (gradients.d_key_module) key = gradients.d_key_module->zeros_like();
     }
     void attach(LinearGradients<T>& local) {
       local.d_query_module = query ? &*query : nullptr;
       local.d_key_module = key ? &*key : nullptr;
+      local.d_query_proportions = d_query_proportions;
+      local.d_key_proportions = d_key_proportions;
     }
     void detach(LinearGradients<T>& local) const {
       local.d_query_module = nullptr;
       local.d_key_module = nullptr;
+      local.d_query_proportions = {};
+      local.d_key_proportions = {};
     }
     void sum_into(MPI_Comm comm, const LinearGradients<T>& gradients) {
       auto sum = [&](LeaPModule& local, LeaPModule& into) {
@@ -439,8 +472,8 @@ template <class Attention, class E, Real T, class Inputs>
   auto scan = [&](State own) {
     std::optional<State> before = exclusive_scan(
         comm, layout, false, std::move(own),
-        [&](int partner) {
-          return attention.template make_state<T>(batch, layout.first_of(partner + 1));
+        [&](int, int last) {
+          return attention.template make_state<T>(batch, layout.first_of(last + 1));
         },
         [](State& earlier, const State& later) { earlier.append_state(later); });
     return before ? std::move(*before) : attention.template make_state<T>(batch, 0);
@@ -480,8 +513,11 @@ template <class Attention, Real T, class Check>
 /// the whole sequence). Collective over `comm`: every rank calls it with the
 /// same attention and batch; a rank whose inputs are wrong, or ranks that
 /// disagree, make every rank throw the same latte::Error before data moves.
+/// `inputs` are the forward's, in its order: Latte Macchiato's five views;
+/// LeaPformer's queries, keys, values and its SequenceProportions.
 template <class Attention, exec::Policy E, Real T, class... Inputs>
-  requires(std::is_same_v<Inputs, TensorView<const T, 4>> && ...)
+  requires((std::is_same_v<Inputs, TensorView<const T, 4>> ||
+            std::is_same_v<Inputs, SequenceProportions<T>>) && ...)
 [[nodiscard]] typename Attention::template State<T> forward(
     E e, MPI_Comm comm, const Attention& attention,
     const std::tuple<TensorView<const T, 4>, Inputs...>& inputs, TensorView<T, 4> out) {
@@ -512,34 +548,32 @@ template <class Attention, exec::Policy E, Real T>
   return forward(e, comm, attention, std::tuple{queries, keys, values}, out);
 }
 
-/// The gradients of a loss of the whole sequence's outputs, whose gradient
-/// with respect to this rank's outputs is `d_out` [B, T, H, Dv]: writes this
-/// rank's inputs' gradients (as Attention::backward), and adds the parameters'
-/// gradients (VAPOR's angles, the LeaP modules' weights), summed over every
-/// rank, on every rank.
-/// Collective over `comm`, with the slices of forward.
-template <class Attention, exec::Policy E, class Gradients,
-          Real T = typename decltype(Gradients::d_values)::element_type>
-  requires detail::BackwardAcrossRanks<Attention> &&
-           std::is_same_v<Gradients, typename Attention::template Gradients<T>>
-void backward(E e, MPI_Comm comm, const Attention& attention,
-              std::type_identity_t<TensorView<const T, 4>> queries,
-              std::type_identity_t<TensorView<const T, 4>> keys,
-              std::type_identity_t<TensorView<const T, 4>> values,
-              std::type_identity_t<TensorView<const T, 4>> d_out, const Gradients& gradients) {
+namespace detail {
+
+/// distributed::backward over the forward's inputs as a tuple (queries, keys,
+/// values, and LeaPformer's proportions where given).
+template <class Attention, class E, Real T, class Inputs, class Gradients>
+void backward(E e, MPI_Comm comm, const Attention& attention, const Inputs& inputs,
+              const TensorView<const T, 4>& d_out, const Gradients& gradients) {
   using Parallel = SequenceParallel<Attention>;
   using State = typename Attention::template State<T>;
-  const auto inputs = std::tuple{queries, keys, values};
+  const TensorView<const T, 4>& queries = std::get<0>(inputs);
+  const TensorView<const T, 4>& keys = std::get<1>(inputs);
+  const TensorView<const T, 4>& values = std::get<2>(inputs);
   const index_t B = queries.extent(0);
-  const SliceLayout layout =
-      detail::agree_call(comm, detail::Call::backward, attention, queries, [&] {
-        Parallel::check_inputs(attention, inputs);
-        const auto dims = Parallel::dims(attention);
-        latte::detail::check_shape(d_out, "d_out", {B, queries.extent(1), dims[0], dims[2]},
-                                   "[B, T, H, Dv]");
-        Parallel::check_gradients(attention, gradients, B, queries.extent(1));
-      });
-  const State initial = detail::incoming_state<Attention, E, T>(e, comm, layout, attention, B, inputs);
+  const SliceLayout layout = agree_call(comm, Call::backward, attention, queries, [&] {
+    Parallel::check_inputs(attention, inputs);
+    const auto dims = Parallel::dims(attention);
+    latte::detail::check_shape(d_out, "d_out", {B, queries.extent(1), dims[0], dims[2]},
+                               "[B, T, H, Dv]");
+    Parallel::check_gradients(attention, gradients, B, queries.extent(1), inputs);
+  });
+  const State initial = incoming_state<Attention, E, T>(e, comm, layout, attention, B, inputs);
+  auto run_backward = [&](const Gradients& into,
+                          const typename Parallel::template StateGradients<T>& states) {
+    std::apply([&](const auto&... views) { attention.backward(e, views..., d_out, into, states); },
+               inputs);
+  };
 
   // g(r): the gradient of this slice's initial state through its own outputs.
   // The first rank's is not needed (nothing before it); the last rank's final
@@ -559,12 +593,12 @@ void backward(E e, MPI_Comm comm, const Attention& attention,
     typename Parallel::template StateGradients<T> states;
     states.initial = &initial;
     if (layout.rank > 0) states.d_initial = &through_outputs;
-    attention.backward(e, queries, keys, values, d_out, local_gradients, states);
+    run_backward(local_gradients, states);
   }
   // d_final(r) = sum over later ranks r' of g(r') carried back to r's end.
-  std::optional<State> after = detail::exclusive_scan(
+  std::optional<State> after = exclusive_scan(
       comm, layout, true, std::move(through_outputs),
-      [&](int) { return attention.template make_state<T>(B, 0); },
+      [&](int, int) { return attention.template make_state<T>(B, 0); },
       [](State& earlier, const State& later) { Parallel::add_gradient(earlier, later); });
   if constexpr (adds_final_share) {
     if (after) {
@@ -576,9 +610,48 @@ void backward(E e, MPI_Comm comm, const Attention& attention,
     states.initial = &initial;
     if (after) states.d_final = &*after;
     parameters.attach(local_gradients);
-    attention.backward(e, queries, keys, values, d_out, local_gradients, states);
+    run_backward(local_gradients, states);
   }
   parameters.sum_into(comm, gradients);
+}
+
+}  // namespace detail
+
+/// The gradients of a loss of the whole sequence's outputs, whose gradient
+/// with respect to this rank's outputs is `d_out` [B, T, H, Dv]: writes this
+/// rank's inputs' gradients (as Attention::backward), and adds the parameters'
+/// gradients (VAPOR's angles, the LeaP modules' weights), summed over every
+/// rank, on every rank.
+/// Collective over `comm`, with the slices of forward.
+template <class Attention, exec::Policy E, class Gradients,
+          Real T = typename decltype(Gradients::d_values)::element_type>
+  requires detail::BackwardAcrossRanks<Attention> &&
+           std::is_same_v<Gradients, typename Attention::template Gradients<T>>
+void backward(E e, MPI_Comm comm, const Attention& attention,
+              std::type_identity_t<TensorView<const T, 4>> queries,
+              std::type_identity_t<TensorView<const T, 4>> keys,
+              std::type_identity_t<TensorView<const T, 4>> values,
+              std::type_identity_t<TensorView<const T, 4>> d_out, const Gradients& gradients) {
+  detail::backward<Attention, E, T>(e, comm, attention, std::tuple{queries, keys, values}, d_out,
+                                    gradients);
+}
+
+/// As above, for LeaPformer with precomputed proportions P_q, P_k [B, T, H]
+/// (this rank's tokens): their gradients accumulate into
+/// gradients.d_query_proportions / d_key_proportions (this rank's tokens)
+/// where those are not empty.
+template <class Attention, exec::Policy E, Real T>
+  requires detail::BackwardAcrossRanks<Attention> && Attention::learned_proportions
+void backward(E e, MPI_Comm comm, const Attention& attention,
+              std::type_identity_t<TensorView<const T, 4>> queries,
+              std::type_identity_t<TensorView<const T, 4>> keys,
+              std::type_identity_t<TensorView<const T, 4>> values,
+              std::type_identity_t<SequenceProportions<T>> proportions,
+              std::type_identity_t<TensorView<const T, 4>> d_out,
+              const LinearGradients<T>& gradients) {
+  detail::backward<Attention, E, T>(e, comm, attention,
+                                    std::tuple{queries, keys, values, proportions}, d_out,
+                                    gradients);
 }
 
 }  // namespace latte::distributed

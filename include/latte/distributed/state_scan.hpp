@@ -12,6 +12,7 @@
 // rounds the bytes each rank sends are those docs/distributed.md derives.
 #include <mpi.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstddef>
 #include <optional>
@@ -63,7 +64,8 @@ void unpack_state(const std::vector<T>& buffer, State& state) {
 /// of the states of the ranks before this one in scan order (rank order, or
 /// its reverse), nullopt for the first. combine(earlier, later) makes
 /// `earlier` the combination of the two (earlier in scan order);
-/// make(partner) returns a state to receive rank `partner`'s accumulation into.
+/// make(lowest, highest) returns a state to receive the accumulation of the
+/// ranks lowest ..= highest (rank order, a contiguous run) into.
 /// Collective over `comm`.
 template <class State, class Make, class Combine>
 [[nodiscard]] std::optional<State> exclusive_scan(MPI_Comm comm, const SliceLayout& layout,
@@ -87,7 +89,8 @@ template <class State, class Make, class Combine>
                  mpi_type<T>(), from, tag, comm, MPI_STATUS_IGNORE);
     if (!receives) continue;
     // The partner's accumulation covers the scan positions just before ours.
-    State received = make(from);
+    const int covered = rank_at(std::max(0, position - 2 * d + 1));  // partner's first
+    State received = make(std::min(from, covered), std::max(from, covered));
     unpack_state(incoming, received);
     if (position + 2 * d < P) {  // our accumulation is sent again next round
       State earlier = received;

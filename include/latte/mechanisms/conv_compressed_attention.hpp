@@ -362,6 +362,14 @@ class ConvCompressedAttention {
     state.advance(1);
   }
 
+  /// The weights in the compute type T, flat and per head (the backends'
+  /// layout): what latte/distributed/'s level pipeline computes with.
+  template <Real T>
+  [[nodiscard]] const reference::ConvCompressedWeights<T>& weights() const noexcept {
+    if constexpr (std::is_same_v<T, float>) return weights_float_;
+    else return weights_double_;
+  }
+
  private:
   /// exec::reference and exec::cpu run this mechanism; there is no CUDA kernel yet.
   template <class E>
@@ -369,12 +377,6 @@ class ConvCompressedAttention {
     static_assert(!std::is_same_v<E, exec::cuda_t>,
                   "ConvCompressedAttention has no exec::cuda kernel in this version of latte: "
                   "use latte::exec::cpu or latte::exec::reference");
-  }
-
-  template <Real T>
-  [[nodiscard]] const reference::ConvCompressedWeights<T>& weights() const noexcept {
-    if constexpr (std::is_same_v<T, float>) return weights_float_;
-    else return weights_double_;
   }
 
   [[nodiscard]] ConvCompressedStateShape state_shape(index_t batch, index_t capacity) const {

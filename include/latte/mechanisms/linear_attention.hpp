@@ -263,20 +263,40 @@ class LinearAttention {
   /// Advances `state` over keys [B, T, H, Dk] and values [B, T, H, Dv] without
   /// computing outputs: the state forward would leave, from the keys' features
   /// and the S, z sums alone. For a prompt whose outputs are not needed, and a
-  /// slice's summary in sequence parallelism (latte/distributed/). LeaP with
-  /// given proportions has no absorb (its forward takes them).
+  /// slice's summary in sequence parallelism (latte/distributed/).
   template <exec::Policy E, Real T>
     requires(Dir::is_causal)
   void absorb(E, InputView<T> keys, InputView<T> values, State<T>& state) const {
     require_implemented<E>();
+    require_modules();
+    run_absorb<E, T>(keys, values, nullptr, state);
+  }
+
+  /// As above, with precomputed proportions [B, T, H] (LeaP): the keys' are
+  /// read (P_k weighs what a key adds to the state); the queries' may be empty.
+  template <exec::Policy E, Real T>
+    requires(Dir::is_causal && learned_proportions)
+  void absorb(E, InputView<T> keys, InputView<T> values, Proportions<T> proportions,
+              State<T>& state) const {
+    require_implemented<E>();
+    const index_t B = keys.extent(0), Tn = keys.extent(1);
+    check_view(keys, "keys");
+    check_proportion_values<T, 3>(proportions.keys, "key_proportions", {B, Tn, dims_.heads},
+                                  "[B, T, H]", TensorView<T, 4>{});
+    run_absorb<E, T>(keys, values, &proportions, state);
+  }
+
+ private:
+  template <exec::Policy E, Real T>
+  void run_absorb(const TensorView<const T, 4>& keys, const TensorView<const T, 4>& values,
+                  const SequenceProportions<T>* given, State<T>& state) const {
     check_view(keys, "keys");
     const index_t B = keys.extent(0), Tn = keys.extent(1), H = dims_.heads;
     detail::check_shape(keys, "keys", {B, Tn, H, dims_.key_dim}, "[B, T, H, Dk]");
     detail::check_shape(values, "values", {B, Tn, H, dims_.value_dim}, "[B, T, H, Dv]");
     validate_state(state, B, Tn);
-    require_modules();
     const reference::LinearSpec call = spec();
-    const auto proportion_of = sequence_proportions<T>(nullptr, state.length());
+    const auto proportion_of = sequence_proportions<T>(given, state.length());
     auto carry_of = [&](index_t b, index_t h) { return carry(state, b, h); };
     if constexpr (std::is_same_v<E, exec::cpu_t>)
       cpu::linear_causal_absorb<Map, Rw, Pos>(keys, values, call, state.position(), proportion_of,
@@ -287,6 +307,7 @@ class LinearAttention {
     state.advance(Tn);
   }
 
+ public:
   /// Next-token decode: queries, keys [B, H, Dk], values [B, H, Dv]; out [B, H, Dv].
   /// O(E * Dv) per head, independent of the tokens already absorbed; no allocation.
   template <exec::Policy E, Real T>
@@ -564,7 +585,7 @@ class LinearAttention {
   }
 
   /// Shape, and every value finite and in [0, 1] (paper 004 eq. 8); `out`
-  /// must not share memory with the proportions.
+  /// must not share memory with the proportions (an empty `out`: not checked).
   template <Real T, std::size_t N, class O>
   static void check_proportion_values(const TensorView<const T, N>& proportions,
                                       const char* argument, const std::array<index_t, N>& expected,
@@ -598,6 +619,20 @@ class LinearAttention {
   }
 
  public:
+  /// Throws latte::Error unless `proportions` are P_q and P_k [B, T, H] with
+  /// every value in [0, 1]: what forward checks, for a caller that must know
+  /// before it starts (latte/distributed/ checks every rank's first).
+  template <Real T>
+    requires(learned_proportions)
+  void validate_proportions(const SequenceProportions<T>& proportions, index_t batch,
+                            index_t length) const {
+    const std::array<index_t, 3> expected{batch, length, dims_.heads};
+    check_proportion_values<T, 3>(proportions.queries, "query_proportions", expected,
+                                  "[B, T, H]", TensorView<T, 4>{});
+    check_proportion_values<T, 3>(proportions.keys, "key_proportions", expected, "[B, T, H]",
+                                  TensorView<T, 4>{});
+  }
+
   /// Throws latte::Error unless `state` belongs to this attention (kind and sizes)
   /// and can take `new_tokens` more tokens of `batch` sequences (capacity): the
   /// check every call with a state makes first. Public so that a caller running
