@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -377,17 +378,21 @@ TEST_CASE("ConvCompressed decode, levels >= 2: prefill + steps == oracle") {
 }
 
 TEST_CASE("ConvCompressed: chunked prefill equals the oracle") {
-  for (const index_t levels : {1, 2, 3}) {
-    const auto p = fixed_problem<double>(2, 97, 3, 5, 6, 3, levels, 625 + levels);
+  // B = 2, H = 3 (exec::cpu runs heads on threads) and B = H = 1 (query blocks on threads).
+  for (const auto [B, H, levels] : {std::array<index_t, 3>{2, 3, 1}, {2, 3, 2}, {2, 3, 3},
+                                    {1, 1, 1}, {1, 1, 2}}) {
+    const auto p = fixed_problem<double>(B, 97, H, 5, 6, 3, levels, 625 + levels);
     const ConvCompressedAttention<Causal> attention(p.dims, p.params);
     const auto oracle = conv_compressed_oracle(p.spec, p.params, p.q, p.k, p.v);
     auto run = [&](auto backend) {
       CAPTURE(decltype(backend)::name);
-      auto state = attention.make_state<double>(2, 97);
+      CAPTURE(B);
+      CAPTURE(levels);
+      auto state = attention.make_state<double>(B, 97);
       Tensor<double, 4> out(p.v.extents());
       index_t first = 0;
       for (index_t chunk : {0, 1, 13, 40, 43}) {  // boundaries inside and between groups
-        Tensor<double, 4> part({2, chunk, 3, 6});
+        Tensor<double, 4> part({B, chunk, H, 6});
         attention.forward(backend, time_slice(p.q, first, chunk), time_slice(p.k, first, chunk),
                           time_slice(p.v, first, chunk), part.view(), state);
         for (index_t t = 0; t < chunk; ++t) set_time_step(out, first + t, time_step(part, t));

@@ -608,6 +608,39 @@ TEST_CASE("Bytes each rank hands MPI: one state per scan round, against ring att
                    << " in the backward; ring attention would send " << ring);
 }
 
+TEST_CASE("Bytes of convolutional compression: a ring and a partial sum per level and scan round, top-level tokens to later ranks") {
+  const index_t B = 1, H = 4, Dk = 64, Dv = 64, M = 8, levels = 2;  // window M - 1: rings of 8
+  const std::int64_t length = 4096;
+  const int P = world_size(), rank = world_rank();
+  std::mt19937_64 rng(43);
+  const latte::ConvCompressedDims dims{
+      .heads = H, .key_dim = Dk, .value_dim = Dv, .group_size = M, .levels = levels};
+  const latte::ConvCompressedAttention<latte::Causal> attention(dims, random_conv_params(rng, dims));
+  auto q = random_input<float>(rng, {B, length, H, Dk}, 1.0);
+  auto k = random_input<float>(rng, {B, length, H, Dk}, 1.0);
+  auto v = random_input<float>(rng, {B, length, H, Dv}, 1.0);
+  Tensor<float, 4> out({B, length, H, Dv});
+  latte_test::reset_mpi_bytes();
+  (void)latte::distributed::forward(latte::exec::cpu, MPI_COMM_WORLD, attention, q.view(), k.view(),
+                                    v.view(), out.view());
+  const latte_test::MpiBytes forward = latte_test::mpi_bytes();
+  const std::int64_t f = sizeof(float);
+  const std::int64_t ring_bytes = B * H * M * (Dk + Dv) * f, group_bytes = B * H * Dv * f;
+  const std::int64_t scans = levels * scan_sends(rank, P) * (ring_bytes + group_bytes);
+  // Every slice holds length / M^2 = 64 top-level tokens, sent to each later rank.
+  const std::int64_t top = (P - 1 - rank) * (length / (M * M)) * B * H * (Dk + Dv) * f;
+  const std::int64_t agreement_bytes = 10 * 8 + 2 * 4;
+  CHECK(sent(forward, "MPI_Sendrecv") == scans);
+  CHECK(sent(forward, "MPI_Alltoallv") == top);
+  CHECK(forward.total() == scans + top + agreement_bytes);
+  const std::int64_t ring = (P - 1) * B * length * H * (Dk + Dv) * f;
+  if (rank == 0)
+    MESSAGE("conv compression M = " << M << ", " << levels << " levels, P = " << P << ", slice "
+            << length << " tokens, B H Dk Dv = " << B << " " << H << " " << Dk << " " << Dv
+            << " fp32: rank 0 sends " << forward.total() << " bytes; ring attention would send "
+            << ring);
+}
+
 /// Every rank catches a latte::Error from `call`, and all catch the same one.
 template <class Call>
 void check_every_rank_throws(Call&& call, const std::string& argument, const std::string& says) {

@@ -13,7 +13,9 @@
 //   a rank owns when their group ends inside its slice:
 //     1. a scan of rings: each rank gets the last R = window_left + 1 keys and
 //        values of level l before its first level-l token (the halo);
-//     2. each rank computes y^(l) of its level-l tokens from that ring;
+//     2. each rank computes y^(l) of its level-l tokens from that ring (level 0
+//        on exec::cpu: the blocked windowed softmax, its first rows again from
+//        the ring);
 //     3. a scan of open groups' partial sums: each rank gets the convolution's
 //        partial sum of the group its first level-l token falls in;
 //     4. each rank completes the groups that end in its slice: c^(l+1), and
@@ -33,6 +35,7 @@
 #include <span>
 #include <vector>
 
+#include "latte/backends/cpu/conv_compressed.hpp"
 #include "latte/backends/reference/conv_compressed.hpp"
 #include "latte/backends/reference/softmax.hpp"
 #include "latte/core/crc32c.hpp"
@@ -110,9 +113,9 @@ class ConvCompressedPipeline {
 
   /// Runs the pipeline over this rank's slice and fills `state` (fresh, of the
   /// agreed capacity) with what comes before the slice.
-  template <class Queries, class Keys, class Values>
-  void state_before(const Queries& q, const Keys& k, const Values& v,
-                    ConvCompressedState<T>& state) {
+  template <class E>
+  void state_before(E, const TensorView<const T, 4>& q, const TensorView<const T, 4>& k,
+                    const TensorView<const T, 4>& v, ConvCompressedState<T>& state) {
     const std::int64_t a = layout_.first(), b = a + layout_.length();
     const bool last = layout_.rank == layout_.ranks - 1;
     // Level l's owned tokens: queries, keys, values [heads][n][*] (level 0: the inputs).
@@ -147,7 +150,14 @@ class ConvCompressedPipeline {
       // 2. y^(l) of the owned tokens (the last rank's are nobody's input).
       std::vector<T> y(last ? 0 : static_cast<std::size_t>(heads_ * n * Dv_));
       LevelPiece<T> working = ring_before ? *ring_before : ring_piece(first, first);
-      if (!last)
+      if (!last && level == 0 && std::is_same_v<E, exec::cpu_t>) {  // the blocked window
+        Tensor<T, 4> y0({heads_ / H_, n, H_, Dv_});
+        cpu::window_outputs_after_ring(q, k, v, y0.view(), scale_, left_, ring_, first,
+                                       [&](index_t b, index_t h) { return slots(working, b * H_ + h); });
+        for (index_t bh = 0; bh < heads_; ++bh)
+          for (index_t j = 0; j < n; ++j)
+            std::copy_n(y0.view().row(bh / H_, j, bh % H_), Dv_, y.data() + (bh * n + j) * Dv_);
+      } else if (!last) {
         for (index_t bh = 0; bh < heads_; ++bh)
           for (index_t j = 0; j < n; ++j) {
             const std::int64_t index = first + j;
@@ -156,6 +166,7 @@ class ConvCompressedPipeline {
                 slots(working, bh), ring_, Dk_, Dv_, scale_, index,
                 static_cast<index_t>(left_ >= index ? index + 1 : left_ + 1));
           }
+      }
 
       // 3. The open group's partial sum before this rank's level-l tokens.
       LevelPiece<T> group = group_piece(first, end);
@@ -376,7 +387,7 @@ template <exec::Policy E, Real T>
                                "elements in one MPI message (a ring, or the top-level tokens)",
                                "<= INT_MAX", std::max(ring_elements, top_elements)));
   });
-  pipeline.state_before(queries, keys, values, *state);
+  pipeline.state_before(e, queries, keys, values, *state);
   attention.forward(e, queries, keys, values, out, *state);
   return std::move(*state);
 }

@@ -121,9 +121,9 @@ void window_attend(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v, M
 /// spans the whole past (T / M^L tokens): its sums across key blocks (the
 /// softmax normaliser and the weighted values) are compensated, each block's
 /// GEMM result added by TwoSum (core/compensated_sum.hpp).
-template <Real T, class Visible>
+template <Real T, class Keys, class Values, class Visible>
 void cross_block(T* out_rows, index_t out_stride, index_t i0, index_t nq, const T* query_weight,
-                 const Matrix<T>& keys, const Matrix<T>& values, T scale, Visible&& visible,
+                 const Keys& keys, const Values& values, T scale, Visible&& visible,
                  BlockScratch<T>& s) {
   constexpr T neg_inf = -std::numeric_limits<T>::infinity();
   const index_t Dk = keys.cols(), Dv = values.cols();
@@ -313,6 +313,59 @@ void conv_compressed_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
   }
 }
 
+/// Step 2 / approach 2 for the token at `position`, whose y^(0) is in
+/// scratch.level_output: it joins the open group of each level, and a group it
+/// completes becomes c^(l) (window-attended, l < L, and climbing on; or stored
+/// in the compressed store, l = L). The decode step's second half.
+template <Real T>
+void conv_compressed_climb(reference::ConvCompressedCarry<T> carry,
+                           const reference::ConvCompressedWeights<T>& w, index_t h, T scale,
+                           index_t window_left, index_t ring, std::int64_t position,
+                           reference::ConvCompressedScratch<T> scratch) noexcept {
+  using namespace conv_compressed_detail;
+  constexpr index_t W = simd::width<T>;
+  const index_t Dk = w.key_dim, Dv = w.value_dim, M = w.group_size, L = w.levels;
+  auto window_visible = [&](std::int64_t index) {
+    return static_cast<index_t>(window_left >= index ? index + 1 : window_left + 1);  // no overflow
+  };
+  auto ring_of = [&](index_t level) {
+    return reference::KVSlots<T>{carry.window_keys + level * ring * Dk,
+                                 carry.window_values + level * ring * Dv};
+  };
+  index_t d = 0;
+  std::int64_t index = position;
+  for (index_t level = 1; level <= L; ++level) {
+    const auto tap = static_cast<index_t>(index % M);
+    T* group_sum = carry.group_sums + (level - 1) * Dv;
+    const T* tap_weight = w.conv(level, h) + tap * Dv * Dv;
+    if (tap == 0) std::fill(group_sum, group_sum + Dv, T(0));
+    {
+      using Vector = Eigen::Matrix<T, Eigen::Dynamic, 1>;
+      Eigen::Map<Vector>(group_sum, Dv).noalias() +=
+          ConstMap<T>(tap_weight, Dv, Dv, Eigen::OuterStride<>(Dv)) *
+          Eigen::Map<const Vector>(scratch.level_output, Dv);
+    }
+    if (tap != M - 1) return;  // the group stays open
+    index /= M;
+    const T* bias = w.bias(level, h);
+    for (d = 0; d + W <= Dv; d += W)
+      simd::store(scratch.compressed + d, simd::load(group_sum + d) + simd::load(bias + d));
+    for (; d < Dv; ++d) scratch.compressed[d] = group_sum[d] + bias[d];
+    if (level == L) {
+      matvec(w.cross_key_projection(h), scratch.compressed, carry.compressed_keys + index * Dk,
+             Dk, Dv);
+      matvec(w.cross_value_projection(h), scratch.compressed,
+             carry.compressed_values + index * Dv, Dv, Dv);
+      return;
+    }
+    matvec(w.query_projection(level, h), scratch.compressed, scratch.query, Dk, Dv);
+    matvec(w.key_projection(level, h), scratch.compressed, scratch.key, Dk, Dv);
+    matvec(w.value_projection(level, h), scratch.compressed, scratch.value, Dv, Dv);
+    cpu::softmax_decode_step(scratch.query, scratch.key, scratch.value, scratch.level_output,
+                        ring_of(level), ring, Dk, Dv, scale, index, window_visible(index));
+  }
+}
+
 /// One causal decode step: reference::conv_compressed_step with vectorised
 /// products (same arguments, same state layout); no allocation.
 template <Real T>
@@ -356,66 +409,115 @@ void conv_compressed_step(const T* q, const T* k, const T* v, T* out,
     simd::store(out + d, simd::load(scratch.level_output + d) + simd::load(scratch.cross + d));
   for (; d < Dv; ++d) out[d] = scratch.level_output[d] + scratch.cross[d];
 
-  // Step 2 / approach 2: the token climbs while it closes groups.
-  std::int64_t index = position;
-  for (index_t level = 1; level <= L; ++level) {
-    const auto tap = static_cast<index_t>(index % M);
-    T* group_sum = carry.group_sums + (level - 1) * Dv;
-    const T* tap_weight = w.conv(level, h) + tap * Dv * Dv;
-    if (tap == 0) std::fill(group_sum, group_sum + Dv, T(0));
-    {
-      using Vector = Eigen::Matrix<T, Eigen::Dynamic, 1>;
-      Eigen::Map<Vector>(group_sum, Dv).noalias() +=
-          ConstMap<T>(tap_weight, Dv, Dv, Eigen::OuterStride<>(Dv)) *
-          Eigen::Map<const Vector>(scratch.level_output, Dv);
-    }
-    if (tap != M - 1) return;  // the group stays open
-    index /= M;
-    const T* bias = w.bias(level, h);
-    for (d = 0; d + W <= Dv; d += W)
-      simd::store(scratch.compressed + d, simd::load(group_sum + d) + simd::load(bias + d));
-    for (; d < Dv; ++d) scratch.compressed[d] = group_sum[d] + bias[d];
-    if (level == L) {
-      matvec(w.cross_key_projection(h), scratch.compressed, carry.compressed_keys + index * Dk,
-             Dk, Dv);
-      matvec(w.cross_value_projection(h), scratch.compressed,
-             carry.compressed_values + index * Dv, Dv, Dv);
-      return;
-    }
-    matvec(w.query_projection(level, h), scratch.compressed, scratch.query, Dk, Dv);
-    matvec(w.key_projection(level, h), scratch.compressed, scratch.key, Dk, Dv);
-    matvec(w.value_projection(level, h), scratch.compressed, scratch.value, Dv, Dv);
-    cpu::softmax_decode_step(scratch.query, scratch.key, scratch.value, scratch.level_output,
-                        ring_of(level), ring, Dk, Dv, scale, index, window_visible(index));
-  }
+  conv_compressed_climb(carry, w, h, scale, window_left, ring, position, scratch);
 }
 
-/// A forward that continues decode states: conv_compressed_step token by token,
-/// in parallel over (batch, head). `carry_of(b, h)` gives each head's carry;
-/// scratch is allocated here, one per worker.
+/// y^(0) (step 1) of the causal tokens first_position, first_position + 1, ...
+/// whose windows reach into the tokens before them, held in a ring of the
+/// inputs (`ring_of(b, h)`: KVSlots of `ring` slots, slot = position mod ring, as
+/// a decode state keeps them): the windowed softmax over the tokens given, then
+/// their first window_left rows again by decode steps over the ring (which
+/// they enter as steps would).
+template <Real T, class RingOf>
+void window_outputs_after_ring(TensorView<const T, 4> q, TensorView<const T, 4> k,
+                               TensorView<const T, 4> v, TensorView<T, 4> out, T scale,
+                               index_t window_left, index_t ring, std::int64_t first_position,
+                               RingOf&& ring_of) {
+  const index_t Bn = q.extent(0), Tn = q.extent(1), H = q.extent(2);
+  if (Bn == 0 || Tn == 0) return;
+  const index_t Dk = q.extent(3), Dv = v.extent(3);
+  softmax_forward<true>(q, k, v, out, scale, SlidingWindow{.left = window_left, .right = 0});
+  const index_t halo_rows = std::min<index_t>(Tn, window_left);
+  parallel_for(Bn * H, thread_count(), [&](index_t bh, int) {
+    const index_t b = bh / H, h = bh % H;
+    const reference::KVSlots<T> slots = ring_of(b, h);
+    for (index_t t = 0; t < halo_rows; ++t) {
+      const std::int64_t position = first_position + t;
+      cpu::softmax_decode_step(q.row(b, t, h), k.row(b, t, h), v.row(b, t, h), out.row(b, t, h),
+                               slots, ring, Dk, Dv, scale, position,
+                               static_cast<index_t>(window_left >= position ? position + 1
+                                                                            : window_left + 1));
+    }
+  });
+}
+
+/// A forward that continues decode states at `first_position` > 0, blocked as
+/// the whole-sequence forward is: (1) y^(0) (window_outputs_after_ring, over
+/// the state's ring of the inputs);
+/// (2) each token climbs the levels as a decode step's second half does
+/// (conv_compressed_climb: the groups, the levels' rings and the compressed
+/// store, in place in the state); (3) the cross read of the compressed store in
+/// blocks of 64 queries (cross_block, GEMMs) over the tokens each query sees.
+/// `carry_of(b, h)` gives each head's carry; the state ends as T steps leave it.
 template <Real T, class CarryOf>
 void conv_compressed_forward_with_state(TensorView<const T, 4> q, TensorView<const T, 4> k,
                                         TensorView<const T, 4> v, TensorView<T, 4> out,
                                         const reference::ConvCompressedWeights<T>& w, T scale,
                                         index_t window_left, index_t ring,
                                         std::int64_t first_position, CarryOf&& carry_of) {
+  using namespace conv_compressed_detail;
   const index_t Bn = q.extent(0), Tn = q.extent(1), H = q.extent(2);
   if (Bn == 0 || Tn == 0) return;
   const index_t Dk = w.key_dim, Dv = w.value_dim, per_worker = 6 * Dv + 2 * Dk;
+  window_outputs_after_ring(q, k, v, out, scale, window_left, ring, first_position,
+                            [&](index_t b, index_t h) {
+                              const reference::ConvCompressedCarry<T> carry = carry_of(b, h);
+                              return reference::KVSlots<T>{carry.window_keys, carry.window_values};
+                            });
   const int workers = thread_count();
+  const index_t heads_total = Bn * H;
+  const std::int64_t span = reference::tokens_per_compressed_token(w.group_size, w.levels);
+  const index_t halo_rows = std::min<index_t>(Tn, window_left);
   AlignedVector<T> buffer(static_cast<std::size_t>(workers * per_worker));
-  parallel_for(Bn * H, workers, [&](index_t bh, int worker) {
-    const index_t b = bh / H, h = bh % H;
+  std::vector<BlockScratch<T>> blocks;
+  blocks.reserve(static_cast<std::size_t>(workers));
+  for (int i = 0; i < workers; ++i) blocks.emplace_back(Dk, Dv);
+  // The rest of the inputs' ring and step 2 for one head.
+  auto ring_and_climb = [&](index_t b, index_t h, int worker) {
     T* p = buffer.data() + worker * per_worker;
     const reference::ConvCompressedScratch<T> scratch{
         p,          p + Dv,     p + 2 * Dv, p + 2 * Dv + Dk, p + 2 * Dv + 2 * Dk,
         p + 3 * Dv + 2 * Dk, p + 4 * Dv + 2 * Dk};
     const reference::ConvCompressedCarry<T> carry = carry_of(b, h);
-    for (index_t t = 0; t < Tn; ++t)
-      cpu::conv_compressed_step(q.row(b, t, h), k.row(b, t, h), v.row(b, t, h), out.row(b, t, h),
-                                carry, w, h, scale, window_left, ring, first_position + t,
-                                scratch);
-  });
+    for (index_t t = std::max(halo_rows, Tn - ring); t < Tn; ++t) {  // the rest of the ring
+      const auto slot = static_cast<index_t>((first_position + t) % ring);
+      std::copy_n(k.row(b, t, h), Dk, carry.window_keys + slot * Dk);
+      std::copy_n(v.row(b, t, h), Dv, carry.window_values + slot * Dv);
+    }
+    for (index_t t = 0; t < Tn; ++t) {
+      std::copy_n(out.row(b, t, h), Dv, scratch.level_output);
+      conv_compressed_climb(carry, w, h, scale, window_left, ring, first_position + t, scratch);
+    }
+  };
+  // Step 3 for one head's query rows [i0, i0 + nq).
+  auto cross = [&](index_t b, index_t h, index_t i0, index_t nq, int worker) {
+    const reference::ConvCompressedCarry<T> carry = carry_of(b, h);
+    const auto stored = static_cast<index_t>((first_position + Tn - 1) / span);
+    const ConstMap<T> keys(carry.compressed_keys, stored, Dk, Eigen::OuterStride<>(Dk));
+    const ConstMap<T> values(carry.compressed_values, stored, Dv, Eigen::OuterStride<>(Dv));
+    auto visible = [&](index_t t) {
+      return static_cast<index_t>((first_position + t) / span);
+    };
+    cross_block(out.row(b, i0, h), out.stride(1), i0, nq, w.cross_query_projection(h), keys,
+                values, scale, visible, blocks[static_cast<std::size_t>(worker)]);
+  };
+  const index_t row_blocks = (Tn + block_rows - 1) / block_rows;
+  if (heads_total >= workers) {
+    parallel_for(heads_total, workers, [&](index_t bh, int worker) {
+      ring_and_climb(bh / H, bh % H, worker);
+      for (index_t block = 0; block < row_blocks; ++block)
+        cross(bh / H, bh % H, block * block_rows, std::min(block_rows, Tn - block * block_rows),
+              worker);
+    });
+  } else {
+    for (index_t bh = 0; bh < heads_total; ++bh) {
+      ring_and_climb(bh / H, bh % H, 0);
+      parallel_for(row_blocks, workers, [&](index_t block, int worker) {
+        cross(bh / H, bh % H, block * block_rows, std::min(block_rows, Tn - block * block_rows),
+              worker);
+      });
+    }
+  }
 }
 
 namespace conv_backward_detail {
