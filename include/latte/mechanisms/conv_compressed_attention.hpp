@@ -299,8 +299,10 @@ class ConvCompressedAttention {
   }
 
   /// Forward that continues from `state` and leaves it at the end of the
-  /// sequence, so prefill + step continues exactly. Token by token: O(T * (M * (Dk + Dv)
-  /// + T / M^L * (Dk + Dv) + Dv^2)) per head, like the whole-sequence forward.
+  /// sequence, so prefill + step continues exactly: O(T * (M * (Dk + Dv) + T / M^L *
+  /// (Dk + Dv) + Dv^2)) per head, like the whole-sequence forward. exec::cpu runs it
+  /// blocked as that forward does (a fresh state: the same blocked forward; a state
+  /// with tokens: cpu::conv_compressed_forward_with_state); exec::reference steps.
   template <exec::Policy E, Real T>
     requires(Dir::is_causal)
   void forward(E, InputView<T> queries, InputView<T> keys, InputView<T> values,
