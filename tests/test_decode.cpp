@@ -112,6 +112,20 @@ void softmax_decode_cases(std::uint64_t seed) {
     CHECK_MESSAGE(error <= Tolerance<T>::relative,
                   "case " << c << " T=" << s.time << " prefill=" << prefill);
     worst = std::max(worst, error);
+    // The same sequence as two prefills: the second continues the cache (on
+    // exec::cpu with a window, blocked, its first rows reading the cache).
+    auto chunked = attention.template make_state<T>(s.batch, s.time);
+    Tensor<T, 4> out(oracle.extents()), first_out({s.batch, prefill, s.heads, s.value_dim}),
+        rest_out({s.batch, s.time - prefill, s.heads, s.value_dim});
+    attention.forward(E{}, time_slice(q, 0, prefill).view(), time_slice(k, 0, prefill).view(),
+                      time_slice(v, 0, prefill).view(), first_out.view(), chunked);
+    const index_t rest = s.time - prefill;
+    attention.forward(E{}, time_slice(q, prefill, rest).view(), time_slice(k, prefill, rest).view(),
+                      time_slice(v, prefill, rest).view(), rest_out.view(), chunked);
+    for (index_t t = 0; t < s.time; ++t)
+      set_time_step(out, t, t < prefill ? time_step(first_out, t) : time_step(rest_out, t - prefill));
+    CHECK_MESSAGE(relative_error(out, oracle) <= Tolerance<T>::relative,
+                  "two prefills: case " << c << " T=" << s.time << " first=" << prefill);
   }
   std::printf("[decode] (%s) SoftmaxAttention<Causal,%s> (KV cache) %s cases=%d "
               "max_rel_error=%.3e\n",

@@ -459,6 +459,16 @@ TEST_CASE("Latte Macchiato across ranks: the window's halo travels in the state'
   }
 }
 
+TEST_CASE("Softmax with a sliding window across ranks: the KV cache's ring is the halo") {
+  using Windowed = latte::SoftmaxAttention<latte::Causal, latte::SlidingWindow>;
+  // Windows of 3 (inside a 9-token slice) and 40 (across several slices).
+  for (index_t left : {3, 40}) {
+    const Windowed attention({.heads = 2, .key_dim = 4, .value_dim = 5}, {.left = left, .right = 0});
+    check_all_patterns<double>(attention, 4, 1.0, 101 + static_cast<std::uint64_t>(left));
+    check_all_patterns<float>(attention, 4, 1.0, 111 + static_cast<std::uint64_t>(left));
+  }
+}
+
 TEST_CASE("LAVO across ranks: the halo first, then the windows' sums") {
   using CausalLavo = latte::Lavo<latte::Causal>;
   // Windows of 4 (slices cross many borders) and 16 (a window spans several slices).

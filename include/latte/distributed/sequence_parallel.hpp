@@ -56,6 +56,7 @@
 #include "latte/mechanisms/latte_macchiato.hpp"
 #include "latte/mechanisms/lavo.hpp"
 #include "latte/mechanisms/linear_attention.hpp"
+#include "latte/mechanisms/softmax_attention.hpp"
 #include "latte/policies/execution.hpp"
 
 namespace latte::distributed {
@@ -426,7 +427,47 @@ struct SequenceParallel<Lavo<Causal>> : detail::QueriesKeysValues<SequenceParall
   }
 };
 
+/// Causal softmax with a sliding window (forward only): its state is the KV
+/// cache's ring of the last window.left + 1 keys and values, so the halo is
+/// the whole state; KVCache::append_state lays the later ring over the
+/// earlier. (Without a window the cache would hold every key and value
+/// before the slice: ring attention's traffic, not a state's.)
+template <>
+struct SequenceParallel<SoftmaxAttention<Causal, SlidingWindow>>
+    : detail::QueriesKeysValues<SequenceParallel<SoftmaxAttention<Causal, SlidingWindow>>> {
+  using Attention = SoftmaxAttention<Causal, SlidingWindow>;
+  static constexpr const char* queries = "queries";
+  static constexpr const char* keys = "keys";
+  static constexpr const char* layout = "[B, T, H, Dk]";
+  [[nodiscard]] static std::array<index_t, 3> dims(const Attention& attention) noexcept {
+    return {attention.dims().heads, attention.dims().key_dim, attention.dims().value_dim};
+  }
+  /// The window and the scale.
+  static void describe(latte::detail::ByteSink& sink, const Attention& attention) {
+    sink.put(attention.window().left);
+    sink.put(attention.scale());
+  }
+  /// A cache at `first` (make_state's second argument is a capacity, not a position).
+  template <Real T>
+  [[nodiscard]] static KVCache<T> make_state(const Attention& attention, index_t batch,
+                                             std::int64_t first) {
+    KVCache<T> state = attention.template make_state<T>(batch);
+    state.advance(first);
+    return state;
+  }
+};
+
 namespace detail {
+
+/// A fresh state of `attention` for `batch` sequences at position `first`.
+template <Real T, class Attention>
+[[nodiscard]] auto state_at(const Attention& attention, index_t batch, std::int64_t first) {
+  using Parallel = SequenceParallel<Attention>;
+  if constexpr (requires { Parallel::template make_state<T>(attention, batch, first); })
+    return Parallel::template make_state<T>(attention, batch, first);
+  else
+    return attention.template make_state<T>(batch, first);
+}
 
 /// Whether distributed::backward takes a mechanism (it says how its states'
 /// gradients add).
@@ -473,12 +514,12 @@ template <class Attention, class E, Real T, class Inputs>
     std::optional<State> before = exclusive_scan(
         comm, layout, false, std::move(own),
         [&](int, int last) {
-          return attention.template make_state<T>(batch, layout.first_of(last + 1));
+          return state_at<T>(attention, batch, layout.first_of(last + 1));
         },
         [](State& earlier, const State& later) { earlier.append_state(later); });
-    return before ? std::move(*before) : attention.template make_state<T>(batch, 0);
+    return before ? std::move(*before) : state_at<T>(attention, batch, 0);
   };
-  State summary = attention.template make_state<T>(batch, layout.first());
+  State summary = state_at<T>(attention, batch, layout.first());
   if constexpr (HaloFirst<Parallel>) {  // the summary starts from the slices' halo before it
     Parallel::absorb_halo(e, attention, inputs, summary);
     summary = scan(std::move(summary));
@@ -496,7 +537,7 @@ template <class Attention, Real T, class Check>
       agree(comm, describe_call<Attention, T>(call, attention, B, Tn), check);
   // States: made, and checked for room, alike on every rank before the scan.
   agree_without_error(comm, layout.rank, [&] {
-    auto probe = attention.template make_state<T>(B, layout.first());
+    auto probe = state_at<T>(attention, B, layout.first());
     require_sendable(probe);
     attention.validate_state(probe, B, Tn);
   });
@@ -588,7 +629,7 @@ void backward(E e, MPI_Comm comm, const Attention& attention, const Inputs& inpu
   auto local_gradients = gradients;
   if constexpr (adds_final_share) parameters.attach(local_gradients);
   else parameters.detach(local_gradients);
-  State through_outputs = attention.template make_state<T>(B, layout.first());
+  State through_outputs = state_at<T>(attention, B, layout.first());
   if (layout.rank > 0 || adds_final_share) {
     typename Parallel::template StateGradients<T> states;
     states.initial = &initial;
@@ -598,7 +639,7 @@ void backward(E e, MPI_Comm comm, const Attention& attention, const Inputs& inpu
   // d_final(r) = sum over later ranks r' of g(r') carried back to r's end.
   std::optional<State> after = exclusive_scan(
       comm, layout, true, std::move(through_outputs),
-      [&](int, int) { return attention.template make_state<T>(B, 0); },
+      [&](int, int) { return state_at<T>(attention, B, 0); },
       [](State& earlier, const State& later) { Parallel::add_gradient(earlier, later); });
   if constexpr (adds_final_share) {
     if (after) {

@@ -5,6 +5,7 @@
 // without a window it holds the whole context and a step past `capacity`
 // is an error. Memory and step time grow with the context: this is the
 // baseline Latte's constant-size state is measured against.
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -54,6 +55,28 @@ class KVCache final : public StateStorage<T> {
     const index_t head = b * heads() + h;
     return {this->field(0) + head * capacity() * key_dim(),
             this->field(1) + head * capacity() * value_dim()};
+  }
+
+  /// This cache, then the tokens of `later`, a cache of the same attention and
+  /// sizes that started empty at this cache's position (SoftmaxAttention::
+  /// make_state, advanced there; then forward or absorb): later's slots of its
+  /// own tokens (the last `capacity` of them) are laid over this cache's, as
+  /// those tokens' steps would have written them. Associative; with a window
+  /// the ring then holds the window before the next token whatever number of
+  /// caches it spans (latte/distributed/'s merge).
+  void append_state(const KVCache& later) {
+    const std::int64_t first = this->position(), end = later.position();
+    this->append_position(later);  // checks kind, sizes and order
+    const index_t slots_held = capacity(), Dk = key_dim(), Dv = value_dim();
+    const T* later_keys = later.field(0);
+    const T* later_values = later.field(1);
+    for (index_t head = 0; head < this->batch() * heads(); ++head)
+      for (std::int64_t p = std::max(first, end - slots_held); p < end; ++p) {
+        const auto slot = static_cast<index_t>(p % slots_held);
+        const index_t at = head * slots_held + slot;
+        std::copy_n(later_keys + at * Dk, Dk, this->field(0) + at * Dk);
+        std::copy_n(later_values + at * Dv, Dv, this->field(1) + at * Dv);
+      }
   }
 };
 

@@ -215,10 +215,46 @@ class SoftmaxAttention {
                   "latte::cuda::softmax_step with a KVDeviceCache (backends/cuda/softmax.cuh)");
     validate_sequence(queries, keys, values, out);
     validate_state(state, queries.extent(0), queries.extent(1));
+    if constexpr (std::is_same_v<E, exec::cpu_t> && std::is_same_v<Win, SlidingWindow>) {
+      // Blocked: the windowed softmax over the tokens, the first window.left
+      // rows again over the cache (their windows reach into it).
+      cpu::window_outputs_after_ring(queries, keys, values, out, static_cast<T>(scale_),
+                                     window_.left, state.capacity(), state.position(),
+                                     [&](index_t b, index_t h) { return state.slots(b, h); });
+      state.advance(queries.extent(1));
+      return;
+    }
     for (index_t t = 0; t < queries.extent(1); ++t) {
       auto at = [t](const auto& view) { return slice_time(view, t); };
       step(e, state, at(queries), at(keys), at(values), at(out));
     }
+  }
+
+  /// Advances the cache over keys [B, T, H, Dk] and values [B, T, H, Dv]
+  /// without computing outputs: the slots forward would leave (the last
+  /// `capacity` tokens'). For a prompt whose outputs are not needed, and a
+  /// slice's summary in sequence parallelism (latte/distributed/).
+  template <exec::Policy E, Real T>
+    requires(Dir::is_causal && decodes_window)
+  void absorb(E, InputView<T> keys, InputView<T> values, State<T>& state) const {
+    static_assert(!std::is_same_v<E, exec::cuda_t>,
+                  "KVCache lives in host memory: use exec::cpu or exec::reference");
+    check_view(keys, "keys");
+    const index_t B = keys.extent(0), Tn = keys.extent(1), H = dims_.heads;
+    detail::check_shape(keys, "keys", {B, Tn, H, dims_.key_dim}, "[B, T, H, Dk]");
+    detail::check_shape(values, "values", {B, Tn, H, dims_.value_dim}, "[B, T, H, Dv]");
+    validate_state(state, B, Tn);
+    const index_t capacity = state.capacity();
+    for (index_t b = 0; b < B; ++b)
+      for (index_t h = 0; h < H; ++h) {
+        const reference::KVSlots<T> slots = state.slots(b, h);
+        for (index_t t = std::max<index_t>(0, Tn - capacity); t < Tn; ++t) {
+          const auto slot = static_cast<index_t>((state.position() + t) % capacity);
+          std::copy_n(keys.row(b, t, h), dims_.key_dim, slots.keys + slot * dims_.key_dim);
+          std::copy_n(values.row(b, t, h), dims_.value_dim, slots.values + slot * dims_.value_dim);
+        }
+      }
+    state.advance(Tn);
   }
 
   /// Next-token decode: inputs [B, H, Dk], [B, H, Dk], [B, H, Dv]; out [B, H, Dv].

@@ -412,38 +412,9 @@ void conv_compressed_step(const T* q, const T* k, const T* v, T* out,
   conv_compressed_climb(carry, w, h, scale, window_left, ring, position, scratch);
 }
 
-/// y^(0) (step 1) of the causal tokens first_position, first_position + 1, ...
-/// whose windows reach into the tokens before them, held in a ring of the
-/// inputs (`ring_of(b, h)`: KVSlots of `ring` slots, slot = position mod ring, as
-/// a decode state keeps them): the windowed softmax over the tokens given, then
-/// their first window_left rows again by decode steps over the ring (which
-/// they enter as steps would).
-template <Real T, class RingOf>
-void window_outputs_after_ring(TensorView<const T, 4> q, TensorView<const T, 4> k,
-                               TensorView<const T, 4> v, TensorView<T, 4> out, T scale,
-                               index_t window_left, index_t ring, std::int64_t first_position,
-                               RingOf&& ring_of) {
-  const index_t Bn = q.extent(0), Tn = q.extent(1), H = q.extent(2);
-  if (Bn == 0 || Tn == 0) return;
-  const index_t Dk = q.extent(3), Dv = v.extent(3);
-  softmax_forward<true>(q, k, v, out, scale, SlidingWindow{.left = window_left, .right = 0});
-  const index_t halo_rows = std::min<index_t>(Tn, window_left);
-  parallel_for(Bn * H, thread_count(), [&](index_t bh, int) {
-    const index_t b = bh / H, h = bh % H;
-    const reference::KVSlots<T> slots = ring_of(b, h);
-    for (index_t t = 0; t < halo_rows; ++t) {
-      const std::int64_t position = first_position + t;
-      cpu::softmax_decode_step(q.row(b, t, h), k.row(b, t, h), v.row(b, t, h), out.row(b, t, h),
-                               slots, ring, Dk, Dv, scale, position,
-                               static_cast<index_t>(window_left >= position ? position + 1
-                                                                            : window_left + 1));
-    }
-  });
-}
-
 /// A forward that continues decode states at `first_position` > 0, blocked as
 /// the whole-sequence forward is: (1) y^(0) (window_outputs_after_ring, over
-/// the state's ring of the inputs);
+/// and into the state's ring of the inputs);
 /// (2) each token climbs the levels as a decode step's second half does
 /// (conv_compressed_climb: the groups, the levels' rings and the compressed
 /// store, in place in the state); (3) the cross read of the compressed store in
@@ -467,23 +438,17 @@ void conv_compressed_forward_with_state(TensorView<const T, 4> q, TensorView<con
   const int workers = thread_count();
   const index_t heads_total = Bn * H;
   const std::int64_t span = reference::tokens_per_compressed_token(w.group_size, w.levels);
-  const index_t halo_rows = std::min<index_t>(Tn, window_left);
   AlignedVector<T> buffer(static_cast<std::size_t>(workers * per_worker));
   std::vector<BlockScratch<T>> blocks;
   blocks.reserve(static_cast<std::size_t>(workers));
   for (int i = 0; i < workers; ++i) blocks.emplace_back(Dk, Dv);
-  // The rest of the inputs' ring and step 2 for one head.
-  auto ring_and_climb = [&](index_t b, index_t h, int worker) {
+  // Step 2 for one head.
+  auto climb = [&](index_t b, index_t h, int worker) {
     T* p = buffer.data() + worker * per_worker;
     const reference::ConvCompressedScratch<T> scratch{
         p,          p + Dv,     p + 2 * Dv, p + 2 * Dv + Dk, p + 2 * Dv + 2 * Dk,
         p + 3 * Dv + 2 * Dk, p + 4 * Dv + 2 * Dk};
     const reference::ConvCompressedCarry<T> carry = carry_of(b, h);
-    for (index_t t = std::max(halo_rows, Tn - ring); t < Tn; ++t) {  // the rest of the ring
-      const auto slot = static_cast<index_t>((first_position + t) % ring);
-      std::copy_n(k.row(b, t, h), Dk, carry.window_keys + slot * Dk);
-      std::copy_n(v.row(b, t, h), Dv, carry.window_values + slot * Dv);
-    }
     for (index_t t = 0; t < Tn; ++t) {
       std::copy_n(out.row(b, t, h), Dv, scratch.level_output);
       conv_compressed_climb(carry, w, h, scale, window_left, ring, first_position + t, scratch);
@@ -504,14 +469,14 @@ void conv_compressed_forward_with_state(TensorView<const T, 4> q, TensorView<con
   const index_t row_blocks = (Tn + block_rows - 1) / block_rows;
   if (heads_total >= workers) {
     parallel_for(heads_total, workers, [&](index_t bh, int worker) {
-      ring_and_climb(bh / H, bh % H, worker);
+      climb(bh / H, bh % H, worker);
       for (index_t block = 0; block < row_blocks; ++block)
         cross(bh / H, bh % H, block * block_rows, std::min(block_rows, Tn - block * block_rows),
               worker);
     });
   } else {
     for (index_t bh = 0; bh < heads_total; ++bh) {
-      ring_and_climb(bh / H, bh % H, 0);
+      climb(bh / H, bh % H, 0);
       parallel_for(row_blocks, workers, [&](index_t block, int worker) {
         cross(bh / H, bh % H, block * block_rows, std::min(block_rows, Tn - block * block_rows),
               worker);

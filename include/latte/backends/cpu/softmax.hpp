@@ -464,4 +464,40 @@ void softmax_decode_step(const T* q, const T* k, const T* v, T* out, reference::
       out);
 }
 
+/// Causal sliding-window attention (window `window_left`) of the tokens at
+/// first_position, first_position + 1, ... whose windows reach into the tokens
+/// before them, held in a ring (`ring_of(b, h)`: KVSlots of `ring` >= the
+/// window's left + 1 slots, slot = position mod ring, as a KV cache or a decode
+/// state keeps them): the blocked windowed softmax over the tokens given, then
+/// their first window_left rows again by decode steps over the ring. The ring
+/// is left as T decode steps leave it. (A windowed KV cache's continuation,
+/// and level 0 of convolutional compression's.)
+template <Real T, class RingOf>
+void window_outputs_after_ring(TensorView<const T, 4> q, TensorView<const T, 4> k,
+                               TensorView<const T, 4> v, TensorView<T, 4> out, T scale,
+                               index_t window_left, index_t ring, std::int64_t first_position,
+                               RingOf&& ring_of) {
+  const index_t Bn = q.extent(0), Tn = q.extent(1), H = q.extent(2);
+  if (Bn == 0 || Tn == 0) return;
+  const index_t Dk = q.extent(3), Dv = v.extent(3);
+  softmax_forward<true>(q, k, v, out, scale, SlidingWindow{.left = window_left, .right = 0});
+  const index_t halo_rows = std::min<index_t>(Tn, window_left);
+  parallel_for(Bn * H, thread_count(), [&](index_t bh, int) {
+    const index_t b = bh / H, h = bh % H;
+    const reference::KVSlots<T> slots = ring_of(b, h);
+    for (index_t t = 0; t < halo_rows; ++t) {
+      const std::int64_t position = first_position + t;
+      cpu::softmax_decode_step(q.row(b, t, h), k.row(b, t, h), v.row(b, t, h), out.row(b, t, h),
+                               slots, ring, Dk, Dv, scale, position,
+                               static_cast<index_t>(window_left >= position ? position + 1
+                                                                            : window_left + 1));
+    }
+    for (index_t t = std::max(halo_rows, Tn - ring); t < Tn; ++t) {  // the rest of the ring
+      const auto slot = static_cast<index_t>((first_position + t) % ring);
+      std::copy_n(k.row(b, t, h), Dk, slots.keys + slot * Dk);
+      std::copy_n(v.row(b, t, h), Dv, slots.values + slot * Dv);
+    }
+  });
+}
+
 }  // namespace latte::cpu
