@@ -8,7 +8,8 @@
 //
 // Forward, for a mechanism whose causal state has an associative merge
 // (SequenceParallel<Attention> below: causal Latte, the linear family, Latte
-// Macchiato, LAVO):
+// Macchiato, LAVO, windowed softmax; convolutional compression builds its
+// state level by level in conv_compressed_parallel.hpp):
 //   1. every rank agrees the call's shapes with the others (agreement.hpp);
 //   2. every rank but the last absorbs its slice into a state (its summary:
 //      Attention::absorb, no outputs); LAVO's summary needs the keys and
@@ -104,8 +105,10 @@ struct QueriesKeysValues {
 /// What sequence parallelism needs of a mechanism beyond its forward, absorb
 /// and chunked backward: the names and sizes of its inputs, a description of
 /// its parameters (so that ranks holding different attentions are refused),
-/// and how two of its states' gradients add. Specialised for causal
-/// LatteAttention and causal LinearAttention.
+/// and how two of its states' gradients add. Specialised for the causal
+/// mechanisms: LatteAttention, LinearAttention, LatteMacchiato, Lavo,
+/// SoftmaxAttention with a SlidingWindow (here) and ConvCompressedAttention
+/// (distributed/conv_compressed_parallel.hpp, with its own forward).
 template <class Attention>
 struct SequenceParallel;
 
