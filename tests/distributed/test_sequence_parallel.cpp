@@ -731,6 +731,39 @@ TEST_CASE("A rank with bad input or another attention makes every rank throw the
                                             q.view(), v.view(), out.view());
       },
       "comm", "every rank must make the same call");
+
+  // LeaPformer: a proportion outside [0, 1] on one rank, found before the scan.
+  using Leap = latte::LinearAttention<latte::Causal, latte::Relu, latte::LeaPReweight>;
+  const Leap leap({.heads = H, .key_dim = 4, .value_dim = Dv});
+  auto lq = random_input<double>(rng, {B, Tn, H, 4}, 1.0);
+  Tensor<double, 3> proportions({B, Tn, H}), bad_proportions({B, Tn, H});
+  for (index_t i = 0; i < proportions.size(); ++i)
+    proportions.data()[i] = bad_proportions.data()[i] = 0.5;
+  bad_proportions(0, 3, 1) = 1.5;
+  check_every_rank_throws(
+      [&] {
+        const auto& p = rank == culprit ? bad_proportions : proportions;
+        (void)latte::distributed::forward(
+            latte::exec::cpu, MPI_COMM_WORLD, leap,
+            std::tuple{TensorView<const double, 4>(lq.view()), TensorView<const double, 4>(lq.view()),
+                       TensorView<const double, 4>(v.view()),
+                       latte::SequenceProportions<double>{p.view(), p.view()}},
+            out.view());
+      },
+      "query_proportions", who + ": proportion at [0, 3, 1]: expected a value in [0, 1], given 1.5");
+
+  // Convolutional compression: a capacity other ranks do not share, or one too small.
+  const latte::ConvCompressedDims conv_dims{.heads = H, .key_dim = L, .value_dim = Dv, .group_size = 2};
+  const latte::ConvCompressedAttention<latte::Causal> conv(conv_dims, random_conv_params(rng, conv_dims));
+  auto conv_forward = [&](index_t capacity) {
+    (void)latte::distributed::forward(latte::exec::cpu, MPI_COMM_WORLD, conv, q.view(), q.view(),
+                                      v.view(), out.view(), capacity);
+  };
+  check_every_rank_throws([&] { conv_forward(P * Tn - 1); }, "context_capacity",
+                          "expected >= the sequence's " + std::to_string(P * Tn));
+  if (P > 1)
+    check_every_rank_throws([&] { conv_forward(rank == culprit ? 1000 : 999); }, "attention",
+                            "expected the same attention on every rank");
 }
 
 }  // namespace

@@ -280,7 +280,6 @@ class LinearAttention {
               State<T>& state) const {
     require_implemented<E>();
     const index_t B = keys.extent(0), Tn = keys.extent(1);
-    check_view(keys, "keys");
     check_proportion_values<T, 3>(proportions.keys, "key_proportions", {B, Tn, dims_.heads},
                                   "[B, T, H]", TensorView<T, 4>{});
     run_absorb<E, T>(keys, values, &proportions, state);
