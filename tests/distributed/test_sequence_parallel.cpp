@@ -196,6 +196,28 @@ TEST_CASE("Latte across ranks equals Latte on one rank (fp64 and fp32, spread 1 
   check_all_patterns<float>(attention, 5, 3.0, 13);
 }
 
+TEST_CASE("Random shapes of the oracle tests and random slices across ranks: Latte and elu+1") {
+  // The oracle tests' axes: B in {1, 2}, H in {1, 3, 8}, L (or Dk) in {1, 7, 64}, Dv in
+  // {1, 5, 64}; every rank's slice 0-80 tokens; the same draws on every rank.
+  std::mt19937_64 rng(121);
+  auto pick = [&](std::initializer_list<index_t> from) {
+    return *(from.begin() + std::uniform_int_distribution<std::size_t>(0, from.size() - 1)(rng));
+  };
+  for (int draw = 0; draw < 6; ++draw) {
+    const index_t B = pick({1, 2}), H = pick({1, 3, 8}), L = pick({1, 7, 64}), Dv = pick({1, 5, 64});
+    std::vector<std::int64_t> lengths;
+    for (int r = 0; r < world_size(); ++r)
+      lengths.push_back(std::uniform_int_distribution<std::int64_t>(0, 80)(rng));
+    const double spread = draw % 2 ? 30.0 : 1.0;
+    INFO("draw " << draw << ": B " << B << " H " << H << " L " << L << " Dv " << Dv);
+    const CausalLatte latte({.heads = H, .latents = L, .value_dim = Dv});
+    check_against_whole<double>(latte::exec::cpu, latte, B, L, lengths, spread, 130 + draw);
+    check_against_whole<double>(latte::exec::reference, latte, B, L, lengths, spread, 140 + draw);
+    const EluLinear linear({.heads = H, .key_dim = L, .value_dim = Dv});
+    check_against_whole<double>(latte::exec::cpu, linear, B, L, lengths, 1.0, 150 + draw);
+  }
+}
+
 TEST_CASE("Latte with VAPOR across ranks: positions and the angles' gradient") {
   const index_t B = 2, H = 2, L = 4, Dv = 6;
   const CausalVapor attention({.heads = H, .latents = L, .value_dim = Dv});
