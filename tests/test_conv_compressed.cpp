@@ -379,8 +379,9 @@ TEST_CASE("ConvCompressed decode, levels >= 2: prefill + steps == oracle") {
 
 TEST_CASE("ConvCompressed: chunked prefill equals the oracle") {
   // B = 2, H = 3 (exec::cpu runs heads on threads) and B = H = 1 (query blocks on threads).
-  for (const auto [B, H, levels] : {std::array<index_t, 3>{2, 3, 1}, {2, 3, 2}, {2, 3, 3},
-                                    {1, 1, 1}, {1, 1, 2}}) {
+  for (const auto& shape : {std::array<index_t, 3>{2, 3, 1}, {2, 3, 2}, {2, 3, 3}, {1, 1, 1},
+                            {1, 1, 2}}) {
+    const index_t B = shape[0], H = shape[1], levels = shape[2];  // (clang 14: no captured bindings)
     const auto p = fixed_problem<double>(B, 97, H, 5, 6, 3, levels, 625 + levels);
     const ConvCompressedAttention<Causal> attention(p.dims, p.params);
     const auto oracle = conv_compressed_oracle(p.spec, p.params, p.q, p.k, p.v);

@@ -117,7 +117,8 @@ void check_against_whole(E e, const Attention& attention, index_t B, index_t fea
   const auto dims = latte::distributed::SequenceParallel<Attention>::dims(attention);
   const index_t H = dims[0], Dv = dims[2];
   const int rank = world_rank();
-  const auto [first, length, total] = slice_of(lengths, rank);
+  const std::array<std::int64_t, 3> where = slice_of(lengths, rank);  // (no bindings: clang 14 cannot capture them)
+  const std::int64_t first = where[0], length = where[1], total = where[2];
   const index_t Tn = static_cast<index_t>(total);
   std::mt19937_64 rng(seed);
   // Keys jump by +40 from the middle on: the running maximum moves at a slice boundary.
@@ -226,7 +227,8 @@ TEST_CASE("Latte with VAPOR across ranks: positions and the angles' gradient") {
   const int rank = world_rank();
   std::mt19937_64 rng(22);
   for (const auto& lengths : slice_patterns(world_size())) {
-    const auto [first, slice_length, total] = slice_of(lengths, rank);
+    const std::array<std::int64_t, 3> where = slice_of(lengths, rank);  // (no bindings: clang 14 cannot capture them)
+    const std::int64_t first = where[0], slice_length = where[1], total = where[2];
     const index_t Tn = static_cast<index_t>(total), length = static_cast<index_t>(slice_length);
     auto q = random_input<double>(rng, {B, Tn, H, L}, 1.0);
     auto k = random_input<double>(rng, {B, Tn, H, L}, 3.0);
@@ -305,7 +307,8 @@ TEST_CASE("LeaPformer with modules across ranks: the modules' weight gradients s
   check_all_patterns<double>(attention, Dk, 1.0, 72);
   const int rank = world_rank();
   for (const auto& lengths : slice_patterns(world_size())) {
-    const auto [first, slice_length, total] = slice_of(lengths, rank);
+    const std::array<std::int64_t, 3> where = slice_of(lengths, rank);  // (no bindings: clang 14 cannot capture them)
+    const std::int64_t first = where[0], slice_length = where[1], total = where[2];
     const index_t Tn = static_cast<index_t>(total), length = static_cast<index_t>(slice_length);
     auto q = random_input<double>(rng, {B, Tn, H, Dk}, 1.0);
     auto k = random_input<double>(rng, {B, Tn, H, Dk}, 1.0);
@@ -357,7 +360,8 @@ TEST_CASE("LeaPformer with given proportions across ranks: outputs, inputs' and 
   std::mt19937_64 rng(73);
   const int rank = world_rank();
   auto check = [&](auto e, const std::vector<std::int64_t>& lengths) {
-    const auto [first, slice_length, total] = slice_of(lengths, rank);
+    const std::array<std::int64_t, 3> where = slice_of(lengths, rank);  // (no bindings: clang 14 cannot capture them)
+    const std::int64_t first = where[0], slice_length = where[1], total = where[2];
     const index_t Tn = static_cast<index_t>(total), length = static_cast<index_t>(slice_length);
     auto q = random_input<double>(rng, {B, Tn, H, Dk}, 1.0);
     auto k = random_input<double>(rng, {B, Tn, H, Dk}, 1.0);
@@ -427,7 +431,8 @@ void check_macchiato(E e, const Attention& attention, index_t B,
   const auto& dims = attention.dims();
   const index_t H = dims.heads, L = dims.latents, Dk = dims.key_dim, Dv = dims.value_dim;
   const int rank = world_rank();
-  const auto [first, length, total] = slice_of(lengths, rank);
+  const std::array<std::int64_t, 3> where = slice_of(lengths, rank);  // (no bindings: clang 14 cannot capture them)
+  const std::int64_t first = where[0], length = where[1], total = where[2];
   const index_t Tn = static_cast<index_t>(total);
   std::mt19937_64 rng(seed);
   auto q = random_input<T>(rng, {B, Tn, H, L + 1}, 1.0);
@@ -532,7 +537,8 @@ void check_conv_compressed(E e, const latte::ConvCompressedAttention<latte::Caus
   const auto& dims = attention.dims();
   const index_t H = dims.heads, Dk = dims.key_dim, Dv = dims.value_dim;
   const int rank = world_rank();
-  const auto [first, length, total] = slice_of(lengths, rank);
+  const std::array<std::int64_t, 3> where = slice_of(lengths, rank);  // (no bindings: clang 14 cannot capture them)
+  const std::int64_t first = where[0], length = where[1], total = where[2];
   const index_t Tn = static_cast<index_t>(total), capacity = Tn + 1;
   std::mt19937_64 rng(seed);
   auto q = random_input<T>(rng, {B, Tn, H, Dk}, 1.0);
