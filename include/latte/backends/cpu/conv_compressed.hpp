@@ -377,16 +377,11 @@ void conv_compressed_step(const T* q, const T* k, const T* v, T* out,
   using namespace conv_compressed_detail;
   constexpr index_t W = simd::width<T>;
   const index_t Dk = w.key_dim, Dv = w.value_dim, M = w.group_size, L = w.levels;
-  auto window_visible = [&](std::int64_t index) {
-    return static_cast<index_t>(window_left >= index ? index + 1 : window_left + 1);  // no overflow
-  };
-  auto ring_of = [&](index_t level) {
-    return reference::KVSlots<T>{carry.window_keys + level * ring * Dk,
-                                 carry.window_values + level * ring * Dv};
-  };
-  // Step 1: y^(0)_t over the ring of the inputs.
-  cpu::softmax_decode_step(q, k, v, scratch.level_output, ring_of(0), ring, Dk, Dv, scale, position,
-                      window_visible(position));
+  // Step 1: y^(0)_t over the ring of the inputs (level 0's).
+  cpu::softmax_decode_step(
+      q, k, v, scratch.level_output, reference::KVSlots<T>{carry.window_keys, carry.window_values},
+      ring, Dk, Dv, scale, position,
+      static_cast<index_t>(window_left >= position ? position + 1 : window_left + 1));
   // Steps 3-4: o_t = y^(0)_t + the read of c^(L)_j, j < floor(t / M^L).
   const auto visible =
       static_cast<index_t>(position / reference::tokens_per_compressed_token(M, L));
