@@ -31,7 +31,9 @@
 //                                  the contexts taking turns after all lengths ran)
 //   linear causal (elu+1, cosFormer): B*T*H*(4*E*D + 3*E), E = expanded features
 //                                  (Dk for elu+1, 2*Dk for cosFormer; the L column)
-//   bf16 rows (latte_bf16, against latte_fp32 on the same values): latte's
+//   bf16 rows (latte_bf16, and latte_bf16_products for the bidirectional
+//                                  forward with latte::bf16_products, against
+//                                  latte_fp32 on the same values): latte's
 //                                  formula; T >= 16K up to 64K only
 //   sums rows (latte_compensated against latte_plain, the forward; the same
 //                                  for the backward, latte_backward_*, and for
@@ -669,6 +671,13 @@ int main(int argc, char** argv) {
             attention.forward(latte::exec::cpu, q16.cview(), k16.cview(), v16.cview(), out16.view());
           }, options.min_time);
           record({"latte_bf16", direction, B, T, H, L, D, bf16, flops, bf16_extra});
+          if constexpr (!std::decay_t<decltype(attention)>::direction::is_causal) {
+            const auto [products, products_extra] = measure([&] {
+              attention.forward(latte::exec::cpu, latte::bf16_products, q16.cview(), k16.cview(), v16.cview(),
+                                out16.view());
+            }, options.min_time);
+            record({"latte_bf16_products", direction, B, T, H, L, D, products, flops, products_extra});
+          }
         };
         both(latte_causal, "causal");
         both(latte_bidirectional, "bidirectional");
@@ -774,8 +783,8 @@ int main(int argc, char** argv) {
     for (const Row& s : rows)
       if ((r.mechanism == "latte_pool_step" && s.mechanism == "softmax_pool_step" && s.B == r.B) ||
           (r.mechanism == "latte_forward_packed" && s.mechanism == "latte_one_sequence" && s.T == r.T) ||
-          (r.mechanism == "latte_bf16" && s.mechanism == "latte_fp32" && s.T == r.T &&
-           s.direction == r.direction) ||
+          ((r.mechanism == "latte_bf16" || r.mechanism == "latte_bf16_products") &&
+           s.mechanism == "latte_fp32" && s.T == r.T && s.direction == r.direction) ||
           (r.mechanism == "latte_compensated" && s.mechanism == "latte_plain" && s.T == r.T) ||
           (r.mechanism == "latte_step_compensated" && s.mechanism == "latte_step_plain") ||
           (r.mechanism == "linear_compensated" && s.mechanism == "linear_plain" && s.T == r.T) ||

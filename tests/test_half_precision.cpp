@@ -351,6 +351,114 @@ TEST_CASE("HalfPrecision: wide and -inf logits stay within the bound") {
   CHECK(bound_ratio<bfloat16>(out.cview(), problem.oracle()) <= 1.0);
 }
 
+/// max over elements of |out - oracle| / (u |o| + (1 + u) (c u m_v + tol_fp32 max|o|)),
+/// the bound of latte::bf16_products (docs/numerics.md, "bf16 products"): m_v is
+/// the head's largest |value| (c = 4) or, with VAPOR, its largest value pair norm
+/// (c = 5).
+template <class Pos>
+double products_bound_ratio(const TensorView<const bfloat16, 4>& out, const TensorLD<4>& oracle,
+                            const TensorLD<4>& values) {
+  const double u = bfloat16::unit_roundoff, c = Pos::rotates_values ? 5 : 4;
+  long double scale = 0;
+  for (index_t i = 0; i < oracle.size(); ++i) scale = std::max(scale, std::fabs(oracle.data()[i]));
+  double worst = 0;
+  for (index_t b = 0; b < out.extent(0); ++b)
+    for (index_t h = 0; h < out.extent(2); ++h) {
+      long double m_v = 0;
+      for (index_t t = 0; t < values.extent(1); ++t)
+        for (index_t d = 0; d < values.extent(3); ++d) {
+          const long double x = values(b, t, h, d);
+          const long double pair = Pos::rotates_values ? std::hypot(x, values(b, t, h, d ^ 1)) : std::fabs(x);
+          m_v = std::max(m_v, pair);
+        }
+      for (index_t t = 0; t < out.extent(1); ++t)
+        for (index_t d = 0; d < out.extent(3); ++d) {
+          const long double o = oracle(b, t, h, d);
+          const double got = static_cast<float>(out(b, t, h, d));
+          if (!std::isfinite(got)) return std::numeric_limits<double>::infinity();
+          const double bound = u * double(std::fabs(o)) +
+                               (1 + u) * (c * u * double(m_v) + Tolerance<float>::relative * double(scale));
+          worst = std::max(worst, double(std::fabs(got - o)) / bound);
+        }
+    }
+  return worst;
+}
+
+/// latte::bf16_products on random shapes (odd token and latent counts, Dv past
+/// the last whole vector, one head of 520 tokens split over threads), logits of
+/// spread `logit_scale`; `cancelling` values: +-3 by token parity plus noise,
+/// so that outputs are near 0 against values of 3. Returns whether any output
+/// differed from the exact bf16 forward's (the products path ran).
+template <class Pos>
+bool products_cases(std::uint64_t seed, double logit_scale, bool cancelling) {
+  using Mechanism = LatteMechanism<Bidirectional, Pos>;
+  Rng rng(seed);
+  std::normal_distribution<float> noise(0.0f, 0.05f);
+  const LayerShape shapes[] = {{2, 37, 2, 3, 4, 4, 0, 1},   {1, 70, 3, 5, 2, 18, 0, 1}, {2, 19, 1, 8, 6, 64, 0, 1},
+                               {1, 520, 1, 16, 4, 32, 0, 1}, {1, 129, 2, 64, 4, 72, 0, 1}, {3, 65, 2, 7, 4, 80, 0, 1}};
+  double worst = 0;
+  bool differs = false;
+  for (int c = 0; c < case_count(6); ++c) {
+    const LayerShape& s = shapes[c % 6];
+    CAPTURE(c);
+    HalfProblem<bfloat16, Mechanism> problem(rng, s, logit_scale);
+    Rounded<bfloat16>& values = problem.inputs[2];
+    if (cancelling)
+      for (index_t i = 0; i < values.value.size(); ++i) {
+        const index_t t = i / (s.heads * s.value_dim) % s.time;
+        values.value.data()[i] = bfloat16((t % 2 == 0 ? 3.0f : -3.0f) + noise(rng));
+        values.exact.data()[i] = static_cast<float>(values.value.data()[i]);
+      }
+    Tensor<bfloat16, 4> out(problem.out_extents(s.time)), exact(problem.out_extents(s.time));
+    std::apply([&](const auto&... view) { problem.attention.forward(exec::cpu, bf16_products, view..., out.view()); },
+               problem.views(0, s.time));
+    std::apply([&](const auto&... view) { problem.attention.forward(exec::cpu, view..., exact.view()); },
+               problem.views(0, s.time));
+    const double r = products_bound_ratio<Pos>(out.cview(), problem.oracle(), values.exact);
+    CHECK(r <= 1.0);
+    worst = std::max(worst, r);
+    for (index_t i = 0; i < out.size(); ++i) differs = differs || out.data()[i].bits() != exact.data()[i].bits();
+  }
+  const std::string label = std::string("bf16 products") + (Pos::rotates_values ? ", VAPOR" : "") +
+                            (cancelling ? ", cancelling values" : "");
+  MESSAGE(label << ": worst error / bound " << worst);
+  return differs;
+}
+
+TEST_CASE("bf16 products: bidirectional Latte within its bound of the rounded inputs' oracle") {
+  // On a CPU with AVX-512 BF16 the products path must have run (its rounding
+  // changes some output bits); elsewhere the exact kernels answer the call.
+  for (const bool vapor : {false, true}) {
+    const bool differs = vapor ? products_cases<VAPOR>(700, 1.0, false) : products_cases<NoPositional>(710, 1.0, false);
+    CHECK(differs == cpu::bf16_products_available);
+  }
+  products_cases<NoPositional>(720, 20.0, false);  // wide logits (exp underflows between keys)
+  products_cases<NoPositional>(730, 1.0, true);
+  products_cases<VAPOR>(740, 1.0, true);
+}
+
+TEST_CASE("bf16 products: bad calls are refused by name, the output untouched") {
+  const LatteAttention<Bidirectional> attention({2, 4, 6});
+  Tensor<bfloat16, 4> q({1, 5, 2, 4}), k({1, 5, 2, 4}), v({1, 5, 2, 6}), out({1, 5, 2, 6}), short_v({1, 5, 2, 5});
+  const bfloat16 sentinel(7.0f);
+  out.fill(sentinel);
+  auto untouched = [&] {
+    return std::all_of(out.data(), out.data() + out.size(), [&](bfloat16 x) { return x.bits() == sentinel.bits(); });
+  };
+  expect_error([&] { attention.forward(exec::cpu, bf16_products, q.cview(), k.cview(), short_v.cview(), out.view()); },
+               "values");
+  CHECK(untouched());
+  expect_error([&] {
+    attention.forward(exec::cpu, bf16_products, q.cview(), k.cview(), TensorView<const bfloat16, 4>(out.view()), out.view());
+  }, "out", "alias");
+  CHECK(untouched());
+  expect_error([&] {
+    attention.forward(exec::cpu, bf16_products, q.cview(), TensorView<const bfloat16, 4>(nullptr, k.extents()), v.cview(),
+                      out.view());
+  }, "key_logits", "null");
+  CHECK(untouched());
+}
+
 TEST_CASE("HalfPrecision: packed prefill of bf16 sequences equals each sequence's oracle") {
   Rng rng(600);
   const LayerShape s{1, 90, 2, 4, 4, 8, 0, 2};

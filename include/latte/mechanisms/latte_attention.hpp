@@ -41,6 +41,7 @@
 #include "latte/mechanisms/latte_carry_gradients.hpp"
 #include "latte/mechanisms/latte_gradients.hpp"
 #include "latte/mechanisms/latte_state.hpp"
+#include "latte/policies/bf16_products.hpp"
 #include "latte/policies/direction.hpp"
 #include "latte/policies/execution.hpp"
 #include "latte/policies/positional.hpp"
@@ -157,6 +158,20 @@ class LatteAttention {
       });
     else
       cpu::latte_bidirectional_forward<Stab, Pos>(query_logits, key_logits, values, out, angles_);
+  }
+  /// exec::cpu, bidirectional, bf16 activations, with latte::bf16_products:
+  /// both contractions round their operands to bf16 and run on AVX-512 BF16 dot
+  /// products, sums in fp32 (policies/bf16_products.hpp; the bound in
+  /// docs/numerics.md, "bf16 products"). Without AVX-512 BF16, the call above.
+  void forward(exec::cpu_t, Bf16Products, TensorView<const bfloat16, 4> query_logits,
+               TensorView<const bfloat16, 4> key_logits, TensorView<const bfloat16, 4> values,
+               TensorView<bfloat16, 4> out) const
+    requires(!Dir::is_causal)
+  {
+    validate_sequence(query_logits, key_logits, values, out);
+    if (out.empty()) return;
+    cpu::latte_bidirectional_forward<Stab, Pos, bfloat16, true>(query_logits, key_logits, values,
+                                                                out, angles_);
   }
   template <HalfFloat H>
     requires(Dir::is_causal)

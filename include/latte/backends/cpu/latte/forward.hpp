@@ -33,6 +33,7 @@
 #include <utility>
 #include <vector>
 
+#include "latte/backends/cpu/bf16_products.hpp"
 #include "latte/backends/cpu/block_contractions.hpp"
 #include "latte/backends/cpu/column_exps.hpp"
 #include "latte/backends/cpu/compensated_sums.hpp"
@@ -773,12 +774,19 @@ void latte_causal_step(TensorView<const T, 3> q, TensorView<const T, 3> k,
 /// Bidirectional Latte (eqs. 5-7; VAPOR eq. 22) in blocks of `block` tokens.
 /// With bf16 / fp16 activations each block's rows are widened (exactly) into
 /// the fp32 blocks the contractions read, the outputs rounded back per block.
-template <Stabilizer Stab, Positional Pos, Activation In>
+/// With RoundedProducts (latte::Bf16Products, bf16 activations) and AVX-512
+/// BF16, both contractions round their operands to bf16 and run on bf16 dot
+/// products (bf16_products.hpp): E and the rotated values per block (alpha
+/// summed from the rounded E, so that M / alpha stays a convex combination of
+/// values), G per block and M / alpha once per head.
+template <Stabilizer Stab, Positional Pos, Activation In, bool RoundedProducts = false>
 void latte_bidirectional_forward(TensorView<const In, 4> q, TensorView<const In, 4> k,
                                  TensorView<const In, 4> v, TensorView<In, 4> out,
                                  const std::vector<double>& angles) {
   using T = compute_type_t<In>;
   constexpr bool staged = HalfFloat<In>;
+  static_assert(!RoundedProducts || std::is_same_v<In, bfloat16>, "bf16 products read bf16 activations");
+  constexpr bool pair_products = RoundedProducts && bf16_products_available;
   constexpr T lowest = -std::numeric_limits<T>::infinity();
   const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), L = q.extent(3);
   const index_t Dv = v.extent(3), pairs = Dv / 2, heads = B * H;
@@ -812,6 +820,9 @@ void latte_bidirectional_forward(TensorView<const In, 4> q, TensorView<const In,
   latte::detail::checked_count<T>("query_logits", {states, L, Dv});  // the largest workspace below
   AlignedVector<T> column_max(states * L, lowest), shift(states * L, Stab::reference_for(lowest));
   AlignedVector<T> normaliser(states * L, T(0)), memory(states * L * Dv, T(0));
+  // bf16 products: each head's M / alpha as latent pairs (L / 2 rounded up, x Dv).
+  const index_t latent_pairs = (L + 1) / 2;
+  AlignedVector<std::uint32_t> memory_pairs(pair_products ? heads * latent_pairs * Dv : 0);
   auto state_of = [&](index_t head, index_t segment) { return head * segments + segment; };
   auto theta_of = [&](index_t h) { return angles.empty() ? nullptr : angles.data() + h * pairs; };
   // Prefetch (prefetch.hpp), the same for both passes' two row streams x and y
@@ -887,6 +898,10 @@ void latte_bidirectional_forward(TensorView<const In, 4> q, TensorView<const In,
     const index_t segment = item % segments;
     AlignedVector<T> keys(block * L), values(block * Dv), block_max(L), block_sum(L);
     AlignedVector<T> staged_keys(staged ? block * L : 0);
+    AlignedVector<std::uint32_t> key_pairs(pair_products ? block / 2 * L : 0),
+        value_pairs(pair_products ? block / 2 * Dv : 0);
+    // The bf16 value rows go into pairs as they are (NoPositional): no fp32 copy.
+    constexpr bool widens_values = !pair_products || Pos::rotates_values;
     std::vector<RotationStepper<T>> rotation(Pos::rotates_values ? last - first : 0,
                                              RotationStepper<T>(Pos::rotates_values ? pairs : 0));
     for (index_t j = 0; j < static_cast<index_t>(rotation.size()); ++j)
@@ -915,7 +930,7 @@ void latte_bidirectional_forward(TensorView<const In, 4> q, TensorView<const In,
           for (index_t r = 0; r < n; ++r) {
             if (unrequested) prefetch_ahead(k, v, b, h, t0, r, n);
             widen_row(k.row(b, t0 + r, h), staged_keys.data() + r * L, L);
-            widen_row(v.row(b, t0 + r, h), values.data() + r * Dv, Dv);
+            if (widens_values) widen_row(v.row(b, t0 + r, h), values.data() + r * Dv, Dv);
           }
           key = staged_keys.data();
           key_stride = L;
@@ -954,9 +969,29 @@ void latte_bidirectional_forward(TensorView<const In, 4> q, TensorView<const In,
             rotation[j - first].rotate(values.data() + r * Dv, /*forward=*/false);
             rotation[j - first].next();
           }
-        for (index_t l = 0; l < L; ++l) alpha[l] += block_sum[l];
-        accumulate_outer_products(keys.data(), n, L, values.data(), memory_j, Dv,
-                                  prefetch_item_ahead(k, v, j, t0, first, last, end, (L + 3) / 4));
+        auto after_tile = prefetch_item_ahead(k, v, j, t0, first, last, end, (L + 3) / 4);
+        if constexpr (pair_products) {
+          // Tokens 2p and 2p + 1 as pair p; alpha sums the rounded exponentials.
+          const index_t token_pairs = (n + 1) / 2;
+          std::fill(block_sum.begin(), block_sum.end(), T(0));
+          for (index_t p = 0; p < token_pairs; ++p) {
+            const bool both = 2 * p + 1 < n;
+            pack_row_pairs(keys.data() + 2 * p * L, both ? keys.data() + (2 * p + 1) * L : nullptr, L,
+                           key_pairs.data() + p * L, block_sum.data());
+            if constexpr (Pos::rotates_values)
+              pack_row_pairs(values.data() + 2 * p * Dv, both ? values.data() + (2 * p + 1) * Dv : nullptr,
+                             Dv, value_pairs.data() + p * Dv);
+            else
+              interleave_bf16_rows(v.row(b, t0 + 2 * p, h), both ? v.row(b, t0 + 2 * p + 1, h) : nullptr,
+                                   Dv, value_pairs.data() + p * Dv);
+          }
+          for (index_t l = 0; l < L; ++l) alpha[l] += block_sum[l];
+          accumulate_pair_outer_products(key_pairs.data(), token_pairs, L, value_pairs.data(), memory_j,
+                                         Dv, after_tile);
+        } else {
+          for (index_t l = 0; l < L; ++l) alpha[l] += block_sum[l];
+          accumulate_outer_products(keys.data(), n, L, values.data(), memory_j, Dv, after_tile);
+        }
       }
     }
   };
@@ -993,6 +1028,13 @@ void latte_bidirectional_forward(TensorView<const In, 4> q, TensorView<const In,
       else
         for (index_t d = 0; d < Dv; ++d) row[d] /= alpha;
     }
+    if constexpr (pair_products) {  // latents 2i and 2i + 1 as pair i
+      const T* merged = memory.data() + into * L * Dv;
+      std::uint32_t* to = memory_pairs.data() + j * latent_pairs * Dv;
+      for (index_t i = 0; i < latent_pairs; ++i)
+        pack_row_pairs(merged + 2 * i * Dv, 2 * i + 1 < L ? merged + (2 * i + 1) * Dv : nullptr, Dv,
+                       to + i * Dv);
+    }
   };
 
   // Pass 2: o_t = R^t sum_l p(l|t) M_l / alpha_l, p(l|t) = e_{t,l} / sum_l e_{t,l}.
@@ -1004,6 +1046,7 @@ void latte_bidirectional_forward(TensorView<const In, 4> q, TensorView<const In,
     const index_t begin = time_range(item).first, end = time_range(item).second;
     AlignedVector<T> gamma(block * L), row_scale(block);
     AlignedVector<T> staged_queries(staged ? block * L : 0), staged_out(staged ? block * Dv : 0);
+    AlignedVector<std::uint32_t> read_pairs(pair_products ? block * latent_pairs : 0);
     std::vector<RotationStepper<T>> rotation(Pos::rotates_values ? last - first : 0,
                                              RotationStepper<T>(Pos::rotates_values ? pairs : 0));
     for (index_t j = 0; j < static_cast<index_t>(rotation.size()); ++j)
@@ -1046,9 +1089,17 @@ void latte_bidirectional_forward(TensorView<const In, 4> q, TensorView<const In,
           out_rows = out.row(b, t0, h);
           out_stride = out.stride(1);
         }
-        read_memory_rows(gamma.data(), n, L, memory.data() + state_of(j, 0) * L * Dv, Dv,
-                         out_rows, out_stride, row_scale.data(),
-                         prefetch_item_ahead(q, out, j, t0, first, last, end, (n + 3) / 4));
+        auto after_tile = prefetch_item_ahead(q, out, j, t0, first, last, end, (n + 3) / 4);
+        if constexpr (pair_products) {
+          for (index_t r = 0; r < n; ++r)
+            round_row_to_pairs(gamma.data() + r * L, L, latent_pairs, read_pairs.data() + r * latent_pairs);
+          read_pair_memory_rows(read_pairs.data(), n, latent_pairs,
+                                memory_pairs.data() + j * latent_pairs * Dv, Dv, out_rows, out_stride,
+                                after_tile);
+        } else {
+          read_memory_rows(gamma.data(), n, L, memory.data() + state_of(j, 0) * L * Dv, Dv, out_rows,
+                           out_stride, row_scale.data(), after_tile);
+        }
         if constexpr (Pos::rotates_values)
           for (index_t i = 0; i < n; ++i) {
             rotation[j - first].rotate(out_rows + i * out_stride, /*forward=*/true);  // R^t
