@@ -908,6 +908,12 @@ void latte_attention(Fuzz& fuzz, const Sizes& s) {
                          [&](const auto& in, const auto& out) {
                            latte::HalfPrecision(a).forward(E{}, in[0], in[1], in[2], out);
                          });
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<E, latte::exec::cpu_t> && !Dir::is_causal)
+    if (fuzz.coin(3))  // bf16 dot products (latte::bf16_products)
+      drive_bf16_forward(fuzz, f, s.batch, s.time, s.heads, "LatteAttention forward (bf16 products)",
+                         [&](const auto& in, const auto& out) {
+                           a.forward(E{}, latte::bf16_products, in[0], in[1], in[2], out);
+                         });
   if (fuzz.coin(3)) {
     latte::Tensor<T, 2> d_angles({Pos::rotates_values && fuzz.coin(2) ? s.heads : 0, Dv / 2});
     // Gradients of logits spread over 1e3 stay finite: |g|, |v| <= 1e3, T <= 40.

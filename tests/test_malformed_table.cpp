@@ -3,7 +3,7 @@
 //
 // Entry points: forward, forward with a state, forward_packed, StatePool (every causal mechanism),
 // the same four with bf16 activations (HalfPrecision; LatteAttention's own bf16 forward
-// on exec::cpu) for Latte, softmax, Macchiato, the linear family, LAVO and conv-compression,
+// on exec::cpu, and the bidirectional one with latte::bf16_products) for Latte, softmax, Macchiato, the linear family, LAVO and conv-compression,
 // make_state, step, State::restore,
 // backward (SoftmaxAttention, LatteAttention, LatteMacchiato, LinearAttention and
 // its cross_backward, reference + cpu; malformed_backward.hpp),
@@ -749,6 +749,13 @@ void add_bf16_entries(Registry& registry, E exec_tag) {
   registry.add(bf16_entry(forward_entry<M>(exec_tag), !reads_bf16, [attention, exec_tag](const auto& in, const auto& out) {
     spread<M::arity>([&](auto... x) { HalfPrecision(*attention).forward(exec_tag, x..., out); }, in);
   }));
+  if constexpr (reads_bf16 && !M::A::direction::is_causal) {  // latte::bf16_products
+    auto products = bf16_entry(forward_entry<M>(exec_tag), false, [attention](const auto& in, const auto& out) {
+      spread<M::arity>([&](auto... x) { attention->forward(exec::cpu, bf16_products, x..., out); }, in);
+    });
+    products.entry.replace(products.entry.rfind(" (bf16)"), 7, " (bf16 products)");
+    registry.add(products);
+  }
   if constexpr (requires { M::template make_state<float>(M::make(), 1); }) {
     auto context = std::make_shared<StatefulContext<M>>();
     const auto with_state =

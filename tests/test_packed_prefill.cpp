@@ -219,6 +219,100 @@ void every_backend(std::uint64_t seed) {
   packed_cases<float, Mechanism>(exec::cpu, seed + 3);
 }
 
+/// Sequences' tokens [offsets[i], offsets[i] + lengths[i]) of row-major [1, n_i, ...]
+/// tensors (the same trailing extents), packed along time into one [1, total, ...].
+template <class T, std::size_t N>
+Tensor<T, N> pack_tokens(const std::vector<Tensor<T, N>>& parts, const std::vector<index_t>& offsets,
+                         const std::vector<index_t>& lengths) {
+  auto extents = parts[0].extents();
+  extents[1] = std::accumulate(lengths.begin(), lengths.end(), index_t{0});
+  Tensor<T, N> packed(extents);
+  index_t row = 1;  // elements per token
+  for (std::size_t d = 2; d < N; ++d) row *= extents[d];
+  T* to = packed.data();
+  for (std::size_t i = 0; i < parts.size(); ++i)
+    to = std::copy_n(parts[i].data() + offsets[i] * row, lengths[i] * row, to);
+  return packed;
+}
+
+/// LeaPformer with proportions given per call (SequenceProportions, two [1, total_T, H]
+/// views after v): two packed calls through fresh states, then fresh starts, against
+/// the oracle of each sequence's whole stream with those proportions.
+template <class T, class E>
+void given_proportions_cases(E e, std::uint64_t seed) {
+  using A = LeaPformer<Causal>;
+  Rng rng(seed);
+  const index_t H = 2, Dk = 4, Dv = 6;
+  typename A::Options options;
+  options.reweight.leap_factor = 1;
+  options.reweight.query_module = random_leap_module(rng, Dk, 1);  // unused: proportions are given
+  options.reweight.key_module = random_leap_module(rng, Dk, 1);
+  const A attention({H, Dk, Dv}, options);
+  double worst = 0;
+  for (int c = 0; c < case_count(6); ++c) {
+    CAPTURE(c);
+    const index_t count = std::uniform_int_distribution<index_t>(1, 6)(rng);
+    std::uniform_int_distribution<index_t> short_length(0, 9);
+    std::vector<index_t> first, second, zeros(static_cast<std::size_t>(count), 0);
+    std::vector<Tensor<T, 4>> q, k, v;
+    std::vector<Tensor<T, 3>> pq, pk;
+    for (index_t i = 0; i < count; ++i) {
+      first.push_back(i == count / 2 ? std::uniform_int_distribution<index_t>(10, 70)(rng) : short_length(rng));
+      second.push_back(short_length(rng));
+      const index_t n = first.back() + second.back();
+      q.push_back(random_tensor<T, 4>(rng, {1, n, H, Dk}, 1.0));
+      k.push_back(random_tensor<T, 4>(rng, {1, n, H, Dk}, 1.0));
+      v.push_back(random_tensor<T, 4>(rng, {1, n, H, Dv}, 1.0));
+      pq.push_back(uniform_tensor<T, 3>(rng, {1, n, H}, 0, 1));
+      pk.push_back(uniform_tensor<T, 3>(rng, {1, n, H}, 0, 1));
+    }
+    std::vector<typename A::template State<T>> states;
+    for (index_t i = 0; i < count; ++i) states.push_back(attention.template make_state<T>(1));
+    std::vector<typename A::template State<T>*> pointers;
+    for (auto& state : states) pointers.push_back(&state);
+    auto run = [&](const std::vector<index_t>& offsets, const std::vector<index_t>& lengths, bool with_states) {
+      std::vector<index_t> cu{0};
+      for (index_t length : lengths) cu.push_back(cu.back() + length);
+      const Tensor<T, 4> qp = pack_tokens(q, offsets, lengths), kp = pack_tokens(k, offsets, lengths),
+                         vp = pack_tokens(v, offsets, lengths);
+      const Tensor<T, 3> pqp = pack_tokens(pq, offsets, lengths), pkp = pack_tokens(pk, offsets, lengths);
+      Tensor<T, 4> out({1, cu.back(), H, Dv});
+      const auto inputs = std::make_tuple(qp.cview(), kp.cview(), vp.cview(), SequenceProportions<T>{pqp.cview(), pkp.cview()});
+      if (with_states)
+        forward_packed(attention, e, std::span<const index_t>(cu), inputs, out.view(),
+                       std::span<typename A::template State<T>* const>(pointers));
+      else
+        forward_packed(attention, e, std::span<const index_t>(cu), inputs, out.view());
+      return out;
+    };
+    auto oracle = [&](index_t i) {  // over sequence i's whole stream
+      LinearOracleSpec spec{.causal = true, .feature = oracle_relu};
+      spec.query_proportions = oracle_given_proportions(pq[i]);
+      spec.key_proportions = oracle_given_proportions(pk[i]);
+      set_oracle_normaliser(spec, options.normaliser);
+      return linear_oracle(spec, to_long_double(q[i]), to_long_double(k[i]), to_long_double(v[i]));
+    };
+    const Tensor<T, 4> out1 = run(zeros, first, true), out2 = run(first, second, true), fresh = run(zeros, first, false);
+    index_t at1 = 0, at2 = 0;
+    for (index_t i = 0; i < count; ++i) {
+      CAPTURE(i);
+      if (first[i] + second[i] > 0) {
+        const TensorLD<4> whole = oracle(i);
+        const double e1 = sequence_error(out1, at1, whole, 0, first[i]);
+        const double e2 = sequence_error(out2, at2, whole, first[i], second[i]);
+        const double e3 = sequence_error(fresh, at1, whole, 0, first[i]);  // causal: the same rows
+        CHECK(e1 <= Tolerance<T>::relative);
+        CHECK(e2 <= Tolerance<T>::relative);
+        CHECK(e3 <= Tolerance<T>::relative);
+        worst = std::max({worst, e1, e2, e3});
+      }
+      at1 += first[i];
+      at2 += second[i];
+    }
+  }
+  MESSAGE(std::string(dtype_name<T>()) << " " << std::string(E::name) << ": worst relative error " << worst);
+}
+
 }  // namespace
 
 TEST_CASE("forward_packed: every causal mechanism equals its oracle per sequence, with and without states") {
@@ -232,6 +326,12 @@ TEST_CASE("forward_packed: every causal mechanism equals its oracle per sequence
   SUBCASE("linear elu + 1, RoPE") { every_backend<RopeLinearMechanism<Causal>>(157); }
   SUBCASE("linear, elu + 1") { every_backend<LinearMechanism<Causal>>(150); }
   SUBCASE("LeaPformer (LeaP modules)") { every_backend<LeaPMechanism<Causal>>(160); }
+  SUBCASE("LeaPformer (given proportions)") {
+    given_proportions_cases<double>(exec::reference, 165);
+    given_proportions_cases<float>(exec::reference, 166);
+    given_proportions_cases<double>(exec::cpu, 167);
+    given_proportions_cases<float>(exec::cpu, 168);
+  }
   SUBCASE("LAVO") { every_backend<LavoMechanism<Causal>>(170); }
   SUBCASE("conv-compression") { every_backend<ConvCompressedMechanism<Causal>>(180); }
 }
@@ -333,6 +433,31 @@ TEST_CASE("forward_packed: bad calls are refused by name and leave every state u
                    std::span<SoftmaxAttention<Causal>::State<float>* const>(caches));
   }, "states[1]", "capacity");
   CHECK(roomy.save() == roomy_bytes);
+  // LeaPformer's given proportions: each view packed, apart from out, within [0, 1]
+  // (all checked before the first sequence runs: its state would have moved).
+  const LeaPformer<Causal> leap({.heads = 2, .key_dim = 3, .value_dim = 4}, {.reweight = {.leap_factor = 1}});
+  auto p = leap.make_state<float>(1), r = leap.make_state<float>(1);
+  const auto p_bytes = p.save(), r_bytes = r.save();
+  std::vector<LeaPformer<Causal>::State<float>*> leap_states{&p, &r};
+  const Tensor<float, 3> half(std::array<index_t, 3>{1, 9, 2}, 0.5f), short_half(std::array<index_t, 3>{1, 8, 2}, 0.5f);
+  Tensor<float, 3> above(std::array<index_t, 3>{1, 9, 2}, 0.5f);
+  above(0, 6, 1) = 1.5f;  // in the second sequence
+  const auto leap_call = [&](const Tensor<float, 3>& queries, const Tensor<float, 3>& keys, TensorView<float, 4> o) {
+    forward_packed(leap, exec::cpu, std::span<const index_t>(cu),
+                   std::make_tuple(q.cview(), k.cview(), v.cview(), SequenceProportions<float>{queries.cview(), keys.cview()}),
+                   o, std::span<LeaPformer<Causal>::State<float>* const>(leap_states));
+  };
+  expect_error([&] { leap_call(half, short_half, out.view()); }, "inputs[3].keys", "total_T");
+  expect_error([&] { leap_call(half, above, out.view()); }, "key_proportions", "");  // before any sequence runs
+  Tensor<float, 4> joint({1, 9, 2, 4});
+  expect_error([&] {
+    forward_packed(leap, exec::cpu, std::span<const index_t>(cu),
+                   std::make_tuple(q.cview(), k.cview(), v.cview(),
+                                   SequenceProportions<float>{TensorView<const float, 3>(joint.data(), {1, 9, 2}), half.cview()}),
+                   joint.view(), std::span<LeaPformer<Causal>::State<float>* const>(leap_states));
+  }, "out", "inputs[3].queries");
+  CHECK(p.save() == p_bytes);
+  CHECK(r.save() == r_bytes);
 }
 
 }  // namespace test_packed_prefill

@@ -34,6 +34,7 @@
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
 #include "latte/policies/execution.hpp"
+#include "latte/policies/reweight.hpp"
 
 namespace latte {
 
@@ -111,6 +112,12 @@ TensorView<T, N> time_slice(const TensorView<T, N>& view, index_t begin, index_t
   return TensorView<T, N>(view.data() + (length == 0 ? 0 : begin * view.stride(1)), extents, view.strides());
 }
 
+/// LeaPformer's given proportions: both [1, total_T, H] views sliced alike.
+template <Real T>
+SequenceProportions<T> time_slice(const SequenceProportions<T>& proportions, index_t begin, index_t length) {
+  return {time_slice(proportions.queries, begin, length), time_slice(proportions.keys, begin, length)};
+}
+
 /// Every packed view has batch 1 and total_T tokens.
 template <class T, std::size_t N>
 void check_packed(const TensorView<T, N>& view, std::string_view argument, index_t total) {
@@ -120,6 +127,35 @@ void check_packed(const TensorView<T, N>& view, std::string_view argument, index
           expected_given("batch extent of a packed view [1, total_T, ...]", 1, view.extent(0)));
   require(view.extent(1) == total, argument,
           expected_given("time extent total_T (= the out's)", total, view.extent(1)));
+}
+
+template <Real T>
+void check_packed(const SequenceProportions<T>& proportions, std::string_view argument, index_t total) {
+  check_packed(proportions.queries, std::string(argument) + ".queries", total);
+  check_packed(proportions.keys, std::string(argument) + ".keys", total);
+}
+
+/// Given proportions hold values the attention accepts, every token of every
+/// sequence (a value checked only when its sequence runs would throw after
+/// other sequences' states moved). Other inputs: nothing more to check.
+template <class Attention, class Input>
+void check_packed_values(const Attention&, const Input&, index_t) {}
+template <class Attention, Real T>
+void check_packed_values(const Attention& attention, const SequenceProportions<T>& proportions, index_t total) {
+  if constexpr (requires { attention.validate_proportions(proportions, index_t{1}, total); })
+    attention.validate_proportions(proportions, 1, total);
+}
+
+/// out shares no element with an input (each view of given proportions too).
+template <class O, class I, std::size_t N>
+void check_packed_no_overlap(const TensorView<O, 4>& out, const TensorView<I, N>& input, std::string_view name) {
+  check_no_overlap(out, "out", input, name);
+}
+template <class O, Real T>
+void check_packed_no_overlap(const TensorView<O, 4>& out, const SequenceProportions<T>& proportions,
+                             std::string_view name) {
+  check_no_overlap(out, "out", proportions.queries, std::string(name) + ".queries");
+  check_no_overlap(out, "out", proportions.keys, std::string(name) + ".keys");
 }
 
 /// A prefill's work in `attention`'s own units: its prefill_cost(length) where it
@@ -136,8 +172,9 @@ double prefill_cost(const Attention& attention, index_t length) {
 
 /// Runs `attention`'s causal forward on each sequence of a packed batch.
 /// `inputs` are the views the mechanism's forward takes before `out`, in its
-/// order (q, k, v; Macchiato's five; LeaP's proportions [1, total_T, H] too),
-/// each [1, total_T, H, *]; `out` [1, total_T, H, Dv]. With `states` (one per
+/// order (q, k, v; Macchiato's five; LeaPformer's given SequenceProportions,
+/// two [1, total_T, H] views, after v), each [1, total_T, H, *]; `out`
+/// [1, total_T, H, Dv]. With `states` (one per
 /// sequence, batch 1, distinct), sequence i continues from *states[i] and leaves
 /// it at its end; without, every sequence starts fresh at position 0. With
 /// bf16 / fp16 activations, pass HalfPrecision(attention) (half_precision.hpp).
@@ -159,9 +196,10 @@ void forward_packed(const Attention& attention, E e, std::span<const index_t> cu
     detail::check_distinct_elements(out, "out");
     std::apply([&](const auto&... view) {
       ((detail::check_packed(view, "inputs[" + std::to_string(position) + "]", total),
-        detail::check_no_overlap(out, "out", view, "inputs[" + std::to_string(position) + "]"), ++position),
+        detail::check_packed_no_overlap(out, view, "inputs[" + std::to_string(position) + "]"), ++position),
        ...);
     }, inputs);
+    std::apply([&](const auto&... view) { (detail::check_packed_values(attention, view, total), ...); }, inputs);
   }
   if (!states.empty()) {
     detail::require(static_cast<index_t>(states.size()) == N, "states",

@@ -579,6 +579,10 @@ void scan(const TensorView<const In, 4>& q, const TensorView<const In, 4>& k,
         prefetch_token_rows(b, t + r + 8, h, k, v);
         if (read) prefetch_token_rows(b, t + r + 8, h, q, out);
       }
+      if (const index_t next = t + r + LatteScratch<float>::staged_tokens; next < t1) {
+        prefetch_token_rows<CacheLevel::l2>(b, next, h, k, v);
+        if (read) prefetch_token_rows<CacheLevel::l2>(b, next, h, q, out);
+      }
       widen_row(k.row(b, t + r, h), keys + r * L, L);
       widen_row(v.row(b, t + r, h), values + r * Dv, Dv);
       if (read) widen_row(q.row(b, t + r, h), queries + r * L, L);
