@@ -2,8 +2,8 @@
 // Rows of 16-bit activations to fp32 and back on the CPU: widening is exact,
 // narrowing rounds to nearest, ties to even, bit for bit what the scalar
 // conversions of core/half_float.hpp give (NaN, inf, subnormals included).
-// bfloat16 uses AVX2 integer lanes (a widen is a 16-bit shift; a narrow adds
-// 0x7fff plus the kept lowest bit); float16 uses F16C's vcvtph2ps / vcvtps2ph.
+// bfloat16 uses AVX-512 or AVX2 integer lanes (a widen is a 16-bit shift; a
+// narrow adds 0x7fff plus the kept lowest bit); float16 uses F16C's vcvtph2ps / vcvtps2ph.
 // Without them, the scalar conversions. (AVX-512 BF16's vcvtneps2bf16 is not
 // used: it flushes subnormal inputs to zero, which the scalar path does not.)
 //
@@ -19,7 +19,7 @@
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
 
-#if defined(__AVX2__) || defined(__F16C__)
+#if defined(__AVX2__) || defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -30,6 +30,13 @@ template <HalfFloat H>
 void widen_row(const H* src, float* dst, index_t n) noexcept {
   using Plain = std::remove_const_t<H>;
   index_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<Plain, bfloat16>)
+    for (; i + 16 <= n; i += 16) {
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+      _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
+    }
+#endif
 #if defined(__AVX2__)
   if constexpr (std::is_same_v<Plain, bfloat16>)
     for (; i + 8 <= n; i += 8) {
@@ -50,6 +57,21 @@ void widen_row(const H* src, float* dst, index_t n) noexcept {
 template <HalfFloat H>
 void narrow_row(const float* src, H* dst, index_t n) noexcept {
   index_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<H, bfloat16>) {  // as the AVX2 lanes below, 16 at a time
+    const __m512i rounding = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1),
+                  quiet = _mm512_set1_epi32(0x00400000);
+    for (; i + 16 <= n; i += 16) {
+      const __m512 value = _mm512_loadu_ps(src + i);
+      const __m512i x = _mm512_castps_si512(value);
+      const __m512i kept_lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), one);
+      const __m512i rounded = _mm512_add_epi32(x, _mm512_add_epi32(rounding, kept_lsb));
+      const __mmask16 nan = _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q);
+      const __m512i bits = _mm512_srli_epi32(_mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(x, quiet)), 16);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(bits));
+    }
+  }
+#endif
 #if defined(__AVX2__)
   if constexpr (std::is_same_v<H, bfloat16>) {
     const __m256i rounding = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1),
