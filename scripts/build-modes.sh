@@ -11,15 +11,19 @@
 #                                 each build's GFLOP/s against the best build's.
 #   scripts/build-modes.sh --ci   g++ -O2 and clang++ -O3 only, one short run each:
 #                                 the kernels compile and run in those builds (CI).
+#   --rounds N                    rounds of the measurement (default 3)
+#   --no-build                    measure the builds already in build-modes/
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 ci=0
 rounds=3
+build=1
 while (($#)); do
   case "$1" in
     --ci) ci=1; shift ;;
     --rounds) rounds="$2"; shift 2 ;;
+    --no-build) build=0; shift ;;
     *) echo "build-modes.sh: unknown argument '$1' (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -40,6 +44,7 @@ for mode in "${modes[@]}"; do
   [[ "$compiler" == clang++ ]] && openmp=-fopenmp=libomp
   name="${compiler//+/p}${level}"
   names+=("$name")
+  ((build)) || continue
   echo "build-modes.sh: $compiler $level" >&2
   "$compiler" "$level" "$openmp" "${common[@]}" -o "$out/latte-compare-$name" &
 done
