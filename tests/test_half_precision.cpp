@@ -184,10 +184,16 @@ Rounded<H> rounded_input(Rng& rng, const std::array<index_t, 4>& extents, double
   return r;
 }
 
-/// max over elements of |out - oracle| / (u |oracle| + (1 + u) tol_fp32 max|oracle| + subnormal step):
-/// at most 1 when the output is one rounding of a result within the fp32 bound.
-template <HalfFloat H>
-double bound_ratio(const TensorView<const H, 4>& out, const TensorLD<4>& oracle, index_t oracle_first = 0) {
+/// No term of a head's own in the bound.
+inline double no_head_term(index_t, index_t) { return 0; }
+
+/// max over elements of |out - oracle| / (u |oracle| + (1 + u) (head_term(b, h) +
+/// tol_fp32 max|oracle|) + subnormal step): at most 1 when the output is one
+/// rounding of a result within the fp32 bound (plus head_term, where a mode
+/// rounds more: bf16 products).
+template <HalfFloat H, class HeadTerm = double (*)(index_t, index_t)>
+double bound_ratio(const TensorView<const H, 4>& out, const TensorLD<4>& oracle, index_t oracle_first = 0,
+                   HeadTerm head_term = no_head_term) {
   const double u = H::unit_roundoff, tiny = std::is_same_v<H, float16> ? std::ldexp(1.0, -25) : 0.0;
   long double scale = 0;
   for (index_t t = 0; t < out.extent(1); ++t)
@@ -203,7 +209,8 @@ double bound_ratio(const TensorView<const H, 4>& out, const TensorLD<4>& oracle,
           const long double o = oracle(b, oracle_first + t, h, d);
           const double got = static_cast<float>(out(b, t, h, d));
           if (!std::isfinite(got)) return std::numeric_limits<double>::infinity();
-          const double bound = u * double(std::fabs(o)) + (1 + u) * Tolerance<float>::relative * double(scale) + tiny;
+          const double bound =
+              u * double(std::fabs(o)) + (1 + u) * (head_term(b, h) + Tolerance<float>::relative * double(scale)) + tiny;
           worst = std::max(worst, double(std::fabs(got - o)) / bound);
         }
   return worst;
@@ -351,37 +358,27 @@ TEST_CASE("HalfPrecision: wide and -inf logits stay within the bound") {
   CHECK(bound_ratio<bfloat16>(out.cview(), problem.oracle()) <= 1.0);
 }
 
-/// max over elements of |out - oracle| / (u |o| + (1 + u) (c u m_v + tol_fp32 max|o|)),
-/// the bound of latte::bf16_products (docs/numerics.md, "bf16 products"): m_v is
-/// the head's largest |value| (c = 4) or, with VAPOR, its largest value pair norm
-/// (c = 5).
+/// bound_ratio with the term of latte::bf16_products (docs/numerics.md, "bf16
+/// products"): c u m_v, m_v the head's largest |value| (c = 4) or, with VAPOR,
+/// its largest value pair norm (c = 5).
 template <class Pos>
 double products_bound_ratio(const TensorView<const bfloat16, 4>& out, const TensorLD<4>& oracle,
                             const TensorLD<4>& values) {
   const double u = bfloat16::unit_roundoff, c = Pos::rotates_values ? 5 : 4;
-  long double scale = 0;
-  for (index_t i = 0; i < oracle.size(); ++i) scale = std::max(scale, std::fabs(oracle.data()[i]));
-  double worst = 0;
-  for (index_t b = 0; b < out.extent(0); ++b)
-    for (index_t h = 0; h < out.extent(2); ++h) {
+  const index_t H = values.extent(2);
+  std::vector<double> term(static_cast<std::size_t>(values.extent(0) * H));
+  for (index_t b = 0; b < values.extent(0); ++b)
+    for (index_t h = 0; h < H; ++h) {
       long double m_v = 0;
       for (index_t t = 0; t < values.extent(1); ++t)
         for (index_t d = 0; d < values.extent(3); ++d) {
           const long double x = values(b, t, h, d);
-          const long double pair = Pos::rotates_values ? std::hypot(x, values(b, t, h, d ^ 1)) : std::fabs(x);
-          m_v = std::max(m_v, pair);
+          m_v = std::max(m_v, Pos::rotates_values ? std::hypot(x, values(b, t, h, d ^ 1)) : std::fabs(x));
         }
-      for (index_t t = 0; t < out.extent(1); ++t)
-        for (index_t d = 0; d < out.extent(3); ++d) {
-          const long double o = oracle(b, t, h, d);
-          const double got = static_cast<float>(out(b, t, h, d));
-          if (!std::isfinite(got)) return std::numeric_limits<double>::infinity();
-          const double bound = u * double(std::fabs(o)) +
-                               (1 + u) * (c * u * double(m_v) + Tolerance<float>::relative * double(scale));
-          worst = std::max(worst, double(std::fabs(got - o)) / bound);
-        }
+      term[static_cast<std::size_t>(b * H + h)] = c * u * double(m_v);
     }
-  return worst;
+  return bound_ratio<bfloat16>(out, oracle, 0,
+                               [&](index_t b, index_t h) { return term[static_cast<std::size_t>(b * H + h)]; });
 }
 
 /// latte::bf16_products on random shapes (odd token and latent counts, Dv past

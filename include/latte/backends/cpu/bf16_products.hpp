@@ -25,7 +25,7 @@
 // docs/numerics.md ("bf16 products"). An operand past the pairs' end (odd
 // token or latent counts) is zero.
 //
-// Only where the compiler targets AVX-512 BF16 and BW (bf16_products_available);
+// Only where the compiler targets AVX-512 BF16, BW and VL (bf16_products_available);
 // elsewhere Bf16Products runs the exact kernels, which meet the tighter bound.
 #include <bit>
 #include <cstdint>
