@@ -23,6 +23,8 @@
 // `after_tile()` runs after each full register tile (the bidirectional pass
 // requests the next block's rows there, a few per tile).
 #include <cstddef>
+#include <type_traits>
+#include <utility>
 
 #include "latte/backends/cpu/simd.hpp"
 #include "latte/core/types.hpp"
@@ -37,9 +39,11 @@ namespace detail {
 /// The tile core of both contractions: acc[i][c] += sum_{s < steps}
 /// a[i * a_row + s * a_step] b[s * b_step + c W ..], i < R, c < CV. Each step
 /// loads CV vectors of b once (held in registers) and broadcasts R scalars of a.
-template <Real T, int R, int CV>
+/// With Tail the last vector of b holds `last` columns (the rest read as 0):
+/// a row of Dv = 65 ends in a masked vector, not a scalar loop.
+template <Real T, int R, int CV, bool Tail = false>
 inline void fma_tile(simd::batch<T> (&acc)[R][CV], const T* a, index_t a_row, index_t a_step,
-                     const T* b, index_t b_step, index_t steps) noexcept {
+                     const T* b, index_t b_step, index_t steps, index_t last) noexcept {
   using B = simd::batch<T>;
   constexpr index_t W = simd::width<T>;
   // Constant indices (simd::unrolled): GCC unrolls loops of R and CV at -O3
@@ -47,7 +51,7 @@ inline void fma_tile(simd::batch<T> (&acc)[R][CV], const T* a, index_t a_row, in
   for (index_t s = 0; s < steps; ++s) {
     B vector[CV];
     simd::unrolled<CV>([&](auto c) {
-      vector[c] = simd::load(b + s * b_step + c * W);
+      vector[c] = simd::load_lanes<Tail && decltype(c)::value == CV - 1>(b + s * b_step + c * W, last);
       simd::hold_in_register(vector[c]);
     });
     simd::unrolled<R>([&](auto i) {
@@ -58,70 +62,98 @@ inline void fma_tile(simd::batch<T> (&acc)[R][CV], const T* a, index_t a_row, in
 }
 
 /// M[l0 + i][d0 + c W ..] += sum_s e[s][l0 + i] v[s][d0 + c W ..], i < RL, c < CV.
-template <Real T, int RL, int CV>
+template <Real T, int RL, int CV, bool Tail>
 LATTE_FLATTEN void outer_products_tile(const T* e, index_t n, index_t L, const T* v,
-                                       index_t Dv, T* memory, index_t l0, index_t d0) noexcept {
+                                       index_t Dv, T* memory, index_t l0, index_t d0,
+                                       index_t last) noexcept {
   using B = simd::batch<T>;
   constexpr index_t W = simd::width<T>;
   B acc[RL][CV];
   T* tile = memory + l0 * Dv + d0;
   simd::unrolled<RL * CV>([&](auto k) {
-    acc[k / CV][k % CV] = simd::load(tile + (k / CV) * Dv + (k % CV) * W);
+    constexpr bool part = Tail && decltype(k)::value % CV == CV - 1;
+    acc[k / CV][k % CV] = simd::load_lanes<part>(tile + (k / CV) * Dv + (k % CV) * W, last);
   });
-  fma_tile<T, RL, CV>(acc, e + l0, /*a_row=*/1, /*a_step=*/L, v + d0, /*b_step=*/Dv, n);
+  fma_tile<T, RL, CV, Tail>(acc, e + l0, /*a_row=*/1, /*a_step=*/L, v + d0, /*b_step=*/Dv, n, last);
   simd::unrolled<RL * CV>([&](auto k) {
-    simd::store(tile + (k / CV) * Dv + (k % CV) * W, acc[k / CV][k % CV]);
+    constexpr bool part = Tail && decltype(k)::value % CV == CV - 1;
+    simd::store_lanes<part>(tile + (k / CV) * Dv + (k % CV) * W, acc[k / CV][k % CV], last);
   });
 }
 
-template <Real T, int CV, class Hook>
+template <Real T, int CV, bool Tail, class Hook>
 inline void outer_products_columns(const T* e, index_t n, index_t L, const T* v, index_t Dv,
-                                   T* memory, index_t d0, Hook& after_tile) noexcept {
+                                   T* memory, index_t d0, index_t last, Hook& after_tile) noexcept {
   index_t l0 = 0;
   for (; l0 + 4 <= L; l0 += 4) {
-    outer_products_tile<T, 4, CV>(e, n, L, v, Dv, memory, l0, d0);
+    outer_products_tile<T, 4, CV, Tail>(e, n, L, v, Dv, memory, l0, d0, last);
     after_tile();
   }
   switch (L - l0) {
-    case 3: outer_products_tile<T, 3, CV>(e, n, L, v, Dv, memory, l0, d0); break;
-    case 2: outer_products_tile<T, 2, CV>(e, n, L, v, Dv, memory, l0, d0); break;
-    case 1: outer_products_tile<T, 1, CV>(e, n, L, v, Dv, memory, l0, d0); break;
+    case 3: outer_products_tile<T, 3, CV, Tail>(e, n, L, v, Dv, memory, l0, d0, last); break;
+    case 2: outer_products_tile<T, 2, CV, Tail>(e, n, L, v, Dv, memory, l0, d0, last); break;
+    case 1: outer_products_tile<T, 1, CV, Tail>(e, n, L, v, Dv, memory, l0, d0, last); break;
     default: break;
   }
 }
 
 /// o[s0 + r][d0 + c W ..] = scale[s0 + r] sum_l g[s0 + r][l] M[l][d0 + c W ..],
 /// r < R, c < CV.
-template <Real T, int R, int CV>
+template <Real T, int R, int CV, bool Tail>
 LATTE_FLATTEN void read_tile(const T* g, index_t L, const T* memory, index_t Dv, const T* scale,
-                             T* out, index_t out_stride, index_t s0, index_t d0) noexcept {
+                             T* out, index_t out_stride, index_t s0, index_t d0,
+                             index_t last) noexcept {
   using B = simd::batch<T>;
   constexpr index_t W = simd::width<T>;
   B acc[R][CV];
   simd::unrolled<R * CV>([&](auto k) { acc[k / CV][k % CV] = B(T(0)); });
-  fma_tile<T, R, CV>(acc, g + s0 * L, /*a_row=*/L, /*a_step=*/1, memory + d0, /*b_step=*/Dv, L);
+  fma_tile<T, R, CV, Tail>(acc, g + s0 * L, /*a_row=*/L, /*a_step=*/1, memory + d0, /*b_step=*/Dv,
+                           L, last);
   T* tile = out + s0 * out_stride + d0;
   simd::unrolled<R * CV>([&](auto k) {
-    simd::store(tile + (k / CV) * out_stride + (k % CV) * W,
-                acc[k / CV][k % CV] * B(scale[s0 + k / CV]));
+    constexpr bool part = Tail && decltype(k)::value % CV == CV - 1;
+    simd::store_lanes<part>(tile + (k / CV) * out_stride + (k % CV) * W,
+                            acc[k / CV][k % CV] * B(scale[s0 + k / CV]), last);
   });
 }
 
-template <Real T, int CV, class Hook>
+template <Real T, int CV, bool Tail, class Hook>
 inline void read_columns(const T* g, index_t n, index_t L, const T* memory, index_t Dv,
-                         const T* scale, T* out, index_t out_stride, index_t d0,
+                         const T* scale, T* out, index_t out_stride, index_t d0, index_t last,
                          Hook& after_tile) noexcept {
   index_t s0 = 0;
   for (; s0 + 4 <= n; s0 += 4) {
-    read_tile<T, 4, CV>(g, L, memory, Dv, scale, out, out_stride, s0, d0);
+    read_tile<T, 4, CV, Tail>(g, L, memory, Dv, scale, out, out_stride, s0, d0, last);
     after_tile();
   }
   switch (n - s0) {
-    case 3: read_tile<T, 3, CV>(g, L, memory, Dv, scale, out, out_stride, s0, d0); break;
-    case 2: read_tile<T, 2, CV>(g, L, memory, Dv, scale, out, out_stride, s0, d0); break;
-    case 1: read_tile<T, 1, CV>(g, L, memory, Dv, scale, out, out_stride, s0, d0); break;
+    case 3: read_tile<T, 3, CV, Tail>(g, L, memory, Dv, scale, out, out_stride, s0, d0, last); break;
+    case 2: read_tile<T, 2, CV, Tail>(g, L, memory, Dv, scale, out, out_stride, s0, d0, last); break;
+    case 1: read_tile<T, 1, CV, Tail>(g, L, memory, Dv, scale, out, out_stride, s0, d0, last); break;
     default: break;
   }
+}
+
+/// Calls columns(d0, last, std::integral_constant<int, CV>, std::bool_constant<Tail>)
+/// over the Dv columns: whole tiles of tile_vectors vectors, then one
+/// narrower tile of ceil(rest / W) vectors whose last holds `last` columns
+/// (Dv = 32 on AVX-512 is one 2-vector tile, not two 1-vector ones; Dv = 65
+/// ends in a 1-vector tile of one column).
+template <Real T, class Columns>
+inline void for_each_column_tile(index_t Dv, Columns&& columns) {
+  constexpr index_t W = simd::width<T>;
+  index_t d0 = 0;
+  for (; d0 + tile_vectors * W <= Dv; d0 += tile_vectors * W)
+    columns(d0, W, std::integral_constant<int, tile_vectors>{}, std::false_type{});
+  const index_t rest = Dv - d0;
+  if (rest == 0) return;
+  const index_t last = rest - (rest - 1) / W * W;  // 1 .. W
+  [&]<int... V>(std::integer_sequence<int, V...>) {
+    ((rest > V * W && rest <= (V + 1) * W
+          ? columns(d0, last, std::integral_constant<int, V + 1>{}, std::true_type{})
+          : void()),
+     ...);
+  }(std::make_integer_sequence<int, tile_vectors>{});
 }
 
 /// The default hook between tiles: nothing.
@@ -136,18 +168,10 @@ struct NoTileHook {
 template <Real T, class Hook = detail::NoTileHook>
 void accumulate_outer_products(const T* e, index_t n, index_t L, const T* v, T* memory,
                                index_t Dv, Hook&& after_tile = {}) noexcept {
-  constexpr index_t W = simd::width<T>;
-  index_t d0 = 0;
-  for (; d0 + tile_vectors * W <= Dv; d0 += tile_vectors * W)
-    detail::outer_products_columns<T, tile_vectors>(e, n, L, v, Dv, memory, d0, after_tile);
-  for (; d0 + W <= Dv; d0 += W)
-    detail::outer_products_columns<T, 1>(e, n, L, v, Dv, memory, d0, after_tile);
-  for (; d0 < Dv; ++d0)  // columns past the last full vector
-    for (index_t l = 0; l < L; ++l) {
-      T sum = memory[l * Dv + d0];
-      for (index_t s = 0; s < n; ++s) sum += e[s * L + l] * v[s * Dv + d0];
-      memory[l * Dv + d0] = sum;
-    }
+  detail::for_each_column_tile<T>(Dv, [&](index_t d0, index_t last, auto vectors, auto tail) {
+    detail::outer_products_columns<T, vectors.value, tail.value>(e, n, L, v, Dv, memory, d0, last,
+                                                                 after_tile);
+  });
 }
 
 /// out[s][d] = scale[s] sum_{l < L} g[s][l] memory[l][d] for s < n: g is
@@ -156,19 +180,10 @@ void accumulate_outer_products(const T* e, index_t n, index_t L, const T* v, T* 
 template <Real T, class Hook = detail::NoTileHook>
 void read_memory_rows(const T* g, index_t n, index_t L, const T* memory, index_t Dv, T* out,
                       index_t out_stride, const T* scale, Hook&& after_tile = {}) noexcept {
-  constexpr index_t W = simd::width<T>;
-  index_t d0 = 0;
-  for (; d0 + tile_vectors * W <= Dv; d0 += tile_vectors * W)
-    detail::read_columns<T, tile_vectors>(g, n, L, memory, Dv, scale, out, out_stride, d0,
-                                          after_tile);
-  for (; d0 + W <= Dv; d0 += W)
-    detail::read_columns<T, 1>(g, n, L, memory, Dv, scale, out, out_stride, d0, after_tile);
-  for (; d0 < Dv; ++d0)
-    for (index_t s = 0; s < n; ++s) {
-      T sum = 0;
-      for (index_t l = 0; l < L; ++l) sum += g[s * L + l] * memory[l * Dv + d0];
-      out[s * out_stride + d0] = sum * scale[s];
-    }
+  detail::for_each_column_tile<T>(Dv, [&](index_t d0, index_t last, auto vectors, auto tail) {
+    detail::read_columns<T, vectors.value, tail.value>(g, n, L, memory, Dv, scale, out, out_stride,
+                                                       d0, last, after_tile);
+  });
 }
 
 }  // namespace latte::cpu

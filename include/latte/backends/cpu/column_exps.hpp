@@ -16,6 +16,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
+#include <utility>
 
 #include "latte/backends/cpu/simd.hpp"
 #include "latte/core/types.hpp"
@@ -38,46 +40,76 @@ struct RowCopy {
 
 namespace detail {
 
-/// The columns [l0, l0 + G W) of column_max_rows.
-template <Real T, int G>
-inline void column_max_group(const T* x, index_t stride, index_t n, index_t l0,
-                             T* column_max) noexcept {
+/// The columns [l0, l0 + G W) of column_max_rows; with Tail the last vector
+/// holds `last` columns (masked loads and stores, lanes past them unused).
+template <Real T, int G, bool Tail>
+inline void column_max_group(const T* x, index_t stride, index_t n, index_t l0, T* column_max,
+                             index_t last) noexcept {
   using B = simd::batch<T>;
   constexpr index_t W = simd::width<T>;
   B m[G];
-  for (int g = 0; g < G; ++g) m[g] = B(-std::numeric_limits<T>::infinity());
+  simd::unrolled<G>([&](auto g) { m[g] = B(-std::numeric_limits<T>::infinity()); });
   for (index_t r = 0; r < n; ++r)
-    for (int g = 0; g < G; ++g) m[g] = simd::max(m[g], simd::load(x + r * stride + l0 + g * W));
-  for (int g = 0; g < G; ++g) simd::store(column_max + l0 + g * W, m[g]);
+    simd::unrolled<G>([&](auto g) {
+      constexpr bool part = Tail && decltype(g)::value == G - 1;
+      m[g] = simd::max(m[g], simd::load_lanes<part>(x + r * stride + l0 + g * W, last));
+    });
+  simd::unrolled<G>([&](auto g) {
+    simd::store_lanes<Tail && decltype(g)::value == G - 1>(column_max + l0 + g * W, m[g], last);
+  });
 }
 
-/// The columns [l0, l0 + G W) of shifted_column_exps.
-template <Real T, int G>
+/// The columns [l0, l0 + G W) of shifted_column_exps; with Tail the last
+/// vector holds `last` columns (masked loads and stores, lanes past them read
+/// as 0 and unused).
+template <Real T, int G, bool Tail>
 inline void shifted_exps_group(const T* x, index_t stride, index_t n, index_t L, index_t l0,
                                const T* shift, T* e, T* column_sum, T* column_max,
-                               const RowCopy<T>* copy) noexcept {
+                               const RowCopy<T>* copy, index_t last) noexcept {
   using B = simd::batch<T>;
   constexpr index_t W = simd::width<T>;
   B s[G], m[G], sum[G];
-  for (int g = 0; g < G; ++g) {
-    s[g] = simd::load(shift + l0 + g * W);
+  simd::unrolled<G>([&](auto g) {
+    s[g] = simd::load_lanes<Tail && decltype(g)::value == G - 1>(shift + l0 + g * W, last);
     m[g] = B(-std::numeric_limits<T>::infinity());
     sum[g] = B(T(0));
-  }
+  });
   for (index_t r = 0; r < n; ++r) {
-    for (int g = 0; g < G; ++g) {
-      const B value = simd::load(x + r * stride + l0 + g * W);
+    simd::unrolled<G>([&](auto g) {
+      constexpr bool part = Tail && decltype(g)::value == G - 1;
+      const B value = simd::load_lanes<part>(x + r * stride + l0 + g * W, last);
       m[g] = simd::max(m[g], value);
       const B exponential = simd::exp(value - s[g]);
-      simd::store(e + r * L + l0 + g * W, exponential);
+      simd::store_lanes<part>(e + r * L + l0 + g * W, exponential, last);
       sum[g] = sum[g] + exponential;
-    }
+    });
     if (copy) copy->copy_row(r);
   }
-  for (int g = 0; g < G; ++g) {
-    simd::store(column_sum + l0 + g * W, sum[g]);
-    simd::store(column_max + l0 + g * W, m[g]);
-  }
+  simd::unrolled<G>([&](auto g) {
+    constexpr bool part = Tail && decltype(g)::value == G - 1;
+    simd::store_lanes<part>(column_sum + l0 + g * W, sum[g], last);
+    simd::store_lanes<part>(column_max + l0 + g * W, m[g], last);
+  });
+}
+
+/// Calls group(l0, last, std::integral_constant<int, G>, std::bool_constant<Tail>)
+/// over L columns: groups of four whole vectors, then one group of
+/// ceil(rest / W) vectors whose last holds `last` columns.
+template <Real T, class Group>
+inline void for_each_column_group(index_t L, Group&& group) {
+  constexpr index_t W = simd::width<T>;
+  index_t l0 = 0;
+  for (; l0 + 4 * W <= L; l0 += 4 * W)
+    group(l0, W, std::integral_constant<int, 4>{}, std::false_type{});
+  const index_t rest = L - l0;
+  if (rest == 0) return;
+  const index_t last = rest - (rest - 1) / W * W;  // 1 .. W
+  [&]<int... V>(std::integer_sequence<int, V...>) {
+    ((rest > V * W && rest <= (V + 1) * W
+          ? group(l0, last, std::integral_constant<int, V + 1>{}, std::true_type{})
+          : void()),
+     ...);
+  }(std::make_integer_sequence<int, 4>{});
 }
 
 }  // namespace detail
@@ -85,15 +117,9 @@ inline void shifted_exps_group(const T* x, index_t stride, index_t n, index_t L,
 /// column_max[l] = max_{r < n} x[r * stride + l] for l < L (-inf when n = 0).
 template <Real T>
 void column_max_rows(const T* x, index_t stride, index_t n, index_t L, T* column_max) noexcept {
-  constexpr index_t W = simd::width<T>;
-  index_t l0 = 0;
-  for (; l0 + 4 * W <= L; l0 += 4 * W) detail::column_max_group<T, 4>(x, stride, n, l0, column_max);
-  for (; l0 + W <= L; l0 += W) detail::column_max_group<T, 1>(x, stride, n, l0, column_max);
-  for (; l0 < L; ++l0) {
-    T m = -std::numeric_limits<T>::infinity();
-    for (index_t r = 0; r < n; ++r) m = std::max(m, x[r * stride + l0]);
-    column_max[l0] = m;
-  }
+  detail::for_each_column_group<T>(L, [&](index_t l0, index_t last, auto groups, auto tail) {
+    detail::column_max_group<T, groups.value, tail.value>(x, stride, n, l0, column_max, last);
+  });
 }
 
 /// For l < L: e[r * L + l] = exp(x[r * stride + l] - shift[l]) for r < n,
@@ -102,25 +128,13 @@ void column_max_rows(const T* x, index_t stride, index_t n, index_t L, T* column
 template <Real T>
 void shifted_column_exps(const T* x, index_t stride, index_t n, index_t L, const T* shift, T* e,
                          T* column_sum, T* column_max, const RowCopy<T>* copy = nullptr) noexcept {
-  constexpr index_t W = simd::width<T>;
-  index_t l0 = 0;
-  for (; l0 + 4 * W <= L; l0 += 4 * W, copy = nullptr)
-    detail::shifted_exps_group<T, 4>(x, stride, n, L, l0, shift, e, column_sum, column_max, copy);
-  for (; l0 + W <= L; l0 += W, copy = nullptr)
-    detail::shifted_exps_group<T, 1>(x, stride, n, L, l0, shift, e, column_sum, column_max, copy);
-  if (copy)  // no whole vector of columns (L < width)
+  detail::for_each_column_group<T>(L, [&](index_t l0, index_t last, auto groups, auto tail) {
+    detail::shifted_exps_group<T, groups.value, tail.value>(x, stride, n, L, l0, shift, e,
+                                                            column_sum, column_max, copy, last);
+    copy = nullptr;  // copied in the pass over the first group
+  });
+  if (copy)  // no columns (L = 0)
     for (index_t r = 0; r < n; ++r) copy->copy_row(r);
-  for (; l0 < L; ++l0) {
-    T sum = 0, m = -std::numeric_limits<T>::infinity();
-    for (index_t r = 0; r < n; ++r) {
-      const T value = x[r * stride + l0];
-      m = std::max(m, value);
-      e[r * L + l0] = std::exp(value - shift[l0]);
-      sum += e[r * L + l0];
-    }
-    column_sum[l0] = sum;
-    column_max[l0] = m;
-  }
 }
 
 }  // namespace latte::cpu

@@ -30,18 +30,23 @@ struct PairRotations {
 /// One register block of R vectors (columns d0 .. d0 + R W) of the pass; w and
 /// g hold token j's values at [j w_stride, j w_stride + N) and
 /// [j g_stride, j g_stride + N) (strides may be negative).
-template <Real T, int R, bool Rotate>
+/// With Tail the block's last vector holds only `last` columns (the end of a
+/// row whose Dv is not a multiple of the width): its loads and stores are
+/// masked to them, so the row's last columns take the same pass as the others.
+template <Real T, int R, bool Rotate, bool Tail = false>
 LATTE_FLATTEN void update_read_quad_block(T* memory, index_t Dv, index_t d0, const T* w,
                                           const T* g, const T* const* v, T* const* out,
                                           index_t N, PairRotations<T> rotation,
-                                          index_t w_stride, index_t g_stride) noexcept {
+                                          index_t w_stride, index_t g_stride,
+                                          index_t last = simd::width<T>) noexcept {
+  static_assert(!(Rotate && Tail), "rotations need whole vectors of pairs");
   using B = simd::batch<T>;
   constexpr index_t W = simd::width<T>;
   constexpr int K = 4;
   B value[K][R], acc[K][R];
   simd::unrolled<K * R>([&](auto i) {  // constant indices (simd::unrolled)
     const index_t column = d0 + (i % R) * W;
-    B x = simd::load(v[i / R] + column);
+    B x = simd::load_lanes<Tail && decltype(i)::value % R == R - 1>(v[i / R] + column, last);
     if constexpr (Rotate)  // R^{-p} v
       x = x * simd::load(rotation.cos_rows[i / R] + column) -
           simd::swap_pairs(x) * simd::load(rotation.sin_rows[i / R] + column);
@@ -54,7 +59,7 @@ LATTE_FLATTEN void update_read_quad_block(T* memory, index_t Dv, index_t d0, con
     // Constant indices here too: GCC unrolls loops of R and K at -O3 but not
     // at -O2, where value and acc then live on the stack (causal Latte 16K,
     // 2 threads: 118 ms at -O2 against 76 ms at -O3).
-    simd::unrolled<R>([&](auto r) { m[r] = simd::load(row + r * W); });
+    simd::unrolled<R>([&](auto r) { m[r] = simd::load_lanes<Tail && decltype(r)::value == R - 1>(row + r * W, last); });
     simd::unrolled<K>([&](auto j) {
       const B weight(w[j * w_stride + n]), read(g[j * g_stride + n]);
       simd::unrolled<R>([&](auto r) {
@@ -62,7 +67,7 @@ LATTE_FLATTEN void update_read_quad_block(T* memory, index_t Dv, index_t d0, con
         acc[j][r] = simd::fma(read, m[r], acc[j][r]);
       });
     });
-    simd::unrolled<R>([&](auto r) { simd::store(row + r * W, m[r]); });
+    simd::unrolled<R>([&](auto r) { simd::store_lanes<Tail && decltype(r)::value == R - 1>(row + r * W, m[r], last); });
   }
   simd::unrolled<K * R>([&](auto i) {
     const index_t column = d0 + (i % R) * W;
@@ -70,14 +75,14 @@ LATTE_FLATTEN void update_read_quad_block(T* memory, index_t Dv, index_t d0, con
     if constexpr (Rotate)  // R^{p} o
       o = o * simd::load(rotation.cos_rows[i / R] + column) +
           simd::swap_pairs(o) * simd::load(rotation.sin_rows[i / R] + column);
-    simd::store(out[i / R] + column, o);
+    simd::store_lanes<Tail && decltype(i)::value % R == R - 1>(out[i / R] + column, o, last);
   });
 }
 
 /// The whole pass for four tokens: value j at v[j], output j to out[j];
 /// token j's weights at w + j w_stride and reads at g + j g_stride (strides
 /// may be negative: rows of tokens taken in reverse). With a rotation Dv must
-/// be a multiple of the vector width (no scalar tail).
+/// be a multiple of the vector width.
 template <Real T, bool Rotate = false>
 void update_and_read_quad_strided(T* memory, const T* w, index_t w_stride, const T* g,
                                   index_t g_stride, const T* const* v, T* const* out, index_t N,
@@ -87,19 +92,16 @@ void update_and_read_quad_strided(T* memory, const T* w, index_t w_stride, const
   for (; d + 2 * W <= Dv; d += 2 * W)
     update_read_quad_block<T, 2, Rotate>(memory, Dv, d, w, g, v, out, N, rotation, w_stride,
                                          g_stride);
-  for (; d + W <= Dv; d += W)
-    update_read_quad_block<T, 1, Rotate>(memory, Dv, d, w, g, v, out, N, rotation, w_stride,
-                                         g_stride);
-  for (index_t e = d; e < Dv; ++e) {
-    T acc[4] = {0, 0, 0, 0};
-    for (index_t n = 0; n < N; ++n) {
-      T& m = memory[n * Dv + e];
-      for (int j = 0; j < 4; ++j) {
-        m += w[j * w_stride + n] * v[j][e];
-        acc[j] += g[j * g_stride + n] * m;
-      }
-    }
-    for (int j = 0; j < 4; ++j) out[j][e] = acc[j];
+  const index_t rest = Dv - d;  // < 2 W columns: one block of one or two vectors, the last masked
+  if (rest == 0) return;
+  if constexpr (Rotate) {
+    update_read_quad_block<T, 1, true>(memory, Dv, d, w, g, v, out, N, rotation, w_stride, g_stride);
+  } else if (rest > W) {
+    update_read_quad_block<T, 2, false, true>(memory, Dv, d, w, g, v, out, N, rotation, w_stride,
+                                              g_stride, rest - W);
+  } else {
+    update_read_quad_block<T, 1, false, true>(memory, Dv, d, w, g, v, out, N, rotation, w_stride,
+                                              g_stride, rest);
   }
 }
 

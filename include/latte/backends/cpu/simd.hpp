@@ -18,9 +18,10 @@
 
 #if LATTE_WITH_XSIMD
 #include <xsimd/xsimd.hpp>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
-
+#endif
+#if defined(__AVX512F__)
 #include <bit>
 #include <cstdint>
 #endif
@@ -195,8 +196,20 @@ template <Real T>
   }
 }
 
+/// Lane-wise maximum (vmaxps: where a lane of either is NaN, b's lane).
 template <Real T>
 [[nodiscard]] inline batch<T> max(const batch<T>& a, const batch<T>& b) noexcept {
+#if defined(__AVX512F__)
+  // The merge-masked form with every lane set: the same instruction, without
+  // the undefined pass-through operand of _mm512_max_ps, on which GCC 12's
+  // -Wmaybe-uninitialized fires once a loop's first max starts from a constant.
+  if constexpr (sizeof(batch<T>) == 64) {
+    if constexpr (std::is_same_v<T, float>)
+      return batch<T>(_mm512_mask_max_ps(a, static_cast<__mmask16>(0xFFFF), a, b));
+    else
+      return batch<T>(_mm512_mask_max_pd(a, static_cast<__mmask8>(0xFF), a, b));
+  }
+#endif
   return xsimd::max(a, b);
 }
 
@@ -420,6 +433,71 @@ template <Real T>
   return simd::load(static_cast<const T*>(lanes));
 }
 
+/// The first n lanes (0 <= n <= width) of the vector at p, the others `fill`;
+/// reads nothing at or past p + n. The kernels' vector tails: a row whose
+/// length is not a multiple of the width (L = 63, Dv = 65) takes its last
+/// vector through these instead of a scalar loop (one masked instruction on
+/// AVX-512 and on AVX2, masked lanes never touch memory, so no fault).
+template <Real T>
+[[nodiscard]] inline batch<T> load_first(const T* p, index_t n, T fill) noexcept {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(batch<T>) == 64) {
+    if constexpr (std::is_same_v<T, float>)
+      return batch<T>(_mm512_mask_loadu_ps(_mm512_set1_ps(fill),
+                                           static_cast<__mmask16>((1u << n) - 1u), p));
+    else
+      return batch<T>(_mm512_mask_loadu_pd(_mm512_set1_pd(fill),
+                                           static_cast<__mmask8>((1u << n) - 1u), p));
+  }
+#endif
+#if defined(__AVX2__)
+  if constexpr (sizeof(batch<T>) == 32) {
+    if constexpr (std::is_same_v<T, float>) {
+      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
+                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      return batch<T>(_mm256_blendv_ps(_mm256_set1_ps(fill), _mm256_maskload_ps(p, mask),
+                                       _mm256_castsi256_ps(mask)));
+    } else {
+      const __m256i mask = _mm256_cmpgt_epi64(_mm256_set1_epi64x(n), _mm256_setr_epi64x(0, 1, 2, 3));
+      return batch<T>(_mm256_blendv_pd(_mm256_set1_pd(fill), _mm256_maskload_pd(p, mask),
+                                       _mm256_castsi256_pd(mask)));
+    }
+  }
+#endif
+  alignas(64) T lanes[width<T>];
+  for (index_t i = 0; i < static_cast<index_t>(width<T>); ++i) lanes[i] = i < n ? p[i] : fill;
+  return batch<T>::load_aligned(lanes);
+}
+
+/// Stores the first n lanes (0 <= n <= width) of x at p; writes nothing at or past p + n.
+template <Real T>
+inline void store_first(T* p, const batch<T>& x, index_t n) noexcept {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(batch<T>) == 64) {
+    if constexpr (std::is_same_v<T, float>)
+      _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1u), x);
+    else
+      _mm512_mask_storeu_pd(p, static_cast<__mmask8>((1u << n) - 1u), x);
+    return;
+  }
+#endif
+#if defined(__AVX2__)
+  if constexpr (sizeof(batch<T>) == 32) {
+    if constexpr (std::is_same_v<T, float>)
+      _mm256_maskstore_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                          x);
+    else
+      _mm256_maskstore_pd(p, _mm256_cmpgt_epi64(_mm256_set1_epi64x(n), _mm256_setr_epi64x(0, 1, 2, 3)),
+                          x);
+    return;
+  }
+#endif
+  alignas(64) T lanes[width<T>];
+  x.store_aligned(lanes);
+  for (index_t i = 0; i < n; ++i) p[i] = lanes[i];
+}
+
 #else  // one-lane scalar stand-in
 
 inline constexpr int vector_registers = 16;
@@ -483,6 +561,14 @@ template <Real T>
 [[nodiscard]] inline batch<T> reduce_add_each(const batch<T>* x) noexcept { return x[0]; }
 template <Real T>
 [[nodiscard]] inline batch<T> reduce_max_each(const batch<T>* x) noexcept { return x[0]; }
+template <Real T>
+[[nodiscard]] inline batch<T> load_first(const T* p, index_t n, T fill) noexcept {
+  return batch<T>(n > 0 ? *p : fill);
+}
+template <Real T>
+inline void store_first(T* p, const batch<T>& x, index_t n) noexcept {
+  if (n > 0) *p = x.value;
+}
 /// One lane holds no pair: callers take a scalar path when width < 2.
 template <Real T>
 [[nodiscard]] inline batch<T> swap_pairs(const batch<T>&) noexcept {
@@ -492,63 +578,87 @@ template <Real T>
 
 #endif
 
-/// to[i] = from[i] for i < n: whole vectors, then a scalar tail (std::copy
-/// with a length known only at run time is a call to memmove).
-template <Real T>
-inline void copy(const T* from, index_t n, T* to) noexcept {
-  constexpr auto W = static_cast<index_t>(width<T>);
-  index_t i = 0;
-  for (; i + W <= n; i += W) simd::store(to + i, simd::load(from + i));
-  for (; i < n; ++i) to[i] = from[i];
+/// A whole vector at p (Tail false) or its first `count` lanes, the others
+/// `fill` (Tail true, load_first): the last vector of a row whose length is
+/// not a multiple of the width, with the tail chosen at compile time so that
+/// whole vectors keep plain loads.
+template <bool Tail, Real T>
+[[nodiscard]] inline batch<T> load_lanes(const T* p, index_t count, T fill = T(0)) noexcept {
+  if constexpr (Tail)
+    return load_first(p, count, fill);
+  else
+    return simd::load(p);
+}
+template <bool Tail, Real T>
+inline void store_lanes(T* p, const batch<T>& x, index_t count) noexcept {
+  if constexpr (Tail)
+    store_first(p, x, count);
+  else
+    simd::store(p, x);
 }
 
-/// The vectorised part of max_of: lane-wise maxima of the whole vectors of
-/// x[0, n), n >= width.
+/// Calls f(i, count, std::bool_constant<Tail>) for the vectors of [0, n): the
+/// whole ones (count = width, Tail false), then the partial last one if any
+/// (count = n - i < width, Tail true). f loads and stores with
+/// load_lanes<Tail> / store_lanes<Tail>.
+template <Real T, class F>
+inline void for_each_vector(index_t n, F&& f) {
+  constexpr auto W = static_cast<index_t>(width<T>);
+  index_t i = 0;
+  for (; i + W <= n; i += W) f(i, W, std::false_type{});
+  if (i < n) f(i, n - i, std::true_type{});
+}
+
+/// The vectorised part of max_of: lane-wise maxima of x[0, n) (lanes past a
+/// partial last vector count as -inf), n >= 1.
 template <Real T>
 [[nodiscard]] inline batch<T> max_lanes(const T* x, index_t n) noexcept {
-  constexpr auto W = static_cast<index_t>(width<T>);
-  batch<T> running = simd::load(x);
-  for (index_t i = W; i + W <= n; i += W) running = simd::max(running, simd::load(x + i));
+  batch<T> running(-std::numeric_limits<T>::infinity());
+  for_each_vector<T>(n, [&](index_t i, index_t count, auto tail) {
+    running = simd::max(running,
+                        load_lanes<tail.value>(x + i, count, -std::numeric_limits<T>::infinity()));
+  });
   return running;
 }
 
-/// max_i x[i] for i < n (-inf when n = 0): one vectorised pass and a scalar tail.
+/// max_i x[i] for i < n (-inf when n = 0).
 template <Real T>
 [[nodiscard]] inline T max_of(const T* x, index_t n) noexcept {
-  constexpr auto W = static_cast<index_t>(width<T>);
-  T result = -std::numeric_limits<T>::infinity();
-  if (n >= W) result = simd::reduce_max(max_lanes(x, n));
-  for (index_t i = n - n % W; i < n; ++i) result = std::max(result, x[i]);
-  return result;
+  if (n == 0) return -std::numeric_limits<T>::infinity();
+  return simd::reduce_max(max_lanes(x, n));
 }
 
-/// The vectorised part of exp_shifted_sum: out[i] = exp(x[i] - shift) over the
-/// whole vectors of [0, n) (out may be x); returns their lane-wise sums.
+/// The vectorised part of exp_shifted_sum: out[i] = exp(x[i] - shift) over
+/// [0, n) (out may be x); returns their lane-wise sums (lanes past a partial
+/// last vector add 0).
 template <Real T>
 [[nodiscard]] inline batch<T> exp_shifted_lanes(const T* x, index_t n, T shift, T* out) noexcept {
-  constexpr auto W = static_cast<index_t>(width<T>);
   batch<T> lanes(T(0));
-  for (index_t i = 0; i + W <= n; i += W) {
-    const batch<T> e = simd::exp(simd::load(x + i) - batch<T>(shift));
-    simd::store(out + i, e);
+  for_each_vector<T>(n, [&](index_t i, index_t count, auto tail) {
+    // Lanes past the row are exp(-inf) = 0.
+    const batch<T> e = simd::exp(
+        load_lanes<tail.value>(x + i, count, -std::numeric_limits<T>::infinity()) - batch<T>(shift));
+    store_lanes<tail.value>(out + i, e, count);
     lanes = lanes + e;
-  }
+  });
   return lanes;
 }
 
-/// out[i] = exp(x[i] - shift) for i < n (out may be x), one vectorised pass and
-/// a scalar tail; returns the sum of the out[i] (the tail's sum plus the lanes').
-/// The softmax kernels' shared inner step: every caller sums in this order.
+/// out[i] = exp(x[i] - shift) for i < n (out may be x); returns the sum of the
+/// out[i], the lanes' sums reduced. The softmax kernels' shared inner step:
+/// every caller sums in this order.
 template <Real T>
 [[nodiscard]] inline T exp_shifted_sum(const T* x, index_t n, T shift, T* out) noexcept {
-  constexpr auto W = static_cast<index_t>(width<T>);
-  const batch<T> lanes = exp_shifted_lanes(x, n, shift, out);
-  T total = 0;
-  for (index_t i = n - n % W; i < n; ++i) {
-    out[i] = std::exp(x[i] - shift);
-    total += out[i];
-  }
-  return total + simd::reduce_add(lanes);
+  return simd::reduce_add(exp_shifted_lanes(x, n, shift, out));
+}
+
+/// to[i] = from[i] for i < n: whole vectors, then a partial one (std::copy
+/// with a length known only at run time is a call to memmove).
+template <Real T>
+inline void copy(const T* from, index_t n, T* to) noexcept {
+  for_each_vector<T>(n, [&](index_t i, index_t count, auto tail) {
+    store_lanes<tail.value>(to + i, load_lanes<tail.value>(from + i, count), count);
+  });
 }
 
 }  // namespace latte::cpu::simd

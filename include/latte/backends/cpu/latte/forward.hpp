@@ -107,14 +107,16 @@ struct LatteScratch {
 template <Stabilizer Stab, Real T>
 bool absorb_keys(const T* k, LatteCarry<T> carry, T* c, T* w, index_t L) noexcept {
   bool rescaled = false;
-  index_t l = 0;
   if constexpr (std::is_same_v<Stab, RunningMax>) {
     using B = simd::batch<T>;
-    constexpr index_t W = simd::width<T>;
     constexpr T neg_inf = -std::numeric_limits<T>::infinity();
     const B headroom(static_cast<T>(shift_headroom));
-    for (; l + W <= L; l += W) {
-      const B key = simd::load(k + l), old_max = simd::load(carry.running_max + l);
+    // Whole vectors, then the partial last one (L = 63): its lanes past L
+    // read as -inf keys and maxima, which give c = 1, w = 0 and no move.
+    simd::for_each_vector<T>(L, [&](index_t i, index_t count, auto tail) {
+      constexpr bool part = tail.value;
+      const B key = simd::load_lanes<part>(k + i, count, neg_inf);
+      const B old_max = simd::load_lanes<part>(carry.running_max + i, count, neg_inf);
       const B new_max = simd::select_greater(key, old_max, key + headroom, old_max);
       const bool moved = simd::any_greater(new_max, old_max);  // rare once the max settles
       rescaled = rescaled || moved;
@@ -123,14 +125,16 @@ bool absorb_keys(const T* k, LatteCarry<T> carry, T* c, T* w, index_t L) noexcep
                                                         simd::exp(old_max - new_max))
                             : B(T(1));
       const B weight = simd::replace_where_equal(new_max, neg_inf, B(T(0)), simd::exp(key - new_max));
-      simd::store(carry.running_max + l, new_max);
-      simd::store(c + l, scale);
-      simd::store(w + l, weight);
-      simd::store(carry.normaliser + l,
-                  simd::fma(simd::load(carry.normaliser + l), scale, weight));
-    }
+      simd::store_lanes<part>(carry.running_max + i, new_max, count);
+      simd::store_lanes<part>(c + i, scale, count);
+      simd::store_lanes<part>(w + i, weight, count);
+      simd::store_lanes<part>(
+          carry.normaliser + i,
+          simd::fma(simd::load_lanes<part>(carry.normaliser + i, count), scale, weight), count);
+    });
+    return rescaled;
   }
-  for (; l < L; ++l) {
+  for (index_t l = 0; l < L; ++l) {
     const Absorb<T> a = Stab::absorb(carry.running_max[l], k[l]);
     c[l] = a.carry_scale;
     w[l] = a.weight;
@@ -163,7 +167,7 @@ void latent_softmax_exps(const T* q, index_t stride, index_t n, index_t L, T* e,
       beta[r] = simd::exp_shifted_sum(row, L, q_max, e + r * L);
     }
   };
-  if (W == 1 || n == 1 || L == 0 || L % W != 0) {
+  if (W == 1 || n == 1 || L == 0) {
     for (index_t r = 0; r < n; ++r) one_row(r);
     return;
   }
@@ -192,19 +196,16 @@ void latent_softmax_exps(const T* q, index_t stride, index_t n, index_t L, T* e,
 template <Real T>
 void latent_read_finish(T* gamma, T beta, const T* normaliser, index_t L) noexcept {
   using B = simd::batch<T>;
-  constexpr index_t W = simd::width<T>;
   if (beta == T(0)) {
     std::fill(gamma, gamma + L, T(0));
     return;
   }
   const B beta_lanes(beta);
-  index_t l = 0;
-  for (; l + W <= L; l += W) {
-    const B alpha = simd::load(normaliser + l);
-    const B g = simd::load(gamma + l) / (beta_lanes * alpha);
-    simd::store(gamma + l, simd::replace_where_equal(alpha, T(0), B(T(0)), g));
-  }
-  for (; l < L; ++l) gamma[l] = normaliser[l] == T(0) ? T(0) : gamma[l] / (beta * normaliser[l]);
+  simd::for_each_vector<T>(L, [&](index_t l, index_t count, auto tail) {
+    const B alpha = simd::load_lanes<tail.value>(normaliser + l, count);  // past L: 0, stored nowhere
+    const B g = simd::load_lanes<tail.value>(gamma + l, count) / (beta_lanes * alpha);
+    simd::store_lanes<tail.value>(gamma + l, simd::replace_where_equal(alpha, T(0), B(T(0)), g), count);
+  });
 }
 
 /// gamma_l = p(l|t) / alpha_l (eq. 11) for one query (the decode step).

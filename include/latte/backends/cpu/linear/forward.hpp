@@ -86,20 +86,16 @@ LATTE_FLATTEN void feature_map_row(const T* x, index_t key_dim, T* phi,
 #if LATTE_WITH_XSIMD
   if constexpr (builtin) {
     using B = simd::batch<T>;
-    constexpr index_t W = simd::width<T>;
-    index_t i = 0;
-    for (; i + W <= key_dim; i += W) {
-      const B value = simd::load(x + i);
+    // Whole vectors, then a masked last one (Dk = 63).
+    simd::for_each_vector<T>(key_dim, [&](index_t i, index_t count, auto tail) {
+      const B value = simd::load_lanes<tail.value>(x + i, count);
+      B phi_i = value;
       if constexpr (std::is_same_v<Map, Relu>)
-        simd::store(phi + i, xsimd::max(value, B(T(0))));
+        phi_i = simd::max(value, B(T(0)));
       else if constexpr (std::is_same_v<Map, EluPlusOne>)  // x + 1 for x > 0, exp(x) otherwise
-        simd::store(phi + i, xsimd::select(value > B(T(0)), value + B(T(1)), simd::exp(value)));
-      else
-        simd::store(phi + i, value);
-    }
-    if (i < key_dim)
-      Map::apply(std::span<const T>(x + i, static_cast<std::size_t>(key_dim - i)),
-                 std::span<T>(phi + i, static_cast<std::size_t>(key_dim - i)));
+        phi_i = xsimd::select(value > B(T(0)), value + B(T(1)), simd::exp(value));
+      simd::store_lanes<tail.value>(phi + i, phi_i, count);
+    });
     return;
   }
 #endif
