@@ -358,6 +358,8 @@ TEST_CASE("HalfPrecision: wide and -inf logits stay within the bound") {
   CHECK(bound_ratio<bfloat16>(out.cview(), problem.oracle()) <= 1.0);
 }
 
+namespace {
+
 /// bound_ratio with the term of latte::bf16_products (docs/numerics.md, "bf16
 /// products"): c u m_v, m_v the head's largest |value| (c = 4) or, with VAPOR,
 /// its largest value pair norm (c = 5).
@@ -421,6 +423,8 @@ bool products_cases(std::uint64_t seed, double logit_scale, bool cancelling) {
   MESSAGE(label << ": worst error / bound " << worst);
   return differs;
 }
+
+}  // namespace
 
 TEST_CASE("bf16 products: bidirectional Latte within its bound of the rounded inputs' oracle") {
   // On a CPU with AVX-512 BF16 the products path must have run (its rounding

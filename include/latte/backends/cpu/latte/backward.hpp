@@ -105,38 +105,28 @@ template <int R, int G, Real T>
 LATTE_FLATTEN void forward_rows(T* rows, index_t Dv, const T* c, const T* w, index_t L,
                                 const T* const* v, const T* const* g, T* dot /*[R][G]*/) noexcept {
   using B = simd::batch<T>;
-  constexpr index_t W = simd::width<T>;
   B acc[R * G];
   simd::unrolled<R * G>([&](auto i) { acc[i] = B(T(0)); });
-  T tails[R * G] = {};
-  index_t d = 0;
-  for (; d + W <= Dv; d += W) {
+  // Whole vectors, then a masked last one (Dv = 65): its lanes past Dv load
+  // as 0 and add nothing to the dots.
+  simd::for_each_vector<T>(Dv, [&](index_t d, index_t count, auto tail) {
+    constexpr bool part = tail.value;
     B value[R], read[R];
     simd::unrolled<R>([&](auto r) {
-      value[r] = simd::load(v[r] + d);
-      read[r] = simd::load(g[r] + d);
+      value[r] = simd::load_lanes<part>(v[r] + d, count);
+      read[r] = simd::load_lanes<part>(g[r] + d, count);
     });
     simd::unrolled<G>([&](auto j) {
       T* row = rows + j * Dv + d;
-      B m = simd::load(row);
+      B m = simd::load_lanes<part>(row, count);
       simd::unrolled<R>([&](auto r) {
         m = simd::fma(m, B(c[r * L + j]), B(w[r * L + j]) * value[r]);
         acc[r * G + j] = simd::fma(m, read[r], acc[r * G + j]);
       });
-      simd::store(row, m);
+      simd::store_lanes<part>(row, m, count);
     });
-  }
-  for (; d < Dv; ++d)
-    for (int j = 0; j < G; ++j) {
-      T m = rows[j * Dv + d];
-      for (int r = 0; r < R; ++r) {
-        m = m * c[r * L + j] + w[r * L + j] * v[r][d];
-        tails[r * G + j] += m * g[r][d];
-      }
-      rows[j * Dv + d] = m;
-    }
+  });
   reduce_each(acc, R * G, dot);
-  for (int i = 0; i < R * G; ++i) dot[i] += tails[i];
 }
 
 /// Pass 2's adjoint pass for R tokens (r = R-1 down to 0) and G adjoint rows:
@@ -147,21 +137,20 @@ LATTE_FLATTEN void adjoint_rows(T* rows, index_t Dv, const T* rw, const T* w, co
                                 const T* const* g, const T* const* v, T* const* dv,
                                 T* dot /*[R][G]*/) noexcept {
   using B = simd::batch<T>;
-  constexpr index_t W = simd::width<T>;
   B acc[R * G];
   simd::unrolled<R * G>([&](auto i) { acc[i] = B(T(0)); });
-  T tails[R * G] = {};
-  index_t d = 0;
-  for (; d + W <= Dv; d += W) {
+  // Whole vectors, then a masked last one (lanes past Dv load as 0).
+  simd::for_each_vector<T>(Dv, [&](index_t d, index_t count, auto tail) {
+    constexpr bool part = tail.value;
     B read[R], value[R], dv_block[R];
     simd::unrolled<R>([&](auto r) {
-      read[r] = simd::load(g[r] + d);
-      value[r] = simd::load(v[r] + d);
-      dv_block[r] = simd::load(dv[r] + d);
+      read[r] = simd::load_lanes<part>(g[r] + d, count);
+      value[r] = simd::load_lanes<part>(v[r] + d, count);
+      dv_block[r] = simd::load_lanes<part>(dv[r] + d, count);
     });
     simd::unrolled<G>([&](auto j) {
       T* row = rows + j * Dv + d;
-      B bar = simd::load(row);
+      B bar = simd::load_lanes<part>(row, count);
       simd::unrolled<R>([&](auto step) {
         constexpr int r = R - 1 - decltype(step)::value;
         bar = simd::fma(B(rw[r * L + j]), read[r], bar);
@@ -169,23 +158,11 @@ LATTE_FLATTEN void adjoint_rows(T* rows, index_t Dv, const T* rw, const T* w, co
         acc[r * G + j] = simd::fma(bar, value[r], acc[r * G + j]);
         bar = bar * B(c[r * L + j]);
       });
-      simd::store(row, bar);
+      simd::store_lanes<part>(row, bar, count);
     });
-    simd::unrolled<R>([&](auto r) { simd::store(dv[r] + d, dv_block[r]); });
-  }
-  for (; d < Dv; ++d)
-    for (int j = 0; j < G; ++j) {
-      T bar = rows[j * Dv + d];
-      for (int r = R - 1; r >= 0; --r) {
-        bar += rw[r * L + j] * g[r][d];
-        dv[r][d] += w[r * L + j] * bar;
-        tails[r * G + j] += bar * v[r][d];
-        bar *= c[r * L + j];
-      }
-      rows[j * Dv + d] = bar;
-    }
+    simd::unrolled<R>([&](auto r) { simd::store_lanes<part>(dv[r] + d, dv_block[r], count); });
+  });
   reduce_each(acc, R * G, dot);
-  for (int i = 0; i < R * G; ++i) dot[i] += tails[i];
 }
 
 /// Runs a row pass over all L latents in groups of backward_latents (the
