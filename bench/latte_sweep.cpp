@@ -12,6 +12,8 @@
 //                                          the D = 65 shapes have no row)
 //   linear_elu     causal                  LinearAttention<Causal, EluPlusOne>, Dk = L
 //   cosformer      causal                  CosFormer<Causal>, Dk = L; the L column is E = 2L
+//   latte_backward causal                  LatteAttention<Causal>::backward (the required
+//                                          shapes (a)-(c) only; FLOPs 2x the forward's)
 //   softmax_window128 causal               SoftmaxAttention<Causal, SlidingWindow>, left = 128,
 //                                          q, k [B,T,H,D]; no L: one run per (B, H, D, T),
 //                                          128 in the L column
@@ -44,11 +46,13 @@
 // repeats, until --min-time is spent; one when a call takes more than 2 s).
 // FLOPs (multiply-add = 2), as latte-compare:
 //   latte, latte_vapor:      4 * B*T*H*L*D
+//   latte_backward:          8 * B*T*H*L*D (2x the forward, no credit for recomputing)
 //   linear_elu, cosformer:   B*T*H*(4*E*D + 3*E), E = L (elu+1), 2L (cosFormer)
 //   softmax_window128:       2 * B*H*sum_t min(t+1, 129) * (D + D)
 // min_bytes: what one call must at least move, its inputs read once and its output
 // written once: B*T*H*(2L + 2D)*sizeof(T) (Latte and the linear family, Dk = L: the
-// inputs' own L, not cosFormer's E), B*T*H*4D*sizeof(T) (softmax).
+// inputs' own L, not cosFormer's E), B*T*H*4D*sizeof(T) (softmax),
+// B*T*H*(4L + 3D)*sizeof(T) (the backward: q, k, v, d_out in, d_q, d_k, d_v out).
 // roofline_gflops = min(the type's FMA peak, flops / min_bytes * memory bandwidth).
 #include <latte/attention.hpp>
 
@@ -238,14 +242,18 @@ latte::Tensor<T, N> random_tensor(std::uint64_t seed, const std::array<index_t, 
 }
 
 // ---- the mechanisms -----------------------------------------------------------
-enum class Kind { latte, latte_vapor, linear_elu, cosformer, softmax_window };
+enum class Kind { latte, latte_vapor, linear_elu, cosformer, softmax_window, latte_backward };
 struct Mechanism {
   const char* name;
   const char* direction;
   Kind kind;
   bool causal;
+  bool random_points = true;  // false: the required shapes (a)-(c) only
 };
-constexpr std::array<Mechanism, 7> mechanisms{{
+// The causal Latte backward (docs/backward.md) runs on the required shapes only:
+// it takes ~6x its forward's time, which the budget's cost model (every call at
+// half the peak) would not foresee at random points.
+constexpr std::array<Mechanism, 8> mechanisms{{
     {"latte", "causal", Kind::latte, true},
     {"latte_vapor", "causal", Kind::latte_vapor, true},
     {"latte", "bidirectional", Kind::latte, false},
@@ -253,6 +261,7 @@ constexpr std::array<Mechanism, 7> mechanisms{{
     {"linear_elu", "causal", Kind::linear_elu, true},
     {"cosformer", "causal", Kind::cosformer, true},
     {"softmax_window128", "causal", Kind::softmax_window, true},
+    {"latte_backward", "causal", Kind::latte_backward, true, false},
 }};
 
 double flops_of(const Mechanism& m, const Shape& s) {
@@ -260,6 +269,7 @@ double flops_of(const Mechanism& m, const Shape& s) {
   switch (m.kind) {
     case Kind::latte:
     case Kind::latte_vapor: return 4.0 * bth * double(s.L) * double(s.D);
+    case Kind::latte_backward: return 8.0 * bth * double(s.L) * double(s.D);  // 2x the forward
     case Kind::linear_elu: return bth * (4.0 * double(s.L) * double(s.D) + 3.0 * double(s.L));
     case Kind::cosformer: {
       const double E = 2.0 * double(s.L);
@@ -279,6 +289,8 @@ double flops_of(const Mechanism& m, const Shape& s) {
 double min_elements(const Mechanism& m, const Shape& s) {
   const double bth = double(s.B) * double(s.T) * double(s.H);
   if (m.kind == Kind::softmax_window) return bth * 4.0 * double(s.D);
+  // backward: q, k, v, d_out read, d_q, d_k, d_v written
+  if (m.kind == Kind::latte_backward) return bth * (4.0 * double(s.L) + 3.0 * double(s.D));
   return bth * (2.0 * double(s.L) + 2.0 * double(s.D));
 }
 
@@ -287,7 +299,8 @@ double tensor_elements(const Mechanism& m, const Shape& s) {
   const double bth = double(s.B) * double(s.T) * double(s.H);
   // q, k, v, out; softmax adds its own keys [B,T,H,D] (its queries are v).
   return bth * (2.0 * double(s.L) + 2.0 * double(s.D)) +
-         (m.kind == Kind::softmax_window ? bth * double(s.D) : 0.0);
+         (m.kind == Kind::softmax_window ? bth * double(s.D) : 0.0) +
+         (m.kind == Kind::latte_backward ? bth * (2.0 * double(s.L) + 2.0 * double(s.D)) : 0.0);
 }
 
 index_t l_column(const Mechanism& m, const Shape& s) {
@@ -317,6 +330,7 @@ struct Sweep {
           softmax_done.contains({int(sizeof(T)), s.B, s.H, s.D, s.T}))
         continue;
       if (limited) {
+        if (!m.random_points) continue;
         if (tensor_elements(m, s) * sizeof(T) > max_tensor_bytes) continue;
         const double call = flops_of(m, s) / (0.5 * machine.peak<T>() * 1e9);
         if (call > (options.smoke ? smoke_call_seconds : max_call_seconds)) continue;
@@ -354,7 +368,8 @@ struct Sweep {
     auto k = random_tensor<T, 4>(seed * 4 + 1, latent ? std::array<index_t, 4>{B, T_, H, L} : none);
     auto v = random_tensor<T, 4>(seed * 4 + 2, {B, T_, H, D});
     latte::Tensor<T, 4> out({B, T_, H, D});
-    auto softmax_keys = random_tensor<T, 4>(seed * 4 + 3, softmax ? std::array<index_t, 4>{B, T_, H, D} : none);
+    const std::array<index_t, 4> values_shape{B, T_, H, D}, logits_shape{B, T_, H, L};
+    auto softmax_keys = random_tensor<T, 4>(seed * 4 + 3, softmax ? values_shape : none);
 
     // One instance of each mechanism type per scalar type: the dims are runtime values.
     const latte::LatteAttention<latte::Causal> latte_causal({H, L, D});
@@ -372,6 +387,13 @@ struct Sweep {
       vapor_causal = std::make_unique<VaporCausal>(latte::LatteDims{H, L, D});
       vapor_bidirectional = std::make_unique<VaporBidirectional>(latte::LatteDims{H, L, D});
     }
+
+    const bool backward = std::any_of(chosen.begin(), chosen.end(), [](const Mechanism* m) {
+      return m->kind == Kind::latte_backward;
+    });
+    auto d_out = random_tensor<T, 4>(~(seed * 4 + 3), backward ? values_shape : none);
+    latte::Tensor<T, 4> dq(backward ? logits_shape : none), dk(backward ? logits_shape : none),
+        dv(backward ? values_shape : none);
 
     for (const Mechanism* m : chosen) {
       std::function<void()> call;
@@ -393,6 +415,12 @@ struct Sweep {
           break;
         case Kind::cosformer:
           call = [&] { cosformer.forward(latte::exec::cpu, q, k, v, out.view()); };
+          break;
+        case Kind::latte_backward:
+          call = [&] {
+            latte_causal.backward(latte::exec::cpu, q, k, v, d_out,
+                                  latte::LatteGradients<T>{dq.view(), dk.view(), dv.view()});
+          };
           break;
         case Kind::softmax_window:
           // queries: the values (any [B,T,H,D] tensor times the same); keys of their own

@@ -226,6 +226,42 @@ TEST_CASE_TEMPLATE(
   }
 }
 
+TEST_CASE_TEMPLATE("cpu vector tails: load_first / store_first touch the first n lanes only",
+                   T, float, double) {
+  // Rows whose length is not a multiple of the width end in a masked vector
+  // (simd::for_each_vector, for_each_vector_group): lanes past n read `fill`,
+  // and nothing at or past p + n is written.
+  namespace simd = cpu::simd;
+  constexpr index_t W = static_cast<index_t>(simd::width<T>);
+  const T guard = T(-7.25), fill = T(3.5);
+  for (index_t n = 0; n <= W; ++n) {
+    CAPTURE(n);
+    std::vector<T> in(static_cast<std::size_t>(2 * W), guard), out(in.size(), guard), lanes(in.size());
+    for (index_t i = 0; i < n; ++i) in[static_cast<std::size_t>(i)] = T(i + 1);
+    simd::store(lanes.data(), simd::load_first(in.data(), n, fill));
+    for (index_t i = 0; i < W; ++i) CHECK(lanes[std::size_t(i)] == (i < n ? T(i + 1) : fill));
+    simd::store_first(out.data(), simd::load(in.data()), n);
+    for (index_t i = 0; i < 2 * W; ++i) CHECK(out[std::size_t(i)] == (i < n ? T(i + 1) : guard));
+  }
+  // The groups of for_each_vector_group<T, 3> cover [0, n) once, in order: whole
+  // groups of 3 vectors, then one of ceil(rest / W) vectors ending in `last` lanes.
+  for (index_t n = 0; n <= 7 * W; ++n) {
+    CAPTURE(n);
+    index_t covered = 0;
+    bool tail_seen = false;
+    simd::for_each_vector_group<T, 3>(n, [&](index_t i, index_t last, auto vectors, auto tail) {
+      CHECK(i == covered);
+      CHECK(!tail_seen);
+      CHECK(last >= 1);
+      CHECK(last <= W);
+      CHECK((tail.value || (vectors.value == 3 && last == W)));
+      covered += (vectors.value - 1) * W + last;
+      tail_seen = tail.value;
+    });
+    CHECK(covered == n);
+  }
+}
+
 TEST_CASE("Key logits [1, 10, 1000]: RunningMax exact, NoStabilizer overflows") {
   paper_example<float, exec::reference_t>();
   paper_example<double, exec::reference_t>();

@@ -23,8 +23,6 @@
 // `after_tile()` runs after each full register tile (the bidirectional pass
 // requests the next block's rows there, a few per tile).
 #include <cstddef>
-#include <type_traits>
-#include <utility>
 
 #include "latte/backends/cpu/simd.hpp"
 #include "latte/core/types.hpp"
@@ -51,7 +49,8 @@ inline void fma_tile(simd::batch<T> (&acc)[R][CV], const T* a, index_t a_row, in
   for (index_t s = 0; s < steps; ++s) {
     B vector[CV];
     simd::unrolled<CV>([&](auto c) {
-      vector[c] = simd::load_lanes<Tail && decltype(c)::value == CV - 1>(b + s * b_step + c * W, last);
+      constexpr bool part = Tail && decltype(c)::value == CV - 1;
+      vector[c] = simd::load_lanes<part>(b + s * b_step + c * W, last);
       simd::hold_in_register(vector[c]);
     });
     simd::unrolled<R>([&](auto i) {
@@ -126,34 +125,15 @@ inline void read_columns(const T* g, index_t n, index_t L, const T* memory, inde
     read_tile<T, 4, CV, Tail>(g, L, memory, Dv, scale, out, out_stride, s0, d0, last);
     after_tile();
   }
+  auto rows = [&]<int R>() {
+    read_tile<T, R, CV, Tail>(g, L, memory, Dv, scale, out, out_stride, s0, d0, last);
+  };
   switch (n - s0) {
-    case 3: read_tile<T, 3, CV, Tail>(g, L, memory, Dv, scale, out, out_stride, s0, d0, last); break;
-    case 2: read_tile<T, 2, CV, Tail>(g, L, memory, Dv, scale, out, out_stride, s0, d0, last); break;
-    case 1: read_tile<T, 1, CV, Tail>(g, L, memory, Dv, scale, out, out_stride, s0, d0, last); break;
+    case 3: rows.template operator()<3>(); break;
+    case 2: rows.template operator()<2>(); break;
+    case 1: rows.template operator()<1>(); break;
     default: break;
   }
-}
-
-/// Calls columns(d0, last, std::integral_constant<int, CV>, std::bool_constant<Tail>)
-/// over the Dv columns: whole tiles of tile_vectors vectors, then one
-/// narrower tile of ceil(rest / W) vectors whose last holds `last` columns
-/// (Dv = 32 on AVX-512 is one 2-vector tile, not two 1-vector ones; Dv = 65
-/// ends in a 1-vector tile of one column).
-template <Real T, class Columns>
-inline void for_each_column_tile(index_t Dv, Columns&& columns) {
-  constexpr index_t W = simd::width<T>;
-  index_t d0 = 0;
-  for (; d0 + tile_vectors * W <= Dv; d0 += tile_vectors * W)
-    columns(d0, W, std::integral_constant<int, tile_vectors>{}, std::false_type{});
-  const index_t rest = Dv - d0;
-  if (rest == 0) return;
-  const index_t last = rest - (rest - 1) / W * W;  // 1 .. W
-  [&]<int... V>(std::integer_sequence<int, V...>) {
-    ((rest > V * W && rest <= (V + 1) * W
-          ? columns(d0, last, std::integral_constant<int, V + 1>{}, std::true_type{})
-          : void()),
-     ...);
-  }(std::make_integer_sequence<int, tile_vectors>{});
 }
 
 /// The default hook between tiles: nothing.
@@ -168,10 +148,11 @@ struct NoTileHook {
 template <Real T, class Hook = detail::NoTileHook>
 void accumulate_outer_products(const T* e, index_t n, index_t L, const T* v, T* memory,
                                index_t Dv, Hook&& after_tile = {}) noexcept {
-  detail::for_each_column_tile<T>(Dv, [&](index_t d0, index_t last, auto vectors, auto tail) {
-    detail::outer_products_columns<T, vectors.value, tail.value>(e, n, L, v, Dv, memory, d0, last,
-                                                                 after_tile);
-  });
+  simd::for_each_vector_group<T, tile_vectors>(
+      Dv, [&](index_t d0, index_t last, auto vectors, auto tail) {
+        detail::outer_products_columns<T, vectors.value, tail.value>(e, n, L, v, Dv, memory, d0,
+                                                                     last, after_tile);
+      });
 }
 
 /// out[s][d] = scale[s] sum_{l < L} g[s][l] memory[l][d] for s < n: g is
@@ -180,10 +161,11 @@ void accumulate_outer_products(const T* e, index_t n, index_t L, const T* v, T* 
 template <Real T, class Hook = detail::NoTileHook>
 void read_memory_rows(const T* g, index_t n, index_t L, const T* memory, index_t Dv, T* out,
                       index_t out_stride, const T* scale, Hook&& after_tile = {}) noexcept {
-  detail::for_each_column_tile<T>(Dv, [&](index_t d0, index_t last, auto vectors, auto tail) {
-    detail::read_columns<T, vectors.value, tail.value>(g, n, L, memory, Dv, scale, out, out_stride,
-                                                       d0, last, after_tile);
-  });
+  simd::for_each_vector_group<T, tile_vectors>(
+      Dv, [&](index_t d0, index_t last, auto vectors, auto tail) {
+        detail::read_columns<T, vectors.value, tail.value>(g, n, L, memory, Dv, scale, out,
+                                                           out_stride, d0, last, after_tile);
+      });
 }
 
 }  // namespace latte::cpu

@@ -16,8 +16,6 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <type_traits>
-#include <utility>
 
 #include "latte/backends/cpu/simd.hpp"
 #include "latte/core/types.hpp"
@@ -92,32 +90,12 @@ inline void shifted_exps_group(const T* x, index_t stride, index_t n, index_t L,
   });
 }
 
-/// Calls group(l0, last, std::integral_constant<int, G>, std::bool_constant<Tail>)
-/// over L columns: groups of four whole vectors, then one group of
-/// ceil(rest / W) vectors whose last holds `last` columns.
-template <Real T, class Group>
-inline void for_each_column_group(index_t L, Group&& group) {
-  constexpr index_t W = simd::width<T>;
-  index_t l0 = 0;
-  for (; l0 + 4 * W <= L; l0 += 4 * W)
-    group(l0, W, std::integral_constant<int, 4>{}, std::false_type{});
-  const index_t rest = L - l0;
-  if (rest == 0) return;
-  const index_t last = rest - (rest - 1) / W * W;  // 1 .. W
-  [&]<int... V>(std::integer_sequence<int, V...>) {
-    ((rest > V * W && rest <= (V + 1) * W
-          ? group(l0, last, std::integral_constant<int, V + 1>{}, std::true_type{})
-          : void()),
-     ...);
-  }(std::make_integer_sequence<int, 4>{});
-}
-
 }  // namespace detail
 
 /// column_max[l] = max_{r < n} x[r * stride + l] for l < L (-inf when n = 0).
 template <Real T>
 void column_max_rows(const T* x, index_t stride, index_t n, index_t L, T* column_max) noexcept {
-  detail::for_each_column_group<T>(L, [&](index_t l0, index_t last, auto groups, auto tail) {
+  simd::for_each_vector_group<T, 4>(L, [&](index_t l0, index_t last, auto groups, auto tail) {
     detail::column_max_group<T, groups.value, tail.value>(x, stride, n, l0, column_max, last);
   });
 }
@@ -128,7 +106,7 @@ void column_max_rows(const T* x, index_t stride, index_t n, index_t L, T* column
 template <Real T>
 void shifted_column_exps(const T* x, index_t stride, index_t n, index_t L, const T* shift, T* e,
                          T* column_sum, T* column_max, const RowCopy<T>* copy = nullptr) noexcept {
-  detail::for_each_column_group<T>(L, [&](index_t l0, index_t last, auto groups, auto tail) {
+  simd::for_each_vector_group<T, 4>(L, [&](index_t l0, index_t last, auto groups, auto tail) {
     detail::shifted_exps_group<T, groups.value, tail.value>(x, stride, n, L, l0, shift, e,
                                                             column_sum, column_max, copy, last);
     copy = nullptr;  // copied in the pass over the first group

@@ -59,7 +59,9 @@ LATTE_FLATTEN void update_read_quad_block(T* memory, index_t Dv, index_t d0, con
     // Constant indices here too: GCC unrolls loops of R and K at -O3 but not
     // at -O2, where value and acc then live on the stack (causal Latte 16K,
     // 2 threads: 118 ms at -O2 against 76 ms at -O3).
-    simd::unrolled<R>([&](auto r) { m[r] = simd::load_lanes<Tail && decltype(r)::value == R - 1>(row + r * W, last); });
+    simd::unrolled<R>([&](auto r) {
+      m[r] = simd::load_lanes<Tail && decltype(r)::value == R - 1>(row + r * W, last);
+    });
     simd::unrolled<K>([&](auto j) {
       const B weight(w[j * w_stride + n]), read(g[j * g_stride + n]);
       simd::unrolled<R>([&](auto r) {
@@ -67,7 +69,9 @@ LATTE_FLATTEN void update_read_quad_block(T* memory, index_t Dv, index_t d0, con
         acc[j][r] = simd::fma(read, m[r], acc[j][r]);
       });
     });
-    simd::unrolled<R>([&](auto r) { simd::store_lanes<Tail && decltype(r)::value == R - 1>(row + r * W, m[r], last); });
+    simd::unrolled<R>([&](auto r) {
+      simd::store_lanes<Tail && decltype(r)::value == R - 1>(row + r * W, m[r], last);
+    });
   }
   simd::unrolled<K * R>([&](auto i) {
     const index_t column = d0 + (i % R) * W;
@@ -95,7 +99,8 @@ void update_and_read_quad_strided(T* memory, const T* w, index_t w_stride, const
   const index_t rest = Dv - d;  // < 2 W columns: one block of one or two vectors, the last masked
   if (rest == 0) return;
   if constexpr (Rotate) {
-    update_read_quad_block<T, 1, true>(memory, Dv, d, w, g, v, out, N, rotation, w_stride, g_stride);
+    update_read_quad_block<T, 1, true>(memory, Dv, d, w, g, v, out, N, rotation, w_stride,
+                                       g_stride);
   } else if (rest > W) {
     update_read_quad_block<T, 2, false, true>(memory, Dv, d, w, g, v, out, N, rotation, w_stride,
                                               g_stride, rest - W);

@@ -458,7 +458,8 @@ template <Real T>
       return batch<T>(_mm256_blendv_ps(_mm256_set1_ps(fill), _mm256_maskload_ps(p, mask),
                                        _mm256_castsi256_ps(mask)));
     } else {
-      const __m256i mask = _mm256_cmpgt_epi64(_mm256_set1_epi64x(n), _mm256_setr_epi64x(0, 1, 2, 3));
+      const __m256i mask =
+          _mm256_cmpgt_epi64(_mm256_set1_epi64x(n), _mm256_setr_epi64x(0, 1, 2, 3));
       return batch<T>(_mm256_blendv_pd(_mm256_set1_pd(fill), _mm256_maskload_pd(p, mask),
                                        _mm256_castsi256_pd(mask)));
     }
@@ -488,8 +489,8 @@ inline void store_first(T* p, const batch<T>& x, index_t n) noexcept {
                                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
                           x);
     else
-      _mm256_maskstore_pd(p, _mm256_cmpgt_epi64(_mm256_set1_epi64x(n), _mm256_setr_epi64x(0, 1, 2, 3)),
-                          x);
+      _mm256_maskstore_pd(
+          p, _mm256_cmpgt_epi64(_mm256_set1_epi64x(n), _mm256_setr_epi64x(0, 1, 2, 3)), x);
     return;
   }
 #endif
@@ -609,6 +610,28 @@ inline void for_each_vector(index_t n, F&& f) {
   if (i < n) f(i, n - i, std::true_type{});
 }
 
+/// Calls f(i, last, std::integral_constant<int, V>, std::bool_constant<Tail>) over
+/// [0, n) in groups of G vectors (register tiles of G vectors across a row): the
+/// whole groups (V = G, Tail false, last = width), then one group of V =
+/// ceil(rest / width) vectors whose last holds `last` lanes (Tail true). A row
+/// of 32 floats on AVX-512 is one group of 2 vectors, not two of 1; 65 floats
+/// end in a group of one vector of one lane.
+template <Real T, int G, class F>
+inline void for_each_vector_group(index_t n, F&& f) {
+  constexpr auto W = static_cast<index_t>(width<T>);
+  index_t i = 0;
+  for (; i + G * W <= n; i += G * W) f(i, W, std::integral_constant<int, G>{}, std::false_type{});
+  const index_t rest = n - i;
+  if (rest == 0) return;
+  const index_t last = rest - (rest - 1) / W * W;  // 1 .. W
+  [&]<int... V>(std::integer_sequence<int, V...>) {
+    ((rest > V * W && rest <= (V + 1) * W
+          ? f(i, last, std::integral_constant<int, V + 1>{}, std::true_type{})
+          : void()),
+     ...);
+  }(std::make_integer_sequence<int, G>{});
+}
+
 /// The vectorised part of max_of: lane-wise maxima of x[0, n) (lanes past a
 /// partial last vector count as -inf), n >= 1.
 template <Real T>
@@ -636,8 +659,8 @@ template <Real T>
   batch<T> lanes(T(0));
   for_each_vector<T>(n, [&](index_t i, index_t count, auto tail) {
     // Lanes past the row are exp(-inf) = 0.
-    const batch<T> e = simd::exp(
-        load_lanes<tail.value>(x + i, count, -std::numeric_limits<T>::infinity()) - batch<T>(shift));
+    constexpr T lowest = -std::numeric_limits<T>::infinity();
+    const batch<T> e = simd::exp(load_lanes<tail.value>(x + i, count, lowest) - batch<T>(shift));
     store_lanes<tail.value>(out + i, e, count);
     lanes = lanes + e;
   });

@@ -202,9 +202,10 @@ void latent_read_finish(T* gamma, T beta, const T* normaliser, index_t L) noexce
   }
   const B beta_lanes(beta);
   simd::for_each_vector<T>(L, [&](index_t l, index_t count, auto tail) {
-    const B alpha = simd::load_lanes<tail.value>(normaliser + l, count);  // past L: 0, stored nowhere
-    const B g = simd::load_lanes<tail.value>(gamma + l, count) / (beta_lanes * alpha);
-    simd::store_lanes<tail.value>(gamma + l, simd::replace_where_equal(alpha, T(0), B(T(0)), g), count);
+    constexpr bool part = tail.value;
+    const B alpha = simd::load_lanes<part>(normaliser + l, count);  // past L: 0, stored nowhere
+    const B g = simd::load_lanes<part>(gamma + l, count) / (beta_lanes * alpha);
+    simd::store_lanes<part>(gamma + l, simd::replace_where_equal(alpha, T(0), B(T(0)), g), count);
   });
 }
 
