@@ -52,6 +52,8 @@
 
 #include "conv_compressed_weights.hpp"
 #include "flop_models.hpp"
+#include "fma_peak.hpp"
+#include "name_filter.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -69,9 +71,6 @@
 
 #if defined(_OPENMP)
 #include <omp.h>
-#endif
-#if defined(LATTE_WITH_XSIMD)
-#include <xsimd/xsimd.hpp>
 #endif
 
 // ---- heap accounting (the workspace a call allocates) ----------------------
@@ -143,14 +142,9 @@ struct Options {
   double time_cap = 20.0;  // skip a quadratic run predicted to take longer
   double min_time = 0.3;   // repeat a run until this much time was spent (min of repeats)
   int rounds = 1;          // sweeps over the lengths; each row keeps its best
-  std::vector<std::string> only;  // mechanism prefixes to run; empty: every row
+  latte::bench::NameFilter only;  // mechanism prefixes to run; empty: every row
 
-  [[nodiscard]] bool wanted(const std::string& mechanism) const {
-    if (only.empty()) return true;
-    for (const std::string& prefix : only)
-      if (mechanism.starts_with(prefix)) return true;
-    return false;
-  }
+  [[nodiscard]] bool wanted(const std::string& mechanism) const { return only.wanted(mechanism); }
 };
 
 struct Row {
@@ -183,43 +177,6 @@ std::pair<double, long long> measure(const std::function<void()>& f, double min_
     if (seconds > 2.0) break;  // long runs: one timed repeat is enough
   }
   return {best, extra};
-}
-
-/// One sample of this machine's FMA throughput with every thread (GFLOP/s).
-double fma_sample_gflops() {
-#if defined(LATTE_WITH_XSIMD)
-  using B = xsimd::batch<float>;
-  constexpr int chains = 12;
-  const long iterations = 4'000'000;
-  double total_flops = 0;
-  const auto start = Clock::now();
-  float sink = 0;
-#pragma omp parallel reduction(+ : total_flops, sink)
-  {
-    B acc[chains];
-    for (int i = 0; i < chains; ++i) acc[i] = B(1e-3f * float(i));
-    const B a(0.999999f), b(1e-7f);
-    for (long it = 0; it < iterations; ++it)
-      for (int i = 0; i < chains; ++i) acc[i] = xsimd::fma(acc[i], a, b);
-    for (int i = 0; i < chains; ++i) sink += latte::cpu::simd::reduce_add(acc[i]);
-    total_flops += 2.0 * iterations * chains * B::size;
-  }
-  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  if (sink == 12345.f) std::printf(" ");
-  return total_flops / seconds / 1e9;
-#else
-  return 0;
-#endif
-}
-
-/// This machine's FMA throughput with every thread (GFLOP/s): the best of
-/// `samples` runs of about 15 ms each. The best, as for the kernels' times:
-/// on a shared machine one sample can land while a neighbour holds a core,
-/// and a peak measured low would overstate every kernel's fraction of it.
-double fma_peak_gflops(int samples) {
-  double best = 0;
-  for (int i = 0; i < samples; ++i) best = std::max(best, fma_sample_gflops());
-  return best;
 }
 
 template <std::size_t N>
@@ -283,11 +240,8 @@ int main(int argc, char** argv) {
     else if (flag == "--time-cap") options.time_cap = std::stod(value());
     else if (flag == "--min-time") options.min_time = std::stod(value());
     else if (flag == "--rounds") options.rounds = std::stoi(value());
-    else if (flag == "--only") {
-      std::stringstream names(value());
-      for (std::string name; std::getline(names, name, ',');)
-        if (!name.empty()) options.only.push_back(name);
-    } else {
+    else if (flag == "--only") options.only.add_list(value());
+    else {
       std::fprintf(stderr,
                    "usage: latte-compare [--t 256,1K,64K,...] [--csv] [--time-cap S] "
                    "[--min-time S] [--rounds N] [--only NAME,...]\n");
@@ -302,7 +256,7 @@ int main(int argc, char** argv) {
   std::vector<Row> rows;
   // The peak is sampled before the runs and again after them (below); the
   // fma_peak row holds the best of all samples.
-  double peak = fma_peak_gflops(8);
+  double peak = latte::bench::fma_peak_gflops<float>(8);
   rows.push_back({"fma_peak", "-", 0, 0, 0, 0, 0, 1.0, peak * 1e9, 0});
 
   const latte::LatteAttention<latte::Causal> latte_causal({H, L, D});
@@ -753,7 +707,7 @@ int main(int argc, char** argv) {
     }
   }
 
-  peak = std::max(peak, fma_peak_gflops(8));
+  peak = std::max(peak, latte::bench::fma_peak_gflops<float>(8));
   rows.front().flops = peak * 1e9;
 
   if (options.csv) {

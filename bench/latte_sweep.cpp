@@ -56,6 +56,9 @@
 // roofline_gflops = min(the type's FMA peak, flops / min_bytes * memory bandwidth).
 #include <latte/attention.hpp>
 
+#include "fma_peak.hpp"
+#include "name_filter.hpp"
+
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -67,7 +70,6 @@
 #include <memory>
 #include <random>
 #include <set>
-#include <sstream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -98,14 +100,9 @@ struct Options {
   double min_time = 0.2;
   bool min_time_given = false;
   bool smoke = false;
-  std::vector<std::string> only;
+  latte::bench::NameFilter only;
 
-  [[nodiscard]] bool wanted(const std::string& mechanism) const {
-    if (only.empty()) return true;
-    for (const std::string& prefix : only)
-      if (mechanism.starts_with(prefix)) return true;
-    return false;
-  }
+  [[nodiscard]] bool wanted(const std::string& mechanism) const { return only.wanted(mechanism); }
 };
 
 struct Shape {
@@ -150,38 +147,6 @@ double measure(const std::function<void()>& f, double min_time) {
   return best;
 }
 
-/// One sample of this machine's FMA throughput with every thread (GFLOP/s), in T.
-template <class T>
-double fma_sample_gflops() {
-  namespace simd = latte::cpu::simd;
-  using Batch = simd::batch<T>;
-  constexpr int chains = 12;
-  const long iterations = 4'000'000;
-  double total_flops = 0;
-  T sink = 0;
-  const auto start = Clock::now();
-#pragma omp parallel reduction(+ : total_flops, sink)
-  {
-    Batch acc[chains];
-    for (int i = 0; i < chains; ++i) acc[i] = simd::broadcast(T(1e-3) * T(i));
-    const Batch a = simd::broadcast(T(0.999999)), b = simd::broadcast(T(1e-7));
-    for (long it = 0; it < iterations; ++it)
-      for (int i = 0; i < chains; ++i) acc[i] = simd::fma(acc[i], a, b);
-    for (int i = 0; i < chains; ++i) sink += simd::reduce_add(acc[i]);
-    total_flops += 2.0 * double(iterations) * chains * double(simd::width<T>);
-  }
-  const double seconds = since(start);
-  if (sink == T(12345)) std::fprintf(stderr, " ");
-  return total_flops / seconds / 1e9;
-}
-
-template <class T>
-double fma_peak_gflops(int samples) {
-  double best = 0;
-  for (int i = 0; i < samples; ++i) best = std::max(best, fma_sample_gflops<T>());
-  return best;
-}
-
 /// This machine's memory bandwidth with every thread (GB/s): a STREAM triad,
 /// a[i] = b[i] + s * c[i] over three arrays of 256 MiB of doubles, the best of
 /// `passes`. Bytes counted: the three arrays once each (STREAM's convention: the
@@ -213,8 +178,8 @@ double memory_bandwidth_gbs(int passes) {
 }
 
 void sample_machine(Machine& machine, bool smoke) {
-  machine.peak32 = std::max(machine.peak32, fma_peak_gflops<float>(smoke ? 3 : 8));
-  machine.peak64 = std::max(machine.peak64, fma_peak_gflops<double>(smoke ? 3 : 8));
+  machine.peak32 = std::max(machine.peak32, latte::bench::fma_peak_gflops<float>(smoke ? 3 : 8));
+  machine.peak64 = std::max(machine.peak64, latte::bench::fma_peak_gflops<double>(smoke ? 3 : 8));
   machine.bandwidth = std::max(machine.bandwidth, memory_bandwidth_gbs(smoke ? 3 : 10));
 }
 
@@ -519,11 +484,8 @@ int main(int argc, char** argv) {
         options.min_time = std::stod(value());
         options.min_time_given = true;
       } else if (flag == "--smoke") options.smoke = true;
-      else if (flag == "--only") {
-        std::stringstream names(value());
-        for (std::string name; std::getline(names, name, ',');)
-          if (!name.empty()) options.only.push_back(name);
-      } else usage(("unknown argument " + flag).c_str());
+      else if (flag == "--only") options.only.add_list(value());
+      else usage(("unknown argument " + flag).c_str());
     } catch (const std::logic_error&) {  // stod / stoull: not a number
       usage(("bad value for " + flag).c_str());
     }
