@@ -9,7 +9,8 @@
 #   tests under mpirun: optional (without it CMake leaves latte::mpi out and says so);
 # - Conan 2 from PyPI into .venv/ (git-ignored), for the package_conan_create test;
 # - the Python module's build and test requirements (nanobind, scikit-build-core,
-#   NumPy, pytest) from PyPI into the same .venv/, for python/ and tests/python.
+#   NumPy, pytest) from PyPI into the same .venv/, for python/ and tests/python;
+# - PyTorch, tqdm and matplotlib into .venv/, for latte.torch and its tests.
 # Nothing is downloaded at configure or build time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -78,4 +79,22 @@ elif { [ -x .venv/bin/python ] || python3 -m venv .venv; } &&
 else
   echo "latte setup: WARNING: could not install ${python_requirements[*]} into .venv/;" \
        "the Python module and python_tests will fail until they are installed" >&2
+fi
+
+# PyTorch (latte.torch's ops, tests/python/test_torch*.py and the MQAR example's
+# test), tqdm and matplotlib (the example's progress bar and plot), into the same
+# .venv/. PyPI's torch wheel brings its CUDA libraries (~5.4 GB, ~4 minutes here;
+# the ops run on the CPU). Without it the torch tests skip, saying why; CI sets
+# LATTE_REQUIRE_TORCH=1, which makes a failed install fail the set-up instead.
+torch_requirements=('torch>=2.4' 'tqdm' 'matplotlib')
+if .venv/bin/python -c 'import torch, tqdm, matplotlib' 2>/dev/null; then
+  echo "latte setup: PyTorch $(.venv/bin/python -c 'import torch; print(torch.__version__)'), tqdm and matplotlib present in .venv/"
+elif .venv/bin/python -m pip install --quiet --disable-pip-version-check "${torch_requirements[@]}"; then
+  echo "latte setup: installed ${torch_requirements[*]} into .venv/"
+elif [ "${LATTE_REQUIRE_TORCH:-0}" = 1 ]; then
+  echo "latte setup: ERROR: could not install ${torch_requirements[*]} into .venv/ (LATTE_REQUIRE_TORCH=1)" >&2
+  exit 1
+else
+  echo "latte setup: WARNING: could not install ${torch_requirements[*]} into .venv/;" \
+       "latte.torch's tests skip until PyTorch is installed" >&2
 fi
