@@ -13,7 +13,8 @@ def main(path, out):
     series = defaultdict(list)
     with open(path) as f:
         for row in csv.DictReader(f):
-            if row["mechanism"] == "fma_peak" or "decode" in row["mechanism"]:
+            if (row["mechanism"] == "fma_peak" or "decode" in row["mechanism"]
+                    or row["backend"] == "latte-cpu-ref"):  # latte_torch.py's copy of latte-cpu rows
                 continue
             label = f'{row["mechanism"]} ({row["direction"]}, {row["backend"]})'
             series[label].append((int(row["T"]), float(row["seconds"])))
@@ -21,7 +22,10 @@ def main(path, out):
     for label, points in sorted(series.items()):
         points.sort()
         xs, ys = zip(*points)
-        style = "--" if ("torch" in label or "jax" in label or "fla" in label) else "-"
+        backend = label[label.rindex(", ") + 2:-1]
+        # dashed: the peers; dotted: latte's Python calls (bench/peers/latte_torch.py); solid: latte's C++
+        style = "--" if backend in ("torch", "jax", "fla") else \
+            ":" if backend in ("latte-torch", "latte-numpy") else "-"
         ax.loglog(xs, ys, style, marker="o", markersize=3, label=label)
     ax.set_xlabel("sequence length T")
     ax.set_ylabel("seconds per forward (B=1, H=8, L=64, D=64, fp32)")

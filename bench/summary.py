@@ -69,6 +69,36 @@ def mechanism_targets(seconds, lengths=(4096, 16384), target_t=16384):
                   f"latte backward / forward {ratio_text}")
 
 
+def python_targets(seconds, lengths=(4096, 16384, 65536)):
+    """Issue 25: latte's Python calls (bench/peers/latte_torch.py) over the C++ call:
+    latte-compare's row as latte_torch.py measured it in rounds with them (latte-cpu-ref),
+    else latte-compare's row of this run (latte-cpu); target <= 1.05 at T >= 4K. Then the
+    peers against latte's torch op: peer time / latte.torch time."""
+    print("Python call / C++ call (issue 25; target <= 1.05 at T >= 4K):")
+    for mechanism in ("latte", "linear_elu", "latte_forward_backward", "linear_elu_forward_backward"):
+        for T in lengths:
+            cpp = (seconds[(mechanism, "causal", "latte-cpu-ref")].get(T)
+                   or seconds[(mechanism, "causal", "latte-cpu")].get(T))
+            cells = []
+            for backend in ("latte-torch", "latte-numpy"):
+                mine = seconds[(mechanism, "causal", backend)].get(T)
+                if cpp and mine:
+                    cells.append(f"{backend} {mine / cpp:.3f} ({'met' if mine <= 1.05 * cpp else 'not met'})")
+            if cells:
+                print(f"  {mechanism:<28} T={T:>6}: " + "; ".join(cells))
+    print("peer time / latte.torch time (torch op; autograd for the forward + backward rows):")
+    for what, mine, peer in (
+            ("causal Latte vs SDPA", "latte", ("sdpa", "torch")),
+            ("causal Latte vs fla naive_recurrent_gsa", "latte", ("fla_naive_recurrent_gsa", "fla")),
+            ("linear elu+1 vs fla naive_chunk_linear_attn", "linear_elu", ("fla_naive_chunk", "fla"))):
+        for suffix in ("", "_forward_backward"):
+            for T in (4096, 16384):
+                ours = seconds[(mine + suffix, "causal", "latte-torch")].get(T)
+                theirs = seconds[(peer[0] + suffix, "causal", peer[1])].get(T)
+                text = f"{theirs / ours:7.1f}x" if ours and theirs else "      -  (row missing)"
+                print(f"  {what + (' fwd+bwd' if suffix else ' fwd'):<52} T={T:>6}: {text}")
+
+
 def main(path):
     rows = list(csv.DictReader(open(path)))
     peak = next((float(r["gflops"]) for r in rows if r["mechanism"] == "fma_peak"), 0.0)
@@ -117,6 +147,7 @@ def main(path):
         print(f"{T:>9}" + "".join(f"{100 * c / peak:>12.0f}%" if c else f"{'-':>13}"
                                   for c in cells))
     forward_backward_targets(seconds)
+    python_targets(seconds)
     work = extra[("latte", "causal", "latte-cpu")]
     if work:
         print("latte causal workspace bytes by T: " +

@@ -1,0 +1,115 @@
+"""latte's own Python calls on the CPU: the torch ops of latte.torch and the NumPy binding,
+beside latte-compare's C++ call.
+
+What a PyTorch user of latte pays, at latte-compare's core shape (B1 H8 L64 D64, fp32):
+`lt.latte_attention` (causal Latte) and `lt.linear_attention` (causal, elu + 1), forward,
+and forward + backward under autograd (q, k, v require grad, loss = (out * d_out).sum(),
+torch.autograd.grad: latte's C++ backward through register_autograd); and the plain
+NumPy `latte.LatteAttention.forward` / `latte.LinearAttention.forward` (a new output
+array each call, as a user calls it). The Python call's overhead (issue 25: <= 5 % over
+the C++ call at T >= 4K) is their time over latte-compare's rows for the same mechanisms
+and shape, which this script runs itself (--latte-compare, `--only latte,linear_elu`):
+each of --rounds rounds runs latte-compare, then the Python calls, and every row keeps
+its best round, so that both sides meet the same neighbours on a shared machine.
+bench/summary.py prints the ratios.
+
+Before any timing, at each length, each op's forward is checked against the NumPy
+binding's on the same inputs (the same C++ kernel: max |diff| <= 1e-6 x max(1, max |out|)).
+
+Rows (latte-compare's CSV): `latte`, `linear_elu` (forward), backends `latte-torch` and
+`latte-numpy`; `latte_forward_backward`, `linear_elu_forward_backward`, backend
+`latte-torch`; and latte-compare's rows for those four mechanisms as this script measured
+them, backend `latte-cpu-ref` (run_all.sh's own latte-compare run has them as latte-cpu;
+the plot leaves the -ref rows out). FLOPs: latte-compare's formulas.
+
+latte's module is imported as `import latte`: run_all.sh installs it into .venv-peers
+with `pip install .` (the README's way); PYTHONPATH=<a CMake build>/python (configured
+with -DLATTE_BUILD_PYTHON=ON for the same Python) also works.
+
+  .venv-peers/bin/python bench/peers/latte_torch.py --t 4096,16384,65536 >> results.csv
+"""
+import csv
+import io
+import subprocess
+import sys
+
+import latte
+import latte.torch as lt
+import torch
+
+from peer_common import best_time, csv_row, lengths, parser
+
+B, H, L, D = 1, 8, 64, 64
+ROWS = ("latte", "latte_forward_backward", "linear_elu", "linear_elu_forward_backward")
+
+
+def flops(mechanism, T):
+    """latte-compare's: Latte 4 B T H L D, linear elu + 1 B T H (4 L D + 3 L); x3 with the backward."""
+    forward = 4.0 * B * T * H * L * D if mechanism.startswith("latte") else \
+        float(B) * T * H * (4.0 * L * D + 3.0 * L)
+    return 3 * forward if mechanism.endswith("forward_backward") else forward
+
+
+def forward_backward(op, q, k, v, d_out):
+    """op's forward, then the gradients of (out * d_out).sum() with respect to q, k, v."""
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+    return torch.autograd.grad((op(*leaves) * d_out).sum(), leaves)
+
+
+def cases(T, generator):
+    """(mechanism, backend, fn) of the Python calls at T tokens, each op checked first."""
+    q, k, v, d_out = (torch.randn(B, T, H, D, generator=generator) for _ in range(4))
+    arrays = [x.numpy() for x in (q, k, v)]
+    mechanisms = (
+        ("latte", lambda *x: lt.latte_attention(*x, causal=True),
+         latte.LatteAttention(H, L, D, causal=True)),
+        ("linear_elu", lambda *x: lt.linear_attention(*x, causal=True, feature_map="elu_plus_one"),
+         latte.LinearAttention(H, L, D, causal=True, feature_map="elu_plus_one")))
+    result = []
+    for name, op, binding in mechanisms:
+        ours, reference = op(q, k, v), torch.from_numpy(binding.forward(*arrays))
+        error, scale = (ours - reference).abs().max().item(), reference.abs().max().item()
+        bound = 1e-6 * max(1.0, scale)
+        print(f"# check {name} T={T}: max |torch op - NumPy binding| = {error:.3e} (bound {bound:.1e}) "
+              f"{'ok' if error <= bound else 'MISMATCH'}", file=sys.stderr, flush=True)
+        if error > bound:
+            sys.exit(f"latte_torch.py: latte.torch's {name} differs from the NumPy binding; nothing timed")
+        result += [(name, "latte-torch", lambda op=op: op(q, k, v)),
+                   (name, "latte-numpy", lambda binding=binding: binding.forward(*arrays)),
+                   (name + "_forward_backward", "latte-torch",
+                    lambda op=op: forward_backward(op, q, k, v, d_out))]
+    return result
+
+
+def main():
+    arguments = parser("4096,16384,65536", time_cap=60.0)
+    arguments.add_argument("--rounds", type=int, default=3,
+                           help="rounds of latte-compare then the Python calls; each row keeps its best")
+    arguments.add_argument("--latte-compare", default="build/bench/latte-compare",
+                           help="latte-compare to run for the latte-cpu-ref rows ('' for none)")
+    args = arguments.parse_args()
+    torch.set_num_threads(args.threads)
+    generator = torch.Generator().manual_seed(1)
+    timed = {T: cases(T, generator) for T in lengths(args.t)}
+    best = {}  # (mechanism, backend, T) -> seconds
+
+    def keep(key, seconds):
+        best[key] = min(seconds, best.get(key, float("inf")))
+
+    for _ in range(args.rounds):
+        if args.latte_compare:
+            table = subprocess.run([args.latte_compare, "--csv", "--only", "latte,linear_elu", "--t", args.t,
+                                    "--min-time", str(args.min_time)],
+                                   check=True, capture_output=True, text=True).stdout
+            for row in csv.DictReader(io.StringIO(table)):
+                if row["mechanism"] in ROWS and row["direction"] == "causal":
+                    keep((row["mechanism"], "latte-cpu-ref", int(row["T"])), float(row["seconds"]))
+        for T, calls in timed.items():
+            for mechanism, backend, fn in calls:
+                keep((mechanism, backend, T), best_time(fn, args.min_time))
+    for (mechanism, backend, T), seconds in sorted(best.items(), key=lambda x: (x[0][2], x[0][0], x[0][1])):
+        print(csv_row(mechanism, "causal", backend, B, T, H, L, D, seconds, flops(mechanism, T)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
