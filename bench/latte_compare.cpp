@@ -20,7 +20,8 @@
 //
 // --only NAME,...: run only the rows whose mechanism starts with one of the
 // NAMEs (`--only macchiato,lavo,conv` for those mechanisms' forward, backward
-// and forward + backward rows); the fma_peak row is always measured.
+// and forward + backward rows; a NAME ending in `$` is that row only: `latte$`);
+// the fma_peak row is always measured.
 //
 // FLOP formulas (multiply-add = 2):
 //   latte causal / bidirectional:  4 * B*T*H*L*D

@@ -1,6 +1,7 @@
 #pragma once
 // NameFilter: the benchmark tools' `--only NAME,...` — a row runs when its
-// mechanism's name starts with one of the given prefixes (every row when none).
+// mechanism's name starts with one of the given prefixes (every row when none);
+// a NAME ending in `$` matches that name only (`latte$`: not latte_vapor).
 #include <sstream>
 #include <string>
 #include <vector>
@@ -19,8 +20,10 @@ struct NameFilter {
 
   [[nodiscard]] bool wanted(const std::string& name) const {
     if (prefixes.empty()) return true;
-    for (const std::string& prefix : prefixes)
-      if (name.starts_with(prefix)) return true;
+    for (const std::string& prefix : prefixes) {
+      if (prefix.ends_with('$') ? name == prefix.substr(0, prefix.size() - 1) : name.starts_with(prefix))
+        return true;
+    }
     return false;
   }
 };

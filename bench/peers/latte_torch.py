@@ -8,7 +8,7 @@ torch.autograd.grad: latte's C++ backward through register_autograd); and the pl
 NumPy `latte.LatteAttention.forward` / `latte.LinearAttention.forward` (a new output
 array each call, as a user calls it). The Python call's overhead (issue 25: <= 5 % over
 the C++ call at T >= 4K) is their time over latte-compare's rows for the same mechanisms
-and shape, which this script runs itself (--latte-compare, `--only latte,linear_elu`):
+and shape, which this script runs itself (--latte-compare, `--only` of the four rows):
 each of --rounds rounds runs latte-compare, then the Python calls, and every row keeps
 its best round, so that both sides meet the same neighbours on a shared machine.
 bench/summary.py prints the ratios.
@@ -98,7 +98,8 @@ def main():
 
     for _ in range(args.rounds):
         if args.latte_compare:
-            table = subprocess.run([args.latte_compare, "--csv", "--only", "latte,linear_elu", "--t", args.t,
+            table = subprocess.run([args.latte_compare, "--csv", "--only",
+                                    "latte$,linear_elu$,latte_forward_backward$,linear_elu_forward_backward$", "--t", args.t,
                                     "--min-time", str(args.min_time)],
                                    check=True, capture_output=True, text=True).stdout
             for row in csv.DictReader(io.StringIO(table)):
