@@ -1,11 +1,11 @@
-"""Training curves of examples/train_lm: eval accuracy and eval loss per step.
+"""Training curves of examples/train_lm and examples/python/train_mqar.py: eval
+accuracy and eval loss per step.
 
-    python examples/plot_training.py OUT.png RUN.csv [RUN.csv ...]
+    python examples/plot_training.py [--title TEXT] OUT.png RUN.csv [RUN.csv ...]
 
-Each CSV is what `train_lm --csv` writes (attention, step, seconds, train_loss,
-eval_loss, eval_accuracy); one line per run, labelled by its attention column.
-Needs matplotlib (scripts/setup.sh does not install it; bench/peers/setup_peers.sh
-does, into .venv-peers).
+Each CSV is what `train_lm --csv` or `train_mqar.py --csv` writes (attention, step,
+seconds, train_loss, eval_loss, eval_accuracy); one line per run, labelled by its
+attention column and its last `seconds`. Needs matplotlib.
 """
 import csv
 import sys
@@ -26,7 +26,7 @@ def read(path):
     return label, column("step"), column("eval_accuracy"), column("eval_loss"), column("seconds")[-1]
 
 
-def main(out, paths):
+def main(out, paths, title="multi-query associative recall, examples/train_lm"):
     fig, (accuracy, loss) = plt.subplots(1, 2, figsize=(10, 4))
     for path in paths:
         label, steps, acc, eval_loss, seconds = read(path)
@@ -40,13 +40,16 @@ def main(out, paths):
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("multi-query associative recall, examples/train_lm")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     print(f"wrote {out}")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 3:
+    args = sys.argv[1:]
+    options = {"title": args[1]} if args[:1] == ["--title"] and len(args) > 1 else {}
+    args = args[2:] if options else args
+    if len(args) < 2:
         sys.exit(__doc__)
-    main(sys.argv[1], sys.argv[2:])
+    main(args[0], args[1:], **options)

@@ -36,12 +36,15 @@
 //
 //   train_lm [--attention macchiato|softmax] [--steps N] [--tokens T] [--pairs K]
 //            [--queries Q] [--batch B] [--vocab V] [--lr R] [--seed S] [--eval-every N]
-//            [--eval-sequences N] [--csv FILE] [--check-gradient]
+//            [--eval-sequences N] [--csv FILE] [--check-gradient] [--print-task N]
 //
 // --check-gradient first compares the whole model's gradient (this file's
 // backward plus latte's) with a central difference of the loss along random
 // directions, then trains; the run fails if they disagree or the loss does not
-// fall. Plot a CSV (one or more) with examples/plot_training.py.
+// fall. --print-task N prints the first N training sequences (a header line, then
+// per sequence its T tokens, " |", its T labels) and exits: tests/golden/mqar_*
+// holds such output, which examples/python/mqar.py must reproduce. Plot a CSV (one
+// or more) with examples/plot_training.py.
 #include "example_support.hpp"
 
 #include <Eigen/Core>
@@ -355,6 +358,7 @@ Result run(const Model<Layer>& model, const std::vector<Layer>& layers, const Ba
 struct Settings {
   std::string attention = "macchiato";
   index_t steps = 2000, batch = 32, eval_every = 100, eval_sequences = 512;
+  index_t print_task = 0;  ///< N > 0: print the first N training sequences and exit
   double lr = 3e-3, weight_decay = 0.1;
   std::uint64_t seed = 1;
   std::string csv;
@@ -525,7 +529,7 @@ int train(typename Layer::attention_type attention, const Settings& s, const cha
                "usage: %s [--attention macchiato|softmax] [--steps N] [--tokens T] [--pairs K] [--queries Q]\n"
                "          [--batch B]"
                " [--vocab V] [--lr R] [--seed S] [--eval-every N] [--eval-sequences N] [--csv FILE]\n"
-               "          [--check-gradient]\n",
+               "          [--check-gradient] [--print-task N]\n",
                program);
   std::exit(2);
 }
@@ -557,6 +561,7 @@ Settings parse(int argc, char** argv) {
     else if (flag == "--lr") s.lr = std::atof(value);
     else if (flag == "--seed") s.seed = std::strtoull(value, nullptr, 10);
     else if (flag == "--csv") s.csv = value;
+    else if (flag == "--print-task") s.print_task = count();
     else usage(argv[0]);
   }
   const bool fits = s.task.vocab >= 2 * (s.task.pairs + 1) + 2 && s.task.tokens >= 2 * s.task.pairs + 2 &&
@@ -573,6 +578,20 @@ Settings parse(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   const Settings s = parse(argc, argv);
+  if (s.print_task > 0) {  // the first training sequences, as the train stream draws them
+    SplitMix64 train_stream{s.seed};
+    const Batch batch = draw_batch(s.task, train_stream, s.print_task);
+    std::printf("# train_lm --print-task %td --tokens %td --pairs %td --vocab %td --queries %td --seed %llu\n",
+                s.print_task, s.task.tokens, s.task.pairs, s.task.vocab, s.task.asked(),
+                static_cast<unsigned long long>(s.seed));
+    for (std::size_t b = 0, T = std::size_t(s.task.tokens); b < std::size_t(s.print_task); ++b) {
+      for (std::size_t t = 0; t < T; ++t) std::printf("%d ", batch.tokens[b * T + t]);
+      std::printf("|");
+      for (std::size_t t = 0; t < T; ++t) std::printf(" %d", batch.labels[b * T + t]);
+      std::printf("\n");
+    }
+    return 0;
+  }
   // Four heads of 16 features over a 64-wide model, for both attentions.
   if (s.attention == "softmax") {
     using Softmax = latte::SoftmaxAttention<latte::Causal>;
