@@ -310,6 +310,17 @@ TEST_CASE("Latte backward: empty sequences, and bad gradient buffers are refused
                      LatteStateGradients<float>{.initial = &state, .d_final = &d_final,
                                                 .d_initial = &d_initial});
   CHECK(d_initial.field(2)[5] == 3.0f);
+  // A d_final whose running_max is not the final state's (a fresh state: -inf)
+  // is found inside a head's task: on exec::cpu with several heads over threads
+  // it must still arrive as latte::Error, not std::terminate from the OpenMP region.
+  for (auto& x : {&q, &k, &v, &g})
+    for (index_t i = 0; i < x->size(); ++i) x->data()[i] = 0.25f * float(i % 7) - 0.5f;
+  const auto fresh = attention.make_state<float>(1);
+  expect_error([&] {
+    attention.backward(exec::cpu, q.cview(), k.cview(), v.cview(), g.cview(),
+                       LatteGradients<float>{dq.view(), dk.view(), dv.view()},
+                       LatteStateGradients<float>{.d_final = &fresh});
+  }, "states.d_final", "running_max must be the final state's");
 }
 
 }  // namespace test_latte_gradients

@@ -7,6 +7,7 @@
 // own parallel region, everything runs serially on the calling thread.
 #include <algorithm>
 #include <cstddef>
+#include <exception>
 #include <vector>
 
 #include "latte/core/config.hpp"
@@ -29,12 +30,25 @@ namespace latte::cpu {
 
 /// Calls body(i, worker) for i in [0, count), worker in [0, workers), where
 /// `workers` is the value thread_count() had when the caller sized its scratch.
+/// A task may throw (a hook that checks what only its task computes, such as
+/// the Latte backward's d_final against the recomputed running maximum): an
+/// exception must not leave an OpenMP region (std::terminate), so the first one
+/// is kept and rethrown here once every task has finished.
 template <class Body>
 void parallel_for(index_t count, int workers, Body&& body) {
 #if LATTE_WITH_OPENMP
   if (count > 1 && workers > 1) {
+    std::exception_ptr failure;
 #pragma omp parallel for schedule(static) num_threads(workers)
-    for (index_t i = 0; i < count; ++i) body(i, omp_get_thread_num());
+    for (index_t i = 0; i < count; ++i) {
+      try {
+        body(i, omp_get_thread_num());
+      } catch (...) {
+#pragma omp critical(latte_parallel_for_failure)
+        if (!failure) failure = std::current_exception();
+      }
+    }
+    if (failure) std::rethrow_exception(failure);
     return;
   }
 #else
