@@ -13,12 +13,12 @@ raises latte.Error, a ValueError whose ``argument`` names the argument at fault.
     out = attention.forward(q, k, v)                          # [B, T, H, Dv]
 """
 
-from ._latte import (CosFormer, CosFormerState, Error, KVCache, LatteAttention, LatteMacchiato,
-                     LatteState, Lavo, LavoState, LeaPformer, LeaPformerState, LinearAttention, LinearState, MacchiatoState,
-                     SoftmaxAttention,
+from ._latte import (ConvCompressedAttention, ConvCompressedState, CosFormer, CosFormerState, Error,
+                     KVCache, LatteAttention, LatteMacchiato, LatteState, Lavo, LavoState, LeaPformer,
+                     LeaPformerState, LinearAttention, LinearState, MacchiatoState, SoftmaxAttention,
                      __version__, build_info)
 
-__all__ = ["CosFormer", "CosFormerState", "Error", "KVCache", "LatteAttention", "LatteMacchiato",
-           "LatteState", "Lavo", "LavoState", "LeaPformer", "LeaPformerState", "LinearAttention", "LinearState", "MacchiatoState",
-           "SoftmaxAttention",
+__all__ = ["ConvCompressedAttention", "ConvCompressedState", "CosFormer", "CosFormerState", "Error",
+           "KVCache", "LatteAttention", "LatteMacchiato", "LatteState", "Lavo", "LavoState", "LeaPformer",
+           "LeaPformerState", "LinearAttention", "LinearState", "MacchiatoState", "SoftmaxAttention",
            "__version__", "build_info"]

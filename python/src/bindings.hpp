@@ -4,7 +4,10 @@
 // defines one bind_* function, which module.cpp declares and calls.
 #include <nanobind/nanobind.h>
 
+#include <array>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "arrays.hpp"
 #include "latte/core/error.hpp"
@@ -32,6 +35,24 @@ void with_backend(Backend backend, F&& f) {
   if (dtype == "float32") return Dtype::float32;
   if (dtype == "float64") return Dtype::float64;
   throw Error("dtype", detail::expected_given("dtype", "\"float32\" or \"float64\"", "\"" + dtype + "\""));
+}
+
+/// VAPOR's learned angles [H, Dv/2] (float64) as a flat [H * Dv/2] list for a
+/// mechanism's config: empty when none are given (the RoPE schedule), refused
+/// without vapor=True or at another shape.
+[[nodiscard]] inline std::vector<double> vapor_angles(const std::optional<AnyArray>& angles, bool vapor,
+                                                      index_t heads, index_t value_dim) {
+  std::vector<double> flat;
+  if (!angles) return flat;
+  if (!vapor) throw Error("angles", "given without vapor=True (only VAPOR rotates by angles)");
+  const auto view = view_of<double, 2>(*angles, "angles", "[H, Dv/2]", Dtype::float64);
+  const std::array<index_t, 2> expected{heads, value_dim / 2};
+  if (view.extents() != expected)
+    throw Error("angles", detail::expected_given("shape [H, Dv/2]", format_extents(expected),
+                                                 format_extents(view.extents())));
+  for (index_t h = 0; h < expected[0]; ++h)
+    for (index_t i = 0; i < expected[1]; ++i) flat.push_back(view(h, i));
+  return flat;
 }
 
 }  // namespace latte::python

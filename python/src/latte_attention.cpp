@@ -74,6 +74,10 @@ struct LatteTraits {
   static LatteStateGradients<T> state_gradients(const LatteState<T>* initial) {
     return {.initial = initial};
   }
+  template <Real T, class A>
+  static LatteState<T> blank_state(const A& attention, index_t batch, std::int64_t position) {
+    return attention.template make_state<T>(batch, position);
+  }
 
   static nb::tuple to_tuple(const Config& c) {
     return nb::make_tuple(c.heads, c.latents, c.value_dim, c.causal, c.vapor, c.angles);
@@ -86,40 +90,30 @@ struct LatteTraits {
 
 using PyLatte = PyMechanism<LatteTraits>;
 
-LatteTraits::Config make_config(index_t heads, index_t latents, index_t value_dim, bool causal, bool vapor,
-                                std::optional<AnyArray> angles) {
-  LatteTraits::Config config{heads, latents, value_dim, causal, vapor, {}};
-  if (!angles) return config;
-  if (!vapor) throw Error("angles", "given without vapor=True (only VAPOR rotates by angles)");
-  const auto view = view_of<double, 2>(*angles, "angles", "[H, Dv/2]", Dtype::float64);
-  if (view.extent(0) != heads || view.extent(1) != value_dim / 2)
-    throw Error("angles", detail::expected_given(
-                              "shape [H, Dv/2]", "[" + std::to_string(heads) + ", " + std::to_string(value_dim / 2) + "]",
-                              "[" + std::to_string(view.extent(0)) + ", " + std::to_string(view.extent(1)) + "]"));
-  for (index_t h = 0; h < view.extent(0); ++h)
-    for (index_t i = 0; i < view.extent(1); ++i) config.angles.push_back(view(h, i));
-  return config;
-}
-
 }  // namespace
 
 void bind_latte_attention(nb::module_& m) {
   bind_state<LatteTraits>(m, "LatteState",
-                          "A causal LatteAttention's decode state (make_state / load_state): the running "
-                          "normaliser and memory of every (sequence, head) and the position of the next "
-                          "token. Picklable; save() gives latte's checksummed bytes.");
+                          "A causal LatteAttention's decode state (make_state / load_state / state_from_fields): "
+                          "per (sequence, head) and latent, the running maximum m and the normaliser and "
+                          "memory stored scaled by exp(-m), with their compensated low parts; and the "
+                          "position of the next token. fields() gives running_max [B, H, L], normaliser "
+                          "[B, H, L], memory [B, H, L, Dv], normaliser_low, memory_low. Picklable; save() "
+                          "gives latte's checksummed bytes.");
   nb::class_<PyLatte> cls(m, "LatteAttention",
                           "Latte attention (paper 000): every query reads L latent states through "
                           "p(l|t) = softmax(query_logits[t]), each latent a softmax over key_logits[:, l] of "
                           "the (past, if causal) values; VAPOR rotates the values by position. Arrays are "
                           "[B, T, H, L] logits and [B, T, H, Dv] values, float32 or float64, any strides "
                           "with a unit last one; nothing is copied. backward returns (d_query_logits, "
-                          "d_key_logits, d_values), and d_angles [H, Dv/2] with VAPOR.");
+                          "d_key_logits, d_values), and d_angles [H, Dv/2] with VAPOR, then d_initial_state when "
+                          "a state is given (training in chunks).");
   cls.def(
          "__init__",
          [](PyLatte* self, index_t heads, index_t latents, index_t value_dim, bool causal, bool vapor,
             std::optional<AnyArray> angles) {
-           new (self) PyLatte(make_config(heads, latents, value_dim, causal, vapor, std::move(angles)));
+           new (self) PyLatte(LatteTraits::Config{heads, latents, value_dim, causal, vapor,
+                                                   vapor_angles(angles, vapor, heads, value_dim)});
          },
          nb::arg("heads"), nb::arg("latents"), nb::arg("value_dim"), nb::kw_only(), nb::arg("causal") = true,
          nb::arg("vapor") = false, nb::arg("angles") = nb::none())

@@ -11,6 +11,7 @@
 #include <array>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <variant>
 #include <vector>
 
@@ -30,6 +31,7 @@ struct MacchiatoTraits {
     bool rope = false;
     std::string vapor_scope = "latent_states";
     std::optional<double> scale;
+    std::vector<double> angles;  // VAPOR's [H * Dv/2] as given; empty: the RoPE schedule
   };
   template <class Dir, class LatentPos, class WindowPos>
   using M = LatteMacchiato<Dir, RunningMax, LatentPos, WindowPos>;
@@ -53,9 +55,17 @@ struct MacchiatoTraits {
   }
   template <class A>
   static A build(const Config& c) {
+    typename A::latent_positional::Params latent{};
+    if constexpr (std::is_same_v<typename A::latent_positional, VAPOR>) {
+      if (!c.angles.empty()) {
+        const index_t pairs = c.value_dim / 2;
+        latent = VAPOR::params_from(TensorView<const double, 2>(
+            c.angles.data(), {static_cast<index_t>(c.angles.size()) / pairs, pairs}));
+      }
+    }
     return A(MacchiatoDims{.heads = c.heads, .latents = c.latents, .key_dim = c.key_dim, .value_dim = c.value_dim,
                            .window = c.window},
-             MacchiatoOptions{.scale = c.scale, .vapor_scope = scope(c)});
+             MacchiatoOptions{.scale = c.scale, .vapor_scope = scope(c)}, latent);
   }
   template <class Dir>
   static Any make_in(const Config& c) {
@@ -93,13 +103,13 @@ struct MacchiatoTraits {
 
   static nb::tuple to_tuple(const Config& c) {
     return nb::make_tuple(c.heads, c.latents, c.key_dim, c.value_dim, c.window, c.causal, c.vapor, c.rope,
-                          c.vapor_scope, c.scale);
+                          c.vapor_scope, c.scale, c.angles);
   }
   static Config from_tuple(nb::tuple t) {
     return {nb::cast<index_t>(t[0]), nb::cast<index_t>(t[1]),     nb::cast<index_t>(t[2]),
             nb::cast<index_t>(t[3]), nb::cast<index_t>(t[4]),     nb::cast<bool>(t[5]),
             nb::cast<bool>(t[6]),    nb::cast<bool>(t[7]),        nb::cast<std::string>(t[8]),
-            nb::cast<std::optional<double>>(t[9])};
+            nb::cast<std::optional<double>>(t[9]), nb::cast<std::vector<double>>(t[10])};
   }
 };
 
@@ -119,18 +129,21 @@ void bind_latte_macchiato(nb::module_& m) {
                               "1..L Latte's latent states (vapor=True rotates their values; vapor_scope "
                               "\"all_states\" the window's too). Inputs: query_logits [B, T, H, L + 1], "
                               "key_logits [B, T, H, L], window_queries / window_keys [B, T, H, Dk], values "
-                              "[B, T, H, Dv]. backward returns the five inputs' gradients, and d_angles "
+                              "[B, T, H, Dv]. `angles` [H, Dv/2] (float64, with vapor=True) replace VAPOR's "
+                              "RoPE schedule. backward returns the five inputs' gradients, and d_angles "
                               "[H, Dv/2] with VAPOR.");
   cls.def(
          "__init__",
          [](PyMacchiato* self, index_t heads, index_t latents, index_t key_dim, index_t value_dim, index_t window,
-            bool causal, bool vapor, bool rope, std::string vapor_scope, std::optional<double> scale) {
-           new (self) PyMacchiato(MacchiatoTraits::Config{heads, latents, key_dim, value_dim, window, causal, vapor,
-                                                          rope, std::move(vapor_scope), scale});
+            bool causal, bool vapor, bool rope, std::string vapor_scope, std::optional<double> scale,
+            std::optional<AnyArray> angles) {
+           new (self) PyMacchiato(MacchiatoTraits::Config{heads, latents, key_dim, value_dim, window, causal,
+                                                          vapor, rope, std::move(vapor_scope), scale,
+                                                          vapor_angles(angles, vapor, heads, value_dim)});
          },
          nb::arg("heads"), nb::arg("latents"), nb::arg("key_dim"), nb::arg("value_dim"), nb::arg("window"),
          nb::kw_only(), nb::arg("causal") = true, nb::arg("vapor") = false, nb::arg("rope") = false,
-         nb::arg("vapor_scope") = "latent_states", nb::arg("scale") = nb::none())
+         nb::arg("vapor_scope") = "latent_states", nb::arg("scale") = nb::none(), nb::arg("angles") = nb::none())
       .def_prop_ro("causal", [](const PyMacchiato& a) { return a.config().causal; })
       .def_prop_ro("vapor", [](const PyMacchiato& a) { return a.config().vapor; })
       .def_prop_ro("rope", [](const PyMacchiato& a) { return a.config().rope; })

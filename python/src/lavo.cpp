@@ -1,6 +1,6 @@
 // latte.Lavo from Python (mechanism.hpp does the calls): LAVO (paper 002),
 // Lavo<Causal | Bidirectional>, with its learned bases and relative bias and
-// their gradients.
+// their gradients, and its cross-attention (LavoCross).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
@@ -12,6 +12,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <variant>
 #include <vector>
 
@@ -137,6 +138,74 @@ nb::object to_numpy(const Tensor<double, N>& tensor) {
   return nb::cast(std::move(array));
 }
 
+/// Lavo's cross-attention (paper 002 §3.4), on either direction: queries
+/// [B, Tq, H, d] read the orthogonal memory of `source` [B, Ts, H, d].
+struct LavoCross {
+  template <Real T>
+  static constexpr Dtype dtype_v = std::is_same_v<T, float> ? Dtype::float32 : Dtype::float64;
+
+  static nb::object forward(const PyLavo& a, const AnyArray& q, const AnyArray& source,
+                            std::optional<nb::handle> out, const std::string& exec) {
+    return dtype_of(q, "queries") == Dtype::float32 ? forward_as<float>(a, q, source, out, exec)
+                                                     : forward_as<double>(a, q, source, out, exec);
+  }
+  static nb::tuple backward(const PyLavo& a, const AnyArray& q, const AnyArray& source, const AnyArray& d_out,
+                            const std::string& exec) {
+    return dtype_of(q, "queries") == Dtype::float32 ? backward_as<float>(a, q, source, d_out, exec)
+                                                     : backward_as<double>(a, q, source, d_out, exec);
+  }
+
+ private:
+  template <Real T>
+  static nb::object forward_as(const PyLavo& a, const AnyArray& q_array, const AnyArray& source_array,
+                               std::optional<nb::handle> out_object, const std::string& exec) {
+    const auto q = view_of<T, 4>(q_array, "queries", "[B, Tq, H, d]", dtype_v<T>);
+    const auto source = view_of<T, 4>(source_array, "source", "[B, Ts, H, d]", dtype_v<T>);
+    const Backend backend = parse_exec(exec);
+    nb::object result;
+    TensorView<T, 4> out;
+    if (out_object) {
+      result = nb::borrow(*out_object);
+      out = writable_view_of<T, 4>(*out_object, "out", "[B, Tq, H, d]", dtype_v<T>);
+    } else {
+      auto array = new_array<T, 4>({q.extent(0), q.extent(1), q.extent(2), a.config().dim});
+      out = view_of_new<T, 4>(array);
+      result = nb::cast(std::move(array));
+    }
+    std::visit(
+        [&](const auto& lavo) {
+          nb::gil_scoped_release released;
+          with_backend(backend, [&](auto e) { lavo.cross_forward(e, q, source, out); });
+        },
+        a.attention());
+    return result;
+  }
+
+  template <Real T>
+  static nb::tuple backward_as(const PyLavo& a, const AnyArray& q_array, const AnyArray& source_array,
+                               const AnyArray& d_out_array, const std::string& exec) {
+    const auto q = view_of<T, 4>(q_array, "queries", "[B, Tq, H, d]", dtype_v<T>);
+    const auto source = view_of<T, 4>(source_array, "source", "[B, Ts, H, d]", dtype_v<T>);
+    const auto d_out = view_of<T, 4>(d_out_array, "d_out", "[B, Tq, H, d]", dtype_v<T>);
+    const Backend backend = parse_exec(exec);
+    const LavoTraits::Config& c = a.config();
+    auto d_queries = new_array<T, 4>(q.extents());
+    auto d_source = new_array<T, 4>(source.extents());
+    auto d_bases = new_array<T, 3>({c.heads, c.bases, c.dim});
+    std::fill_n(d_bases.data(), d_bases.size(), T(0));  // accumulated
+    const LavoCrossGradients<T> gradients{.d_queries = view_of_new<T, 4>(d_queries),
+                                          .d_source = view_of_new<T, 4>(d_source),
+                                          .d_bases = view_of_new<T, 3>(d_bases)};
+    std::visit(
+        [&](const auto& lavo) {
+          nb::gil_scoped_release released;
+          with_backend(backend, [&](auto e) { lavo.cross_backward(e, q, source, d_out, gradients); });
+        },
+        a.attention());
+    return nb::make_tuple(std::move(d_queries), std::move(d_source), std::move(d_bases));
+  }
+};
+
 }  // namespace
 
 void bind_lavo(nb::module_& m) {
@@ -183,6 +252,16 @@ void bind_lavo(nb::module_& m) {
           nb::arg("batch"), nb::kw_only(), nb::arg("dtype") = "float32",
           "A fresh decode state for `batch` sequences (causal only).");
   bind_calls<LavoTraits>(cls);
+  cls.def("cross_forward", &LavoCross::forward, nb::arg("queries"), nb::arg("source"), nb::arg("out") = nb::none(),
+          nb::kw_only(), nb::arg("exec") = "cpu",
+          "Cross-attention (paper 002 §3.4, either direction): queries [B, Tq, H, d] read the orthogonal memory "
+          "of `source` [B, Ts, H, d] (the projected source features; Ts = 0 reads zero): "
+          "o_t = sum_i softmax_i(scale X~[i] . q_t) X~[i], X~ = CODE(source); no local part, no causal limit. "
+          "The output [B, Tq, H, d] (written into `out` when given).")
+      .def("cross_backward", &LavoCross::backward, nb::arg("queries"), nb::arg("source"), nb::arg("d_out"),
+           nb::kw_only(), nb::arg("exec") = "cpu",
+           "Gradients of cross_forward for a loss whose gradient with respect to its output is d_out: "
+           "(d_queries, d_source, d_bases [H, r, d]).");
 }
 
 }  // namespace latte::python

@@ -1,7 +1,8 @@
 // latte.LinearAttention, latte.CosFormer and latte.LeaPformer from Python (mechanism.hpp does
 // the calls): LinearAttention<Causal | Bidirectional, Relu | EluPlusOne |
 // Identity> (elu + 1 also with RoPE), CosFormer<Causal | Bidirectional> and
-// LeaPformer<Causal | Bidirectional> with LeaP modules.
+// LeaPformer<Causal | Bidirectional> with LeaP modules or given proportions
+// (LinearCalls: those calls, and every class's cross_forward / cross_backward).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
@@ -13,6 +14,8 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -63,6 +66,10 @@ struct LinearFamilyTraits {
   template <Real T>
   static LinearStateGradients<T> state_gradients(const LinearState<T>* initial) {
     return {.initial = initial};
+  }
+  template <Real T, class A>
+  static LinearState<T> blank_state(const A& attention, index_t batch, std::int64_t position) {
+    return attention.template make_state<T>(batch, position);
   }
 };
 
@@ -209,7 +216,7 @@ struct LeaPTraits : LinearFamilyTraits {
   struct Config {
     index_t heads = 0, key_dim = 0, value_dim = 0;
     bool causal = true;
-    ModuleWeights query_module, key_module;
+    std::optional<ModuleWeights> query_module, key_module;  // none: proportions given per call
     index_t leap_factor = 4;
     NormaliserArgument normaliser;
   };
@@ -217,8 +224,8 @@ struct LeaPTraits : LinearFamilyTraits {
   template <class A>
   static A build(const Config& c) {
     typename A::Options options;
-    options.reweight.query_module = c.query_module.module();
-    options.reweight.key_module = c.key_module.module();
+    if (c.query_module) options.reweight.query_module = c.query_module->module();
+    if (c.key_module) options.reweight.key_module = c.key_module->module();
     options.reweight.leap_factor = c.leap_factor;
     return A(LinearDims{.heads = c.heads, .key_dim = c.key_dim, .value_dim = c.value_dim},
              with_normaliser(std::move(options), c.normaliser));
@@ -230,44 +237,238 @@ struct LeaPTraits : LinearFamilyTraits {
   static index_t value_dim(const Config& c) { return c.value_dim; }
   static bool causal(const Config& c) { return c.causal; }
 
-  /// The two modules' weight gradients (accumulated from 0, in float64).
+  /// The two modules' weight gradients (accumulated from 0, in float64); none without modules.
   struct ModuleGradients {
-    LeaPModule query, key;
+    std::optional<LeaPModule> query, key;
   };
   template <Real T>
   static ModuleGradients parameter_gradients(const Config& c) {
-    return {c.query_module.module().zeros_like(), c.key_module.module().zeros_like()};
+    if (!c.query_module || !c.key_module) return {};
+    return {c.query_module->module().zeros_like(), c.key_module->module().zeros_like()};
   }
   template <Real T, class A>
   static LinearGradients<T> gradients(const std::array<TensorView<T, 4>, 3>& d, ModuleGradients& p) {
-    return {.d_queries = d[0], .d_keys = d[1], .d_values = d[2], .d_query_module = &p.query,
-            .d_key_module = &p.key};
+    return {.d_queries = d[0], .d_keys = d[1], .d_values = d[2], .d_query_module = p.query ? &*p.query : nullptr,
+            .d_key_module = p.key ? &*p.key : nullptr};
   }
   static void append_parameter_gradients(nb::list& result, const ModuleGradients& p) {
-    for (const LeaPModule* m : {&p.query, &p.key}) {
-      auto w1 = new_array<double, 2>({m->w1.extent(0), m->w1.extent(1)});
-      auto b1 = new_array<double, 1>({m->b1.extent(0)});
-      auto w2 = new_array<double, 1>({m->w2.extent(0)});
-      std::copy_n(m->w1.data(), m->w1.size(), w1.data());
-      std::copy_n(m->b1.data(), m->b1.size(), b1.data());
-      std::copy_n(m->w2.data(), m->w2.size(), w2.data());
-      result.append(nb::make_tuple(std::move(w1), std::move(b1), std::move(w2), m->b2));
+    for (const auto* m : {&p.query, &p.key}) {
+      if (!*m) continue;
+      const LeaPModule& module = **m;
+      auto w1 = new_array<double, 2>({module.w1.extent(0), module.w1.extent(1)});
+      auto b1 = new_array<double, 1>({module.b1.extent(0)});
+      auto w2 = new_array<double, 1>({module.w2.extent(0)});
+      std::copy_n(module.w1.data(), module.w1.size(), w1.data());
+      std::copy_n(module.b1.data(), module.b1.size(), b1.data());
+      std::copy_n(module.w2.data(), module.w2.size(), w2.data());
+      result.append(nb::make_tuple(std::move(w1), std::move(b1), std::move(w2), module.b2));
     }
   }
 
   static nb::tuple to_tuple(const Config& c) {
-    return nb::make_tuple(c.heads, c.key_dim, c.value_dim, c.causal, c.query_module.to_tuple(),
-                          c.key_module.to_tuple(), c.leap_factor, c.normaliser);
+    auto module = [](const std::optional<ModuleWeights>& m) { return m ? nb::object(m->to_tuple()) : nb::none(); };
+    return nb::make_tuple(c.heads, c.key_dim, c.value_dim, c.causal, module(c.query_module), module(c.key_module),
+                          c.leap_factor, c.normaliser);
   }
   static Config from_tuple(nb::tuple t) {
-    return {nb::cast<index_t>(t[0]),
-            nb::cast<index_t>(t[1]),
-            nb::cast<index_t>(t[2]),
-            nb::cast<bool>(t[3]),
-            ModuleWeights::from_tuple(nb::cast<nb::tuple>(t[4])),
-            ModuleWeights::from_tuple(nb::cast<nb::tuple>(t[5])),
-            nb::cast<index_t>(t[6]),
-            nb::cast<NormaliserArgument>(t[7])};
+    auto module = [](nb::handle m) {
+      return m.is_none() ? std::nullopt : std::optional(ModuleWeights::from_tuple(nb::cast<nb::tuple>(m)));
+    };
+    return {nb::cast<index_t>(t[0]), nb::cast<index_t>(t[1]), nb::cast<index_t>(t[2]), nb::cast<bool>(t[3]),
+            module(t[4]),            module(t[5]),            nb::cast<index_t>(t[6]), nb::cast<NormaliserArgument>(t[7])};
+  }
+};
+
+/// P_q and P_k as Python gives them: both, or neither (None).
+struct GivenProportions {
+  std::optional<AnyArray> queries, keys;
+  explicit operator bool() const { return queries.has_value(); }
+};
+GivenProportions given_proportions(std::optional<AnyArray> queries, std::optional<AnyArray> keys) {
+  if (queries.has_value() != keys.has_value())
+    throw Error(queries ? "key_proportions" : "query_proportions",
+                "expected the proportions of the queries and of the keys, or neither; given one");
+  return {std::move(queries), std::move(keys)};
+}
+
+/// The calls mechanism.hpp's generic binding does not make: cross-attention
+/// (bidirectional: queries [B, T, H, Dk] over keys [B, S, H, Dk] and values
+/// [B, S, H, Dv]) and LeaPformer's with given proportions [B, T, H] ([B, H] in a step).
+template <class Traits>
+struct LinearCalls {
+  using M = PyMechanism<Traits>;
+  using S = PyState<Traits>;
+  template <Real T>
+  static constexpr Dtype dtype_v = std::is_same_v<T, float> ? Dtype::float32 : Dtype::float64;
+
+  /// `out` as given, or a new array of `extents`.
+  template <Real T, std::size_t R>
+  static std::pair<nb::object, TensorView<T, R>> output(std::optional<nb::handle> out,
+                                                        const std::array<index_t, R>& extents, const char* layout) {
+    if (out) return {nb::borrow(*out), writable_view_of<T, R>(*out, "out", layout, dtype_v<T>)};
+    auto array = new_array<T, R>(extents);
+    const auto view = view_of_new<T, R>(array);
+    return {nb::cast(std::move(array)), view};
+  }
+
+  static void require_bidirectional(const M& m, bool cross) {
+    if (cross && Traits::causal(m.config()))
+      throw Error("cross_forward", "a causal attention has no cross-attention (causal=False has)");
+  }
+
+  /// forward (self, LeaP with proportions, optionally from a state) or cross_forward.
+  static nb::object forward(const M& m, bool cross, const AnyArray& q, const AnyArray& k, const AnyArray& v,
+                            const GivenProportions& given, std::optional<nb::handle> out, S* state,
+                            const std::string& exec) {
+    require_bidirectional(m, cross);
+    if (state) m.require_causal("state");
+    return dtype_of(q, "queries") == Dtype::float32 ? forward_as<float>(m, cross, q, k, v, given, out, state, exec)
+                                                     : forward_as<double>(m, cross, q, k, v, given, out, state, exec);
+  }
+
+  template <Real T>
+  static nb::object forward_as(const M& m, bool cross, const AnyArray& q_array, const AnyArray& k_array,
+                               const AnyArray& v_array, const GivenProportions& given,
+                               std::optional<nb::handle> out_object, S* state, const std::string& exec) {
+    const auto q = view_of<T, 4>(q_array, "queries", "[B, T, H, Dk]", dtype_v<T>);
+    const auto k = view_of<T, 4>(k_array, "keys", cross ? "[B, S, H, Dk]" : "[B, T, H, Dk]", dtype_v<T>);
+    const auto v = view_of<T, 4>(v_array, "values", cross ? "[B, S, H, Dv]" : "[B, T, H, Dv]", dtype_v<T>);
+    const auto proportions = sequence_proportions<T>(given, cross);
+    const Backend backend = parse_exec(exec);
+    typename Traits::template State<T>* native_state = state ? &state->template as<T>("state", dtype_v<T>) : nullptr;
+    auto [result, out] = output<T, 4>(out_object, {v.extent(0), q.extent(1), v.extent(2), Traits::value_dim(m.config())},
+                                      "[B, T, H, Dv]");
+    std::visit(
+        [&](const auto& attention) {
+          using A = std::decay_t<decltype(attention)>;
+          nb::gil_scoped_release released;
+          with_backend(backend, [&](auto e) {
+            if constexpr (!A::direction::is_causal) {
+              if (cross) {
+                if constexpr (A::learned_proportions)
+                  if (given) return attention.cross_forward(e, q, k, v, proportions, out);
+                return attention.cross_forward(e, q, k, v, out);
+              }
+            }
+            if constexpr (A::learned_proportions) {  // self-attention with given proportions
+              if constexpr (A::direction::is_causal)
+                if (native_state) return attention.forward(e, q, k, v, proportions, out, *native_state);
+              attention.forward(e, q, k, v, proportions, out);
+            }
+          });
+        },
+        m.attention());
+    return result;
+  }
+
+  /// LeaPformer's step with this token's proportions [B, H].
+  static nb::object step(const M& m, S& state, const AnyArray& q, const AnyArray& k, const AnyArray& v,
+                         const GivenProportions& given, std::optional<nb::handle> out, const std::string& exec) {
+    m.require_causal("step");
+    return state.dtype() == Dtype::float32 ? step_as<float>(m, state, q, k, v, given, out, exec)
+                                           : step_as<double>(m, state, q, k, v, given, out, exec);
+  }
+
+  template <Real T>
+  static nb::object step_as(const M& m, S& state, const AnyArray& q_array, const AnyArray& k_array,
+                            const AnyArray& v_array, const GivenProportions& given,
+                            std::optional<nb::handle> out_object, const std::string& exec) {
+    const auto q = view_of<T, 3>(q_array, "queries", "[B, H, Dk]", dtype_v<T>);
+    const auto k = view_of<T, 3>(k_array, "keys", "[B, H, Dk]", dtype_v<T>);
+    const auto v = view_of<T, 3>(v_array, "values", "[B, H, Dv]", dtype_v<T>);
+    const StepProportions<T> proportions{view_of<T, 2>(*given.queries, "query_proportions", "[B, H]", dtype_v<T>),
+                                         view_of<T, 2>(*given.keys, "key_proportions", "[B, H]", dtype_v<T>)};
+    const Backend backend = parse_exec(exec);
+    auto& native_state = state.template as<T>("state", dtype_v<T>);
+    auto [result, out] = output<T, 3>(out_object, {native_state.batch(), v.extent(1), Traits::value_dim(m.config())},
+                                      "[B, H, Dv]");
+    std::visit(
+        [&](const auto& attention) {
+          using A = std::decay_t<decltype(attention)>;
+          if constexpr (A::direction::is_causal) {
+            nb::gil_scoped_release released;
+            with_backend(backend, [&](auto e) { attention.step(e, native_state, q, k, v, proportions, out); });
+          }
+        },
+        m.attention());
+    return result;
+  }
+
+  /// backward (self, LeaP with proportions, optionally from a state) or cross_backward: the
+  /// inputs' gradients, then the proportions' (given) or the modules' (LeaP modules).
+  static nb::tuple backward(const M& m, bool cross, const AnyArray& q, const AnyArray& k, const AnyArray& v,
+                            const GivenProportions& given, const AnyArray& d_out, const S* initial_state,
+                            const std::string& exec) {
+    require_bidirectional(m, cross);
+    if (initial_state) m.require_causal("initial_state");
+    return dtype_of(q, "queries") == Dtype::float32
+               ? backward_as<float>(m, cross, q, k, v, given, d_out, initial_state, exec)
+               : backward_as<double>(m, cross, q, k, v, given, d_out, initial_state, exec);
+  }
+
+  template <Real T>
+  static nb::tuple backward_as(const M& m, bool cross, const AnyArray& q_array, const AnyArray& k_array,
+                               const AnyArray& v_array, const GivenProportions& given, const AnyArray& d_out_array,
+                               const S* initial_state, const std::string& exec) {
+    const auto q = view_of<T, 4>(q_array, "queries", "[B, T, H, Dk]", dtype_v<T>);
+    const auto k = view_of<T, 4>(k_array, "keys", cross ? "[B, S, H, Dk]" : "[B, T, H, Dk]", dtype_v<T>);
+    const auto v = view_of<T, 4>(v_array, "values", cross ? "[B, S, H, Dv]" : "[B, T, H, Dv]", dtype_v<T>);
+    const auto d_out = view_of<T, 4>(d_out_array, "d_out", "[B, T, H, Dv]", dtype_v<T>);
+    const auto proportions = sequence_proportions<T>(given, cross);
+    const Backend backend = parse_exec(exec);
+    const typename Traits::template State<T>* initial =
+        initial_state ? &initial_state->template as<T>("initial_state", dtype_v<T>) : nullptr;
+    std::vector<NumpyArray<T>> d;  // d_queries, d_keys, d_values[, d_query_proportions, d_key_proportions]
+    for (const auto* x : {&q, &k, &v}) d.push_back(new_array<T, 4>(x->extents()));
+    if (given)
+      for (const auto* p : {&proportions.queries, &proportions.keys}) {
+        d.push_back(new_array<T, 3>(p->extents()));
+        std::fill_n(d.back().data(), d.back().size(), T(0));
+      }
+    auto parameters = Traits::template parameter_gradients<T>(m.config());
+    std::visit(
+        [&](const auto& attention) {
+          using A = std::decay_t<decltype(attention)>;
+          LinearGradients<T> gradients = Traits::template gradients<T, A>(
+              {view_of_new<T, 4>(d[0]), view_of_new<T, 4>(d[1]), view_of_new<T, 4>(d[2])}, parameters);
+          if (given) {
+            gradients.d_query_module = gradients.d_key_module = nullptr;
+            gradients.d_query_proportions = view_of_new<T, 3>(d[3]);
+            gradients.d_key_proportions = view_of_new<T, 3>(d[4]);
+          }
+          nb::gil_scoped_release released;
+          with_backend(backend, [&](auto e) {
+            if constexpr (!A::direction::is_causal) {
+              if (cross) {
+                if constexpr (A::learned_proportions)
+                  if (given) return attention.cross_backward(e, q, k, v, proportions, d_out, gradients);
+                return attention.cross_backward(e, q, k, v, d_out, gradients);
+              }
+            }
+            if constexpr (A::learned_proportions) {  // self-attention with given proportions
+              if constexpr (A::direction::is_causal)
+                return attention.backward(e, q, k, v, proportions, d_out, gradients,
+                                          Traits::template state_gradients<T>(initial));
+              else
+                attention.backward(e, q, k, v, proportions, d_out, gradients);
+            }
+          });
+        },
+        m.attention());
+    nb::list result;
+    for (auto& array : d) result.append(nb::cast(std::move(array)));
+    if (!given) {
+      if constexpr (requires { Traits::append_parameter_gradients(result, parameters); })
+        Traits::append_parameter_gradients(result, parameters);
+    }
+    return nb::tuple(result);
+  }
+
+  template <Real T>
+  static SequenceProportions<T> sequence_proportions(const GivenProportions& given, bool cross) {
+    if (!given) return {};
+    return {view_of<T, 3>(*given.queries, "query_proportions", "[B, T, H]", dtype_v<T>),
+            view_of<T, 3>(*given.keys, "key_proportions", cross ? "[B, S, H]" : "[B, T, H]", dtype_v<T>)};
   }
 };
 
@@ -284,6 +485,94 @@ void bind_make_state(Class& cls) {
       nb::arg("batch"), nb::kw_only(), nb::arg("first_position") = 0, nb::arg("dtype") = "float32",
       "A fresh decode state (S [F, Dv] and z [F] per head and stream) for `batch` sequences whose first "
       "token sits at `first_position` (causal only).");
+}
+
+/// cross_forward / cross_backward of a linear-family class (bidirectional only);
+/// LeaPformer's also take given proportions P_q [B, T, H], P_k [B, S, H].
+template <class Traits, class Class>
+void bind_cross(Class& cls) {
+  using C = LinearCalls<Traits>;
+  using M = PyMechanism<Traits>;
+  constexpr const char* forward_doc =
+      "Cross-attention (causal=False): queries [B, T, H, Dk] over keys [B, S, H, Dk] and values [B, S, H, Dv] "
+      "(S may differ from T), every source token visible. The output [B, T, H, Dv] (written into `out` when "
+      "given).";
+  constexpr const char* backward_doc =
+      "Gradients of cross_forward for a loss whose gradient with respect to its output is d_out: "
+      "(d_queries [B, T, H, Dk], d_keys [B, S, H, Dk], d_values [B, S, H, Dv]), then as backward gives the "
+      "learned parameters' (or the given proportions').";
+  if constexpr (std::is_same_v<Traits, LeaPTraits>) {
+    cls.def(
+           "cross_forward",
+           [](const M& m, const AnyArray& q, const AnyArray& k, const AnyArray& v, std::optional<nb::handle> out,
+              std::optional<AnyArray> pq, std::optional<AnyArray> pk, const std::string& exec) {
+             return C::forward(m, true, q, k, v, given_proportions(pq, pk), out, nullptr, exec);
+           },
+           nb::arg("queries"), nb::arg("keys"), nb::arg("values"), nb::arg("out") = nb::none(), nb::kw_only(),
+           nb::arg("query_proportions") = nb::none(), nb::arg("key_proportions") = nb::none(),
+           nb::arg("exec") = "cpu", forward_doc)
+        .def(
+            "cross_backward",
+            [](const M& m, const AnyArray& q, const AnyArray& k, const AnyArray& v, const AnyArray& d_out,
+               std::optional<AnyArray> pq, std::optional<AnyArray> pk, const std::string& exec) {
+              return C::backward(m, true, q, k, v, given_proportions(pq, pk), d_out, nullptr, exec);
+            },
+            nb::arg("queries"), nb::arg("keys"), nb::arg("values"), nb::arg("d_out"), nb::kw_only(),
+            nb::arg("query_proportions") = nb::none(), nb::arg("key_proportions") = nb::none(),
+            nb::arg("exec") = "cpu", backward_doc);
+  } else {
+    cls.def(
+           "cross_forward",
+           [](const M& m, const AnyArray& q, const AnyArray& k, const AnyArray& v, std::optional<nb::handle> out,
+              const std::string& exec) { return C::forward(m, true, q, k, v, {}, out, nullptr, exec); },
+           nb::arg("queries"), nb::arg("keys"), nb::arg("values"), nb::arg("out") = nb::none(), nb::kw_only(),
+           nb::arg("exec") = "cpu", forward_doc)
+        .def(
+            "cross_backward",
+            [](const M& m, const AnyArray& q, const AnyArray& k, const AnyArray& v, const AnyArray& d_out,
+               const std::string& exec) { return C::backward(m, true, q, k, v, {}, d_out, nullptr, exec); },
+            nb::arg("queries"), nb::arg("keys"), nb::arg("values"), nb::arg("d_out"), nb::kw_only(),
+            nb::arg("exec") = "cpu", backward_doc);
+  }
+}
+
+/// LeaPformer's forward / step / backward with given proportions: overloads
+/// after mechanism.hpp's, chosen when query_proportions / key_proportions are passed.
+template <class Class>
+void bind_given_proportions(Class& cls) {
+  using C = LinearCalls<LeaPTraits>;
+  using M = PyMechanism<LeaPTraits>;
+  using S = PyState<LeaPTraits>;
+  cls.def(
+         "forward",
+         [](const M& m, const AnyArray& q, const AnyArray& k, const AnyArray& v, std::optional<nb::handle> out,
+            std::optional<AnyArray> pq, std::optional<AnyArray> pk, S* state, const std::string& exec) {
+           return C::forward(m, false, q, k, v, given_proportions(pq, pk), out, state, exec);
+         },
+         nb::arg("queries"), nb::arg("keys"), nb::arg("values"), nb::arg("out") = nb::none(), nb::kw_only(),
+         nb::arg("query_proportions") = nb::none(), nb::arg("key_proportions") = nb::none(),
+         nb::arg("state") = nb::none(), nb::arg("exec") = "cpu",
+         "With query_proportions P_q and key_proportions P_k [B, T, H] in [0, 1]: the proportions given, "
+         "not the LeaP modules'.")
+      .def(
+          "step",
+          [](const M& m, S& state, const AnyArray& q, const AnyArray& k, const AnyArray& v,
+             std::optional<nb::handle> out, std::optional<AnyArray> pq, std::optional<AnyArray> pk,
+             const std::string& exec) { return C::step(m, state, q, k, v, given_proportions(pq, pk), out, exec); },
+          nb::arg("state"), nb::arg("queries"), nb::arg("keys"), nb::arg("values"), nb::arg("out") = nb::none(),
+          nb::kw_only(), nb::arg("query_proportions") = nb::none(), nb::arg("key_proportions") = nb::none(),
+          nb::arg("exec") = "cpu", "With this token's proportions P_q, P_k [B, H].")
+      .def(
+          "backward",
+          [](const M& m, const AnyArray& q, const AnyArray& k, const AnyArray& v, const AnyArray& d_out,
+             std::optional<AnyArray> pq, std::optional<AnyArray> pk, const S* initial_state,
+             const std::string& exec) {
+            return C::backward(m, false, q, k, v, given_proportions(pq, pk), d_out, initial_state, exec);
+          },
+          nb::arg("queries"), nb::arg("keys"), nb::arg("values"), nb::arg("d_out"), nb::kw_only(),
+          nb::arg("query_proportions") = nb::none(), nb::arg("key_proportions") = nb::none(),
+          nb::arg("initial_state") = nb::none(), nb::arg("exec") = "cpu",
+          "With given proportions: (d_queries, d_keys, d_values, d_query_proportions, d_key_proportions).");
 }
 
 }  // namespace
@@ -314,6 +603,7 @@ void bind_linear_attention(nb::module_& m) {
       .def_prop_ro("causal", [](const PyLinear& a) { return a.config().causal; });
   bind_make_state<LinearTraits>(linear);
   bind_calls<LinearTraits>(linear);
+  bind_cross<LinearTraits>(linear);
 
   using PyCosFormer = PyMechanism<CosFormerTraits>;
   bind_state<CosFormerTraits>(m, "CosFormerState",
@@ -337,6 +627,7 @@ void bind_linear_attention(nb::module_& m) {
       .def_prop_ro("causal", [](const PyCosFormer& a) { return a.config().causal; });
   bind_make_state<CosFormerTraits>(cosformer);
   bind_calls<CosFormerTraits>(cosformer);
+  bind_cross<CosFormerTraits>(cosformer);
 
   using PyLeaP = PyMechanism<LeaPTraits>;
   bind_state<LeaPTraits>(m, "LeaPformerState",
@@ -348,22 +639,32 @@ void bind_linear_attention(nb::module_& m) {
                           "the ReLU features of the queries and of the keys (shared across heads; hidden = "
                           "Dk / leap_factor). Modules are (w1 [hidden, Dk], b1 [hidden], w2 [hidden], b2) in "
                           "float64. backward returns (d_queries, d_keys, d_values, d_query_module, "
-                          "d_key_module), each module gradient a (d_w1, d_b1, d_w2, d_b2) tuple.");
+                          "d_key_module), each module gradient a (d_w1, d_b1, d_w2, d_b2) tuple. Without "
+                          "modules (query_module=key_module=None), every call takes the proportions instead "
+                          "(paper 004 eq. 8): query_proportions and key_proportions, [B, T, H] in [0, 1] "
+                          "([B, H] in a step); backward then returns (d_queries, d_keys, d_values, "
+                          "d_query_proportions, d_key_proportions). Given proportions also override the "
+                          "modules when there are modules.");
   leap.def(
           "__init__",
-          [](PyLeaP* self, index_t heads, index_t key_dim, index_t value_dim, nb::tuple query_module,
-             nb::tuple key_module, bool causal, index_t leap_factor, NormaliserArgument normaliser) {
+          [](PyLeaP* self, index_t heads, index_t key_dim, index_t value_dim, std::optional<nb::tuple> query_module,
+             std::optional<nb::tuple> key_module, bool causal, index_t leap_factor, NormaliserArgument normaliser) {
+            auto module = [](const std::optional<nb::tuple>& weights, const char* argument) {
+              return weights ? std::optional(module_weights(*weights, argument)) : std::nullopt;
+            };
             new (self) PyLeaP(LeaPTraits::Config{heads, key_dim, value_dim, causal,
-                                                 module_weights(query_module, "query_module"),
-                                                 module_weights(key_module, "key_module"), leap_factor,
+                                                 module(query_module, "query_module"),
+                                                 module(key_module, "key_module"), leap_factor,
                                                  std::move(normaliser)});
           },
-          nb::arg("heads"), nb::arg("key_dim"), nb::arg("value_dim"), nb::kw_only(), nb::arg("query_module"),
-          nb::arg("key_module"), nb::arg("causal") = true, nb::arg("leap_factor") = 4,
-          nb::arg("normaliser") = nb::none())
+          nb::arg("heads"), nb::arg("key_dim"), nb::arg("value_dim"), nb::kw_only(),
+          nb::arg("query_module") = nb::none(), nb::arg("key_module") = nb::none(), nb::arg("causal") = true,
+          nb::arg("leap_factor") = 4, nb::arg("normaliser") = nb::none())
       .def_prop_ro("causal", [](const PyLeaP& a) { return a.config().causal; });
   bind_make_state<LeaPTraits>(leap);
   bind_calls<LeaPTraits>(leap);
+  bind_given_proportions(leap);
+  bind_cross<LeaPTraits>(leap);
 }
 
 }  // namespace latte::python

@@ -20,6 +20,7 @@ void bind_softmax_attention(nb::module_& m);
 void bind_linear_attention(nb::module_& m);
 void bind_latte_macchiato(nb::module_& m);
 void bind_lavo(nb::module_& m);
+void bind_conv_compressed(nb::module_& m);
 }  // namespace latte::python
 
 NB_MODULE(_latte, m) {
@@ -53,4 +54,5 @@ NB_MODULE(_latte, m) {
   latte::python::bind_linear_attention(m);
   latte::python::bind_latte_macchiato(m);
   latte::python::bind_lavo(m);
+  latte::python::bind_conv_compressed(m);
 }

@@ -7,6 +7,7 @@
             H = mean of y over M(t) (0 when empty); X~[i] = H_i B[i]
             F_global(t) = sum_i softmax_i(scale X~[i] . q_t) X~[i]
     o_t = (F_local + F_global) / 2, or F_local when M(t) is empty under "local_only".
+    cross (paper 002 §3.4): y_s = B source_s over every source token, o_t = F_global(t) (0 when Ts = 0).
 """
 
 import pickle
@@ -48,6 +49,23 @@ def lavo_definition(q, k, v, basis, bias, window, causal=True, scale=None, empty
                 p = np.exp(scores - scores.max())
                 p /= p.sum()
                 out[b, t, h] = (local[t] + p @ X) / 2
+    return out
+
+
+def lavo_cross_definition(q, source, basis, scale=None):
+    q, source = (np.asarray(x, np.float64) for x in (q, source))
+    B_, Tq, H, d = q.shape
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    out = np.zeros(q.shape)
+    for b in range(B_):
+        for h in range(H):
+            if source.shape[1] == 0:
+                continue
+            X = (source[b, :, h] @ basis[h].T).mean(axis=0)[:, None] * basis[h]  # [r, d]
+            for t in range(Tq):
+                scores = scale * X @ q[b, t, h]
+                p = np.exp(scores - scores.max())
+                out[b, t, h] = p @ X / p.sum()
     return out
 
 
@@ -130,3 +148,45 @@ def test_bad_input_is_refused_by_name():
     with pytest.raises(latte.Error) as error:
         latte.Lavo(2, 4, 2, 3, empty_memory="global_only")
     assert error.value.argument == "empty_memory"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("exec_", ["cpu", "reference"])
+def test_cross_attention_matches_the_definition(dtype, causal, exec_):
+    B, H, d, r, w = 2, 2, 5, 3, 4
+    basis = rounded(RNG.normal(0, 0.7, (H, r, d)), dtype)
+    attention = latte.Lavo(H, d, r, w, causal=causal, basis=basis)
+    for Tq, Ts in [(1, 1), (9, 26), (17, 3), (4, 0)]:
+        q = inputs(B, Tq, H, d, dtype)[0]
+        source = inputs(B, max(Ts, 1), H, d, dtype)[2][:, :Ts]  # Ts = 0: a slice (NumPy's empty arrays have strides 0)
+        out = np.full(q.shape, np.nan, dtype)
+        assert attention.cross_forward(q, source, out, exec=exec_) is out
+        if Ts == 0:  # an empty memory reads zero
+            assert not out.any()
+        else:
+            assert relative_error(out, lavo_cross_definition(q, source, basis)) <= TOLERANCE[dtype]
+    q, source = inputs(B, 9, H, d, dtype)[0], inputs(B, 26, H, d, dtype)[2]
+    d_out = RNG.uniform(-1, 1, q.shape).astype(dtype)
+    gradients = attention.cross_backward(q, source, d_out, exec=exec_)
+    assert [g.shape for g in gradients] == [q.shape, source.shape, basis.shape]
+    point = [q.astype(np.float64), source.astype(np.float64), basis]
+    directions = [RNG.normal(size=a.shape) for a in point]
+
+    def f(t):
+        return (lavo_cross_definition(*(a + t * dd for a, dd in zip(point, directions))) * d_out).sum()
+
+    assert directional_error(f, gradients, directions) <= GRADIENT_TOLERANCE[dtype]
+
+
+def test_cross_attention_bad_input_is_refused_by_name():
+    attention = latte.Lavo(2, 4, 2, 3)
+    q, source = inputs(1, 5, 2, 4, np.float32)[0], inputs(1, 7, 2, 4, np.float32)[2]
+    for argument, call in [("source", lambda: attention.cross_forward(q, source[..., :3])),
+                           ("source", lambda: attention.cross_forward(q, source.astype(np.float64))),
+                           ("out", lambda: attention.cross_forward(q, source, np.zeros((1, 7, 2, 4), np.float32))),
+                           ("d_out", lambda: attention.cross_backward(q, source, source)),
+                           ("exec", lambda: attention.cross_forward(q, source, exec="gpu"))]:
+        with pytest.raises(latte.Error) as error:
+            call()
+        assert error.value.argument == argument

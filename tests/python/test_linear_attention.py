@@ -44,22 +44,27 @@ def rotate_rows(x, positions, base):
 
 def linear_definition(q, k, v, causal, feature_map="elu_plus_one", normaliser=("additive", 1e-6), rope=False,
                       cosformer_length=None, first_position=0, base=10000.0):
+    """Self-attention (S = T) or, bidirectional, cross-attention: queries [B, T, H, Dk] at positions
+    0..T-1 over keys [B, S, H, Dk] and values [B, S, H, Dv] at positions 0..S-1 (plus first_position)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     phi = FEATURE_MAPS[feature_map]
     B, T, H, _ = q.shape
-    positions = first_position + np.arange(T, dtype=np.float64)
-    allowed = np.tril(np.ones((T, T), bool)) if causal else np.ones((T, T), bool)
-    sigma = np.ones((T, T))
+    S = k.shape[1]
+    query_positions = first_position + np.arange(T, dtype=np.float64)
+    key_positions = first_position + np.arange(S, dtype=np.float64)
+    allowed = np.tril(np.ones((T, S), bool)) if causal else np.ones((T, S), bool)
+    sigma = np.ones((T, S))
     if cosformer_length is not None:
-        P = (positions + 1) / cosformer_length
-        sigma = np.cos(np.pi / 2 * (P[:, None] - P[None, :]))
+        Pq, Pk = (query_positions + 1) / cosformer_length, (key_positions + 1) / cosformer_length
+        sigma = np.cos(np.pi / 2 * (Pq[:, None] - Pk[None, :]))
     kind, value = normaliser
-    out = np.zeros(v.shape)
+    out = np.zeros((B, T, H, v.shape[3]))
     for b in range(B):
         for h in range(H):
             fq, fk = phi(q[b, :, h]), phi(k[b, :, h])
             plain = (fq @ fk.T) * sigma
-            w = (rotate_rows(fq, positions, base) @ rotate_rows(fk, positions, base).T) * sigma if rope else plain
+            w = (rotate_rows(fq, query_positions, base) @ rotate_rows(fk, key_positions, base).T) * sigma \
+                if rope else plain
             w, plain = np.where(allowed, w, 0.0), np.where(allowed, plain, 0.0)
             D = plain.sum(axis=1)
             N = np.maximum(D, 0.0) + value if kind == "additive" else np.maximum(D, value)
@@ -152,6 +157,71 @@ def test_backward_along_random_directions(dtype, make, definition, causal):
         return (definition(*(a + t * d for a, d in zip(x, directions)), causal) * d_out).sum()
 
     assert directional_error(f, gradients, directions) <= GRADIENT_TOLERANCE[dtype]
+
+
+CROSS_CASES = [
+    (lambda: latte.LinearAttention(2, 5, 4, causal=False), lambda q, k, v: linear_definition(q, k, v, False)),
+    (lambda: latte.LinearAttention(2, 5, 4, causal=False, feature_map="relu", normaliser=("clamp_min", 0.5)),
+     lambda q, k, v: linear_definition(q, k, v, False, "relu", ("clamp_min", 0.5))),
+    (lambda: latte.LinearAttention(2, 6, 4, causal=False, rope=True),
+     lambda q, k, v: linear_definition(q, k, v, False, rope=True)),
+    # cosFormer's M defaults to max(S, T) in cross-attention
+    (lambda: latte.CosFormer(2, 5, 4, causal=False),
+     lambda q, k, v: linear_definition(q, k, v, False, "relu", ("clamp_min", 1e-6),
+                                       cosformer_length=max(q.shape[1], k.shape[1]))),
+]
+
+
+def cross_inputs(B, T, S, H, Dk, Dv, dtype):
+    """queries [B, T, H, Dk]; keys [B, S, H, Dk] and values [B, S, H, Dv]."""
+    return (inputs(B, T, H, Dk, Dv, dtype)[0],) + inputs(B, S, H, Dk, Dv, dtype)[1:]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("exec_", ["cpu", "reference"])
+@pytest.mark.parametrize("make,definition", CROSS_CASES)
+def test_cross_attention_forward_and_backward_match_the_definition(dtype, exec_, make, definition):
+    attention = make()
+    Dk = 6 if "rope" in attention.kind() else 5
+    for B, T, S in [(1, 1, 1), (2, 13, 29), (1, 31, 7)]:
+        q, k, v = cross_inputs(B, T, S, 2, Dk, 4, dtype)
+        out = np.full((B, T, 2, 4), np.nan, dtype)
+        assert attention.cross_forward(q, k, v, out, exec=exec_) is out
+        assert relative_error(out, definition(q, k, v)) <= TOLERANCE[dtype]
+    d_out = RNG.uniform(-1, 1, (B, T, 2, 4)).astype(dtype)
+    gradients = attention.cross_backward(q, k, v, d_out, exec=exec_)
+    assert [g.shape for g in gradients] == [q.shape, k.shape, v.shape]
+    x = [a.astype(np.float64) for a in (q, k, v)]
+    directions = [RNG.normal(size=a.shape) for a in x]
+
+    def f(t):
+        return (definition(*(a + t * d for a, d in zip(x, directions))) * d_out).sum()
+
+    assert directional_error(f, gradients, directions) <= GRADIENT_TOLERANCE[dtype]
+
+
+def test_cross_attention_bad_input_is_refused_by_name():
+    q, k, v = cross_inputs(1, 5, 8, 2, 4, 3, np.float32)
+    for causal in (latte.LinearAttention(2, 4, 3), latte.CosFormer(2, 4, 3)):
+        with pytest.raises(latte.Error) as error:
+            causal.cross_forward(q, k, v)
+        assert error.value.argument == "cross_forward"
+        with pytest.raises(latte.Error) as error:
+            causal.cross_backward(q, k, v, np.zeros((1, 5, 2, 3), np.float32))
+        assert error.value.argument == "cross_forward"
+    attention = latte.LinearAttention(2, 4, 3, causal=False)
+    with pytest.raises(latte.Error) as error:
+        attention.cross_forward(q, k, v[:, :7])
+    assert error.value.argument == "values"
+    with pytest.raises(latte.Error) as error:
+        attention.cross_forward(q, k.astype(np.float64), v)
+    assert error.value.argument == "keys"
+    with pytest.raises(latte.Error) as error:
+        attention.cross_backward(q, k, v, np.zeros((1, 8, 2, 3), np.float32))
+    assert error.value.argument == "d_out"
+    with pytest.raises(latte.Error) as error:
+        attention.cross_forward(q, k, v, np.zeros((1, 8, 2, 3), np.float32))  # [B, S, ...], not [B, T, ...]
+    assert error.value.argument == "out"
 
 
 def test_bad_input_is_refused_by_name():
