@@ -19,6 +19,7 @@ contiguous first: latte's views need a unit last stride.
 
 from __future__ import annotations
 
+import atexit
 import functools
 from typing import Optional
 
@@ -27,7 +28,9 @@ import torch
 
 from . import _latte
 
-__all__ = ["latte_attention", "linear_attention", "LatteAttention", "LinearAttention"]
+__all__ = ["latte_attention", "linear_attention", "LatteAttention", "LinearAttention",
+           "softmax_attention", "cosformer", "leapformer", "latte_macchiato", "lavo",
+           "SoftmaxAttention", "CosFormer", "LeaPModule", "LeaPformer", "LatteMacchiato", "Lavo"]
 
 
 def _array(tensor: torch.Tensor) -> torch.Tensor:
@@ -46,18 +49,24 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-# --- Latte ------------------------------------------------------------------
-
-
 @functools.lru_cache(maxsize=64)
-def _cached_latte(heads: int, latents: int, value_dim: int, causal: bool) -> _latte.LatteAttention:
-    return _latte.LatteAttention(heads, latents, value_dim, causal=causal)
+def _cached_mechanism(cls, *args, **options):
+    """A latte mechanism object built once per class and arguments (for those without tensor parameters)."""
+    return cls(*args, **options)
+
+
+# The cached objects go before the interpreter tears the module down (nanobind
+# would otherwise report them as leaked instances at exit).
+atexit.register(_cached_mechanism.cache_clear)
+
+
+# --- Latte ------------------------------------------------------------------
 
 
 def _latte_for(query_logits, values, causal, angles):
     heads, latents, value_dim = query_logits.shape[2], query_logits.shape[3], values.shape[3]
     if angles is None:
-        return _cached_latte(heads, latents, value_dim, causal)
+        return _cached_mechanism(_latte.LatteAttention, heads, latents, value_dim, causal=causal)
     return _latte.LatteAttention(heads, latents, value_dim, causal=causal, vapor=True,
                                  angles=_array(angles).to(torch.float64).numpy())
 
@@ -107,25 +116,142 @@ def _latte_backward(ctx, d_out):
 _latte_attention_op.register_autograd(_latte_backward, setup_context=_latte_setup)
 
 
+# Training in chunks, flash-linear-attention's contract (initial_state / dh0, output_final_state /
+# dht): a state crosses the op boundary as tensors of some of its fields, in the state's field
+# order. latte keeps each sum as a compensated pair (the field and its *_low part); here a pair
+# is folded into one value (field + low part), so a chunk boundary costs one rounding.
+
+_LATTE_STATE = ("running_max", "normaliser", "memory")
+
+
+def _state_from(attention, names, tensors, like, position):
+    """The latte state at `position` whose fields `names` are `tensors` (the others, low parts
+    included, a fresh state's); a fresh state of `like`'s batch and dtype when all are None."""
+    if all(t is None for t in tensors):
+        return attention.make_state(like.shape[0], first_position=position,
+                                    dtype=str(like.dtype).removeprefix("torch."))
+    return attention.state_from_fields({n: _array(t) for n, t in zip(names, tensors) if t is not None},
+                                       position=position)
+
+
+def _fields_of(state, names):
+    """Fields `names` of a latte state as tensors, each with its low part folded in."""
+    fields = state.fields()
+    return [_tensor(fields[n] + fields[n + "_low"] if n + "_low" in fields else fields[n]) for n in names]
+
+
+@torch.library.custom_op("latte::latte_attention_state", mutates_args=(), device_types="cpu")
+def _latte_state_op(query_logits: torch.Tensor, key_logits: torch.Tensor, values: torch.Tensor,
+                    angles: Optional[torch.Tensor], running_max: Optional[torch.Tensor],
+                    normaliser: Optional[torch.Tensor], memory: Optional[torch.Tensor], position: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Causal Latte from a state (fresh when its tensors are None): out and the final state's fields."""
+    attention = _latte_for(query_logits, values, True, angles)
+    state = _state_from(attention, _LATTE_STATE, (running_max, normaliser, memory), query_logits, position)
+    out = attention.forward(_array(query_logits), _array(key_logits), _array(values), state=state)
+    return (_tensor(out), *_fields_of(state, _LATTE_STATE))
+
+
+@_latte_state_op.register_fake
+def _(query_logits, key_logits, values, angles, running_max, normaliser, memory, position):
+    B, _, H, L = query_logits.shape
+    return (values.new_empty(values.shape), values.new_empty(B, H, L), values.new_empty(B, H, L),
+            values.new_empty(B, H, L, values.shape[3]))
+
+
+def _latte_state_setup(ctx, inputs, output):
+    *tensors, position = inputs
+    ctx.save_for_backward(*tensors, output[1])
+    ctx.position = position
+    ctx.mark_non_differentiable(output[1])  # the running maximum: held fixed
+
+
+@torch.library.custom_op("latte::latte_attention_state_backward", mutates_args=(), device_types="cpu")
+def _latte_state_backward_op(query_logits: torch.Tensor, key_logits: torch.Tensor, values: torch.Tensor,
+                             angles: Optional[torch.Tensor], running_max: Optional[torch.Tensor],
+                             normaliser: Optional[torch.Tensor], memory: Optional[torch.Tensor], position: int,
+                             d_out: torch.Tensor, final_running_max: torch.Tensor, d_normaliser: torch.Tensor,
+                             d_memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                              torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d_query_logits, d_key_logits, d_values, d_angles or empty, d_normaliser, d_memory of the initial state)."""
+    attention = _latte_for(query_logits, values, True, angles)
+    initial = _state_from(attention, _LATTE_STATE, (running_max, normaliser, memory), query_logits, position)
+    d_final = _state_from(attention, _LATTE_STATE, (final_running_max, d_normaliser, d_memory), query_logits,
+                          position + query_logits.shape[1])
+    *gradients, d_initial = attention.backward(_array(query_logits), _array(key_logits), _array(values),
+                                               _array(d_out), initial_state=initial, d_final_state=d_final)
+    d_angles = _tensor(gradients[3]).to(angles.dtype) if angles is not None else values.new_empty(0)
+    return (*map(_tensor, gradients[:3]), d_angles, *_fields_of(d_initial, _LATTE_STATE[1:]))
+
+
+@_latte_state_backward_op.register_fake
+def _(query_logits, key_logits, values, angles, running_max, normaliser, memory, position, d_out,
+      final_running_max, d_normaliser, d_memory):
+    d_angles = angles.new_empty(angles.shape) if angles is not None else values.new_empty(0)
+    return (query_logits.new_empty(query_logits.shape), key_logits.new_empty(key_logits.shape),
+            values.new_empty(values.shape), d_angles, d_normaliser.new_empty(d_normaliser.shape),
+            d_memory.new_empty(d_memory.shape))
+
+
+def _latte_state_backward(ctx, d_out, _, d_normaliser, d_memory):
+    query_logits, key_logits, values, angles, running_max, normaliser, memory, final_running_max = ctx.saved_tensors
+    B, _, H, L = query_logits.shape
+    d_out = torch.zeros_like(values) if d_out is None else d_out
+    d_normaliser = final_running_max.new_zeros(B, H, L) if d_normaliser is None else d_normaliser
+    d_memory = values.new_zeros(B, H, L, values.shape[3]) if d_memory is None else d_memory
+    d_q, d_k, d_v, d_angles, d_normaliser0, d_memory0 = _latte_state_backward_op(
+        query_logits, key_logits, values, angles, running_max, normaliser, memory, ctx.position, d_out,
+        final_running_max, d_normaliser, d_memory)
+    return (d_q, d_k, d_v, None if angles is None else d_angles, None,
+            None if normaliser is None else d_normaliser0, None if memory is None else d_memory0, None)
+
+
+_latte_state_op.register_autograd(_latte_state_backward, setup_context=_latte_state_setup)
+
+
+def _require_state(causal, initial_state, fields):
+    """Refuses a state where there is none (bidirectional) or one of another length than `fields`."""
+    if not causal:
+        raise _error("initial_state", "a bidirectional attention has no state (causal=True has)")
+    if initial_state is not None and len(initial_state) != len(fields):
+        raise _error("initial_state", f"expected a tuple ({', '.join(fields)}), given {len(initial_state)} tensors")
+
+
 def latte_attention(query_logits: torch.Tensor, key_logits: torch.Tensor, values: torch.Tensor, *,
-                    causal: bool = True, angles: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    causal: bool = True, angles: Optional[torch.Tensor] = None,
+                    initial_state: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+                    output_final_state: bool = False, position: int = 0):
     """Latte attention (``torch.ops.latte.latte_attention``): ``[B, T, H, L]`` latent logits of the
     queries and keys, ``[B, T, H, Dv]`` values -> ``[B, T, H, Dv]``. ``angles`` ``[H, Dv/2]`` turns
-    VAPOR on (and receives a gradient when it requires one)."""
-    return _latte_attention_op(query_logits, key_logits, values, causal, angles)
+    VAPOR on (and receives a gradient when it requires one).
+
+    Training in chunks (causal; flash-linear-attention's ``initial_state`` / ``output_final_state``,
+    ``torch.ops.latte.latte_attention_state``): a state is the tuple ``(running_max [B, H, L],
+    normaliser [B, H, L], memory [B, H, L, Dv])`` of ``latte.LatteState.fields()``: per latent the
+    running maximum m of the key logits seen and the normaliser and memory sums stored scaled by
+    exp(-m), each compensated pair folded into one value (one rounding per chunk boundary). The
+    sequence continues from ``initial_state`` (None: a fresh state), its first token at absolute
+    position ``position`` (the state's; VAPOR rotates by it). With ``output_final_state=True`` the
+    result is ``(out, final_state)``, final_state the same tuple after the last token (position + T),
+    the next chunk's initial_state. Gradients flow into the initial state's normaliser and memory
+    (dh0) and from the final state's (dht), with respect to the stored numbers, running_max held
+    fixed: it gets no gradient, and the final running_max is not differentiable. Chained chunks are
+    exact; a loss on a final state itself should read it through normaliser * exp(running_max) and
+    memory * exp(running_max) (its meaning), since the stored numbers also move with running_max."""
+    if initial_state is None and not output_final_state:
+        return _latte_attention_op(query_logits, key_logits, values, causal, angles)
+    _require_state(causal, initial_state, _LATTE_STATE)
+    out, *final = _latte_state_op(query_logits, key_logits, values, angles, *(initial_state or (None,) * 3),
+                                  position)
+    return (out, tuple(final)) if output_final_state else out
 
 
 # --- linear attention --------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=64)
-def _cached_linear(heads: int, key_dim: int, value_dim: int, causal: bool, feature_map: str,
-            rope: bool) -> _latte.LinearAttention:
-    return _latte.LinearAttention(heads, key_dim, value_dim, causal=causal, feature_map=feature_map, rope=rope)
-
-
 def _linear_for(queries, values, causal, feature_map, rope):
-    return _cached_linear(queries.shape[2], queries.shape[3], values.shape[3], causal, feature_map, rope)
+    return _cached_mechanism(_latte.LinearAttention, queries.shape[2], queries.shape[3], values.shape[3],
+                             causal=causal, feature_map=feature_map, rope=rope)
 
 
 @torch.library.custom_op("latte::linear_attention", mutates_args=(), device_types="cpu")
@@ -169,12 +295,356 @@ def _linear_backward(ctx, d_out):
 _linear_attention_op.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 
+_LINEAR_STATE = ("memory", "normaliser")
+
+
+@torch.library.custom_op("latte::linear_attention_state", mutates_args=(), device_types="cpu")
+def _linear_state_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, memory: Optional[torch.Tensor],
+                     normaliser: Optional[torch.Tensor], feature_map: str, rope: bool, position: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Causal linear attention from a state (fresh when its tensors are None): out and the final (S, z)."""
+    attention = _linear_for(queries, values, True, feature_map, rope)
+    state = _state_from(attention, _LINEAR_STATE, (memory, normaliser), queries, position)
+    out = attention.forward(_array(queries), _array(keys), _array(values), state=state)
+    return (_tensor(out), *_fields_of(state, _LINEAR_STATE))
+
+
+@_linear_state_op.register_fake
+def _(queries, keys, values, memory, normaliser, feature_map, rope, position):
+    B, _, H, Dk = queries.shape
+    return values.new_empty(values.shape), values.new_empty(B, H, Dk, values.shape[3]), values.new_empty(B, H, Dk)
+
+
+def _linear_state_setup(ctx, inputs, output):
+    *tensors, feature_map, rope, position = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.options = (feature_map, rope, position)
+
+
+@torch.library.custom_op("latte::linear_attention_state_backward", mutates_args=(), device_types="cpu")
+def _linear_state_backward_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                              memory: Optional[torch.Tensor], normaliser: Optional[torch.Tensor], feature_map: str,
+                              rope: bool, position: int, d_out: torch.Tensor, d_memory: torch.Tensor,
+                              d_normaliser: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d_queries, d_keys, d_values, d_memory, d_normaliser of the initial state)."""
+    attention = _linear_for(queries, values, True, feature_map, rope)
+    initial = _state_from(attention, _LINEAR_STATE, (memory, normaliser), queries, position)
+    d_final = _state_from(attention, _LINEAR_STATE, (d_memory, d_normaliser), queries, position + queries.shape[1])
+    *gradients, d_initial = attention.backward(_array(queries), _array(keys), _array(values), _array(d_out),
+                                               initial_state=initial, d_final_state=d_final)
+    return (*map(_tensor, gradients), *_fields_of(d_initial, _LINEAR_STATE))
+
+
+@_linear_state_backward_op.register_fake
+def _(queries, keys, values, memory, normaliser, feature_map, rope, position, d_out, d_memory, d_normaliser):
+    return (queries.new_empty(queries.shape), keys.new_empty(keys.shape), values.new_empty(values.shape),
+            d_memory.new_empty(d_memory.shape), d_normaliser.new_empty(d_normaliser.shape))
+
+
+def _linear_state_backward(ctx, d_out, d_memory, d_normaliser):
+    queries, keys, values, memory, normaliser = ctx.saved_tensors
+    B, _, H, Dk = queries.shape
+    d_out = torch.zeros_like(values) if d_out is None else d_out
+    d_memory = values.new_zeros(B, H, Dk, values.shape[3]) if d_memory is None else d_memory
+    d_normaliser = values.new_zeros(B, H, Dk) if d_normaliser is None else d_normaliser
+    d_q, d_k, d_v, d_memory0, d_normaliser0 = _linear_state_backward_op(
+        queries, keys, values, memory, normaliser, *ctx.options, d_out, d_memory, d_normaliser)
+    return (d_q, d_k, d_v, None if memory is None else d_memory0, None if normaliser is None else d_normaliser0,
+            None, None, None)
+
+
+_linear_state_op.register_autograd(_linear_state_backward, setup_context=_linear_state_setup)
+
+
 def linear_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, causal: bool = True,
-                     feature_map: str = "elu_plus_one", rope: bool = False) -> torch.Tensor:
+                     feature_map: str = "elu_plus_one", rope: bool = False,
+                     initial_state: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                     output_final_state: bool = False, position: int = 0):
     """Linear attention (``torch.ops.latte.linear_attention``): ``[B, T, H, Dk]`` queries and keys,
     ``[B, T, H, Dv]`` values -> ``[B, T, H, Dv]``; feature_map "elu_plus_one", "relu" or "identity";
-    ``rope`` rotates phi(q), phi(k) (elu + 1)."""
-    return _linear_attention_op(queries, keys, values, causal, feature_map, rope)
+    ``rope`` rotates phi(q), phi(k) (elu + 1).
+
+    Training in chunks (causal; flash-linear-attention's ``initial_state`` / ``output_final_state``,
+    ``torch.ops.latte.linear_attention_state``): a state is the tuple ``(memory [B, H, Dk, Dv],
+    normaliser [B, H, Dk])`` of ``latte.LinearState.fields()``: S = sum phi(k) v^T (fla's state
+    [B, H, K, V]) and z = sum phi(k), the normaliser fla's linear attention does not keep; each
+    compensated pair folded into one value (one rounding per chunk boundary). The sequence continues
+    from ``initial_state`` (None: zeros), its first token at absolute position ``position`` (RoPE
+    rotates by it). With ``output_final_state=True`` the result is ``(out, final_state)``, the same
+    tuple after the last token. Gradients flow into both tensors of the initial state (dh0) and
+    from both of the final state (dht)."""
+    if initial_state is None and not output_final_state:
+        return _linear_attention_op(queries, keys, values, causal, feature_map, rope)
+    _require_state(causal, initial_state, _LINEAR_STATE)
+    out, *final = _linear_state_op(queries, keys, values, *(initial_state or (None, None)), feature_map, rope,
+                                   position)
+    return (out, tuple(final)) if output_final_state else out
+
+
+# --- the other mechanisms: shared glue ---------------------------------------
+#
+# Each op below takes its tensor inputs first (the sequence inputs, then the learned
+# parameters, None where not given), then its options; its backward op returns one
+# gradient per tensor input (an empty tensor for one given as None).
+
+
+def _error(argument: str, message: str) -> _latte.Error:
+    """latte.Error naming `argument`, for what only the torch glue sees."""
+    error = _latte.Error(f"latte: argument '{argument}': {message}")
+    error.argument = argument
+    return error
+
+
+def _float64(tensor: Optional[torch.Tensor]) -> Optional[np.ndarray]:
+    """A learned parameter as latte's constructors take it: float64 NumPy (None stays None)."""
+    return None if tensor is None else _array(tensor).to(torch.float64).numpy()
+
+
+def _forward(attention, *inputs: torch.Tensor) -> torch.Tensor:
+    return _tensor(attention.forward(*map(_array, inputs)))
+
+
+def _backward(attention, inputs, d_out: torch.Tensor, tensors) -> list[torch.Tensor]:
+    """attention.backward(*inputs, d_out) as one gradient per tensor input of the op (`tensors`), with
+    that input's dtype and shape (nested tuples, a LeaP module's (d_w1, d_b1, d_w2, d_b2), flattened in
+    order); an empty tensor for an input given as None."""
+    result = attention.backward(*map(_array, inputs), _array(d_out))
+    flat = [g for item in result for g in (item if isinstance(item, tuple) else (item,))]
+    return [d_out.new_empty(0) if t is None else torch.as_tensor(flat[i]).to(t.dtype).reshape(t.shape)
+            for i, t in enumerate(tensors)]
+
+
+def _register(op, backward_op, tensors: int, values: int = 2) -> None:
+    """The fakes of `op` (an output shaped as its argument `values`) and of `backward_op` (gradients
+    shaped as the tensor inputs), and `op`'s autograd through `backward_op(*tensor inputs, d_out,
+    *options)`; `tensors`: how many leading arguments of `op` are tensors."""
+    op.register_fake(lambda *args: args[values].new_empty(args[values].shape))
+    backward_op.register_fake(lambda *args: [args[tensors].new_empty(0) if t is None else t.new_empty(t.shape)
+                                             for t in args[:tensors]])
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:tensors])
+        ctx.options = inputs[tensors:]
+
+    def backward(ctx, d_out):
+        saved = ctx.saved_tensors
+        gradients = backward_op(*saved, d_out, *ctx.options)
+        return tuple(None if t is None else g for t, g in zip(saved, gradients)) + (None,) * len(ctx.options)
+
+    op.register_autograd(backward, setup_context=setup_context)
+
+
+# --- softmax attention -------------------------------------------------------
+
+
+def _softmax_for(queries, values, causal, window, scale):
+    return _cached_mechanism(_latte.SoftmaxAttention, queries.shape[2], queries.shape[3], values.shape[3],
+                             causal=causal, window=None if window is None else tuple(window), scale=scale)
+
+
+@torch.library.custom_op("latte::softmax_attention", mutates_args=(), device_types="cpu")
+def _softmax_attention_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, causal: bool,
+                          window: Optional[list[int]], scale: Optional[float]) -> torch.Tensor:
+    return _forward(_softmax_for(queries, values, causal, window, scale), queries, keys, values)
+
+
+@torch.library.custom_op("latte::softmax_attention_backward", mutates_args=(), device_types="cpu")
+def _softmax_attention_backward_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                                   d_out: torch.Tensor, causal: bool, window: Optional[list[int]],
+                                   scale: Optional[float]) -> list[torch.Tensor]:
+    inputs = (queries, keys, values)
+    return _backward(_softmax_for(queries, values, causal, window, scale), inputs, d_out, inputs)
+
+
+_register(_softmax_attention_op, _softmax_attention_backward_op, tensors=3)
+
+
+def softmax_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, causal: bool = True,
+                      window: Optional[tuple[int, int]] = None, scale: Optional[float] = None) -> torch.Tensor:
+    """Exact scaled dot-product attention, latte's baseline (``torch.ops.latte.softmax_attention``):
+    ``[B, T, H, Dk]`` queries and keys, ``[B, T, H, Dv]`` values -> ``[B, T, H, Dv]``. ``window``
+    ``(left, right)`` keeps the keys ``t - left <= s <= t + right`` (FlashAttention's count; right 0
+    when causal); ``scale`` defaults to ``1 / sqrt(Dk)``."""
+    return _softmax_attention_op(queries, keys, values, causal, None if window is None else list(window),
+                                 None if scale is None else float(scale))
+
+
+# --- cosFormer ---------------------------------------------------------------
+
+
+def _cosformer_for(queries, values, causal, length):
+    return _cached_mechanism(_latte.CosFormer, queries.shape[2], queries.shape[3], values.shape[3], causal=causal,
+                             length=length)
+
+
+@torch.library.custom_op("latte::cosformer", mutates_args=(), device_types="cpu")
+def _cosformer_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, causal: bool,
+                  length: Optional[int]) -> torch.Tensor:
+    return _forward(_cosformer_for(queries, values, causal, length), queries, keys, values)
+
+
+@torch.library.custom_op("latte::cosformer_backward", mutates_args=(), device_types="cpu")
+def _cosformer_backward_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, d_out: torch.Tensor,
+                           causal: bool, length: Optional[int]) -> list[torch.Tensor]:
+    inputs = (queries, keys, values)
+    return _backward(_cosformer_for(queries, values, causal, length), inputs, d_out, inputs)
+
+
+_register(_cosformer_op, _cosformer_backward_op, tensors=3)
+
+
+def cosformer(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, causal: bool = True,
+              length: Optional[int] = None) -> torch.Tensor:
+    """cosFormer (``torch.ops.latte.cosformer``): linear attention with ReLU features re-weighted by
+    ``cos(pi/2 (P_q - P_k))``, ``P = (i + 1) / M``; ``[B, T, H, Dk]`` queries and keys, ``[B, T, H, Dv]``
+    values -> ``[B, T, H, Dv]``. ``length`` M defaults to T."""
+    return _cosformer_op(queries, keys, values, causal, length)
+
+
+# --- LeaPformer --------------------------------------------------------------
+
+
+def _leapformer_for(queries, values, query_module, key_module, causal):
+    hidden = query_module[0].shape[0]
+    modules = [tuple(_float64(w) for w in module[:3]) + (float(module[3]),) for module in (query_module, key_module)]
+    return _latte.LeaPformer(queries.shape[2], queries.shape[3], values.shape[3], query_module=modules[0],
+                             key_module=modules[1], causal=causal,
+                             leap_factor=queries.shape[3] // hidden if hidden else 0)
+
+
+@torch.library.custom_op("latte::leapformer", mutates_args=(), device_types="cpu")
+def _leapformer_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query_w1: torch.Tensor,
+                   query_b1: torch.Tensor, query_w2: torch.Tensor, query_b2: torch.Tensor, key_w1: torch.Tensor,
+                   key_b1: torch.Tensor, key_w2: torch.Tensor, key_b2: torch.Tensor, causal: bool) -> torch.Tensor:
+    attention = _leapformer_for(queries, values, (query_w1, query_b1, query_w2, query_b2),
+                                (key_w1, key_b1, key_w2, key_b2), causal)
+    return _forward(attention, queries, keys, values)
+
+
+@torch.library.custom_op("latte::leapformer_backward", mutates_args=(), device_types="cpu")
+def _leapformer_backward_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query_w1: torch.Tensor,
+                            query_b1: torch.Tensor, query_w2: torch.Tensor, query_b2: torch.Tensor,
+                            key_w1: torch.Tensor, key_b1: torch.Tensor, key_w2: torch.Tensor, key_b2: torch.Tensor,
+                            d_out: torch.Tensor, causal: bool) -> list[torch.Tensor]:
+    query_module, key_module = (query_w1, query_b1, query_w2, query_b2), (key_w1, key_b1, key_w2, key_b2)
+    attention = _leapformer_for(queries, values, query_module, key_module, causal)
+    return _backward(attention, (queries, keys, values), d_out, (queries, keys, values) + query_module + key_module)
+
+
+_register(_leapformer_op, _leapformer_backward_op, tensors=11)
+
+
+def leapformer(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query_module, key_module, *,
+               causal: bool = True) -> torch.Tensor:
+    """LeaPformer (``torch.ops.latte.leapformer``): cosFormer's re-weighting with proportions
+    ``P = sigmoid(w2 . relu(w1 relu(x) + b1) + b2)`` from two LeaP modules, on the ReLU features of the
+    queries and of the keys; ``[B, T, H, Dk]`` queries and keys, ``[B, T, H, Dv]`` values ->
+    ``[B, T, H, Dv]``. Each module is ``(w1 [hidden, Dk], b1 [hidden], w2 [hidden], b2 [])`` of tensors
+    (hidden = Dk / leap_factor, a divisor of Dk), differentiable like the inputs."""
+    for name, module in (("query_module", query_module), ("key_module", key_module)):
+        if len(module) != 4:
+            raise _error(name, f"weights: expected (w1, b1, w2, b2), given {len(module)} items")
+    query_module, key_module = ((*module[:3], torch.as_tensor(module[3], dtype=module[0].dtype))
+                                for module in (query_module, key_module))
+    return _leapformer_op(queries, keys, values, *query_module, *key_module, causal)
+
+
+# --- Latte Macchiato ---------------------------------------------------------
+
+
+def _macchiato_for(key_logits, window_queries, values, angles, window, causal, vapor, rope, vapor_scope, scale):
+    dims = (key_logits.shape[2], key_logits.shape[3], window_queries.shape[3], values.shape[3], window)
+    options = dict(causal=causal, vapor=vapor, rope=rope, vapor_scope=vapor_scope, scale=scale)
+    if angles is None:
+        return _cached_mechanism(_latte.LatteMacchiato, *dims, **options)
+    try:
+        return _latte.LatteMacchiato(*dims, **options, angles=_float64(angles))
+    except TypeError:  # a binding without `angles`
+        raise _error("angles", "this build's latte.LatteMacchiato takes no angles (python/src/latte_macchiato.cpp): "
+                               "VAPOR keeps its RoPE schedule; leave angles None") from None
+
+
+@torch.library.custom_op("latte::latte_macchiato", mutates_args=(), device_types="cpu")
+def _latte_macchiato_op(query_logits: torch.Tensor, key_logits: torch.Tensor, window_queries: torch.Tensor,
+                        window_keys: torch.Tensor, values: torch.Tensor, angles: Optional[torch.Tensor], window: int,
+                        causal: bool, vapor: bool, rope: bool, vapor_scope: str,
+                        scale: Optional[float]) -> torch.Tensor:
+    attention = _macchiato_for(key_logits, window_queries, values, angles, window, causal, vapor, rope, vapor_scope,
+                               scale)
+    return _forward(attention, query_logits, key_logits, window_queries, window_keys, values)
+
+
+@torch.library.custom_op("latte::latte_macchiato_backward", mutates_args=(), device_types="cpu")
+def _latte_macchiato_backward_op(query_logits: torch.Tensor, key_logits: torch.Tensor, window_queries: torch.Tensor,
+                                 window_keys: torch.Tensor, values: torch.Tensor, angles: Optional[torch.Tensor],
+                                 d_out: torch.Tensor, window: int, causal: bool, vapor: bool, rope: bool,
+                                 vapor_scope: str, scale: Optional[float]) -> list[torch.Tensor]:
+    attention = _macchiato_for(key_logits, window_queries, values, angles, window, causal, vapor, rope, vapor_scope,
+                               scale)
+    inputs = (query_logits, key_logits, window_queries, window_keys, values)
+    return _backward(attention, inputs, d_out, inputs + (angles,))
+
+
+_register(_latte_macchiato_op, _latte_macchiato_backward_op, tensors=6, values=4)
+
+
+def latte_macchiato(query_logits: torch.Tensor, key_logits: torch.Tensor, window_queries: torch.Tensor,
+                    window_keys: torch.Tensor, values: torch.Tensor, *, window: int, causal: bool = True,
+                    vapor: bool = False, rope: bool = False, vapor_scope: str = "latent_states",
+                    scale: Optional[float] = None, angles: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Latte Macchiato (``torch.ops.latte.latte_macchiato``): one softmax over L + 1 states per query,
+    state 0 a sliding-window softmax (``window`` w tokens each side allowed) over ``window_queries`` /
+    ``window_keys`` ``[B, T, H, Dk]`` (``rope`` rotates them; ``scale`` defaults to ``1 / sqrt(Dk)``),
+    states 1..L Latte's latent states; ``query_logits`` ``[B, T, H, L + 1]``, ``key_logits``
+    ``[B, T, H, L]``, ``values`` ``[B, T, H, Dv]`` -> ``[B, T, H, Dv]``. ``vapor`` rotates the latent
+    states' values (``vapor_scope="all_states"``: the window's too) by the RoPE schedule, or by
+    ``angles`` ``[H, Dv/2]`` (which turn VAPOR on and receive a gradient when they require one)."""
+    return _latte_macchiato_op(query_logits, key_logits, window_queries, window_keys, values, angles, window, causal,
+                               vapor or angles is not None, rope, vapor_scope, None if scale is None else float(scale))
+
+
+# --- LAVO --------------------------------------------------------------------
+
+
+def _lavo_for(queries, relative_bias, basis, bases, window, causal, basis_seed, scale, empty_memory):
+    dims = (queries.shape[2], queries.shape[3], bases, window)
+    options = dict(causal=causal, basis_seed=basis_seed, scale=scale, empty_memory=empty_memory)
+    if relative_bias is None and basis is None:
+        return _cached_mechanism(_latte.Lavo, *dims, **options)
+    return _latte.Lavo(*dims, **options, relative_bias=_float64(relative_bias), basis=_float64(basis))
+
+
+@torch.library.custom_op("latte::lavo", mutates_args=(), device_types="cpu")
+def _lavo_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, relative_bias: Optional[torch.Tensor],
+             basis: Optional[torch.Tensor], bases: int, window: int, causal: bool, basis_seed: int,
+             scale: Optional[float], empty_memory: str) -> torch.Tensor:
+    attention = _lavo_for(queries, relative_bias, basis, bases, window, causal, basis_seed, scale, empty_memory)
+    return _forward(attention, queries, keys, values)
+
+
+@torch.library.custom_op("latte::lavo_backward", mutates_args=(), device_types="cpu")
+def _lavo_backward_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      relative_bias: Optional[torch.Tensor], basis: Optional[torch.Tensor], d_out: torch.Tensor,
+                      bases: int, window: int, causal: bool, basis_seed: int, scale: Optional[float],
+                      empty_memory: str) -> list[torch.Tensor]:
+    attention = _lavo_for(queries, relative_bias, basis, bases, window, causal, basis_seed, scale, empty_memory)
+    return _backward(attention, (queries, keys, values), d_out, (queries, keys, values, relative_bias, basis))
+
+
+_register(_lavo_op, _lavo_backward_op, tensors=5)
+
+
+def lavo(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, bases: int, window: int,
+         relative_bias: Optional[torch.Tensor] = None, basis: Optional[torch.Tensor] = None, basis_seed: int = 0,
+         causal: bool = True, scale: Optional[float] = None, empty_memory: str = "zero") -> torch.Tensor:
+    """LAVO (``torch.ops.latte.lavo``): a local softmax over the last ``window`` w tokens with a relative
+    bias P ``[H, 2w - 1]`` (zeros when None), and an orthogonal memory of the older ones read through
+    ``bases`` r bases B ``[H, r, d]`` per head (``basis``; when None, orthonormal from ``basis_seed``);
+    queries, keys, values ``[B, T, H, d]`` -> ``[B, T, H, d]``. P and B given receive gradients when
+    they require them. ``empty_memory``: "zero" or "local_only"."""
+    return _lavo_op(queries, keys, values, relative_bias, basis, bases, window, causal, basis_seed,
+                    None if scale is None else float(scale), empty_memory)
 
 
 # --- modules -----------------------------------------------------------------
@@ -195,8 +665,13 @@ class LatteAttention(torch.nn.Module):
         else:
             self.register_parameter("angles", None)
 
-    def forward(self, query_logits: torch.Tensor, key_logits: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        return latte_attention(query_logits, key_logits, values, causal=self.causal, angles=self.angles)
+    def forward(self, query_logits: torch.Tensor, key_logits: torch.Tensor, values: torch.Tensor, *,
+                initial_state: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+                output_final_state: bool = False, position: int = 0):
+        """``[B, T, H, Dv]``, or ``(out, final_state)`` with ``output_final_state``: training in
+        chunks as ``latte_attention`` describes."""
+        return latte_attention(query_logits, key_logits, values, causal=self.causal, angles=self.angles,
+                               initial_state=initial_state, output_final_state=output_final_state, position=position)
 
 
 class LinearAttention(torch.nn.Module):
@@ -206,6 +681,119 @@ class LinearAttention(torch.nn.Module):
         super().__init__()
         self.causal, self.feature_map, self.rope = causal, feature_map, rope
 
-    def forward(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def forward(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
+                initial_state: Optional[tuple[torch.Tensor, torch.Tensor]] = None, output_final_state: bool = False,
+                position: int = 0):
+        """``[B, T, H, Dv]``, or ``(out, final_state)`` with ``output_final_state``: training in
+        chunks as ``linear_attention`` describes."""
         return linear_attention(queries, keys, values, causal=self.causal, feature_map=self.feature_map,
-                                rope=self.rope)
+                                rope=self.rope, initial_state=initial_state, output_final_state=output_final_state,
+                                position=position)
+
+
+class SoftmaxAttention(torch.nn.Module):
+    """Exact softmax attention as a module: ``forward(queries, keys, values)`` -> ``[B, T, H, Dv]``."""
+
+    def __init__(self, *, causal: bool = True, window: Optional[tuple[int, int]] = None,
+                 scale: Optional[float] = None):
+        super().__init__()
+        self.causal, self.window, self.scale = causal, window, scale
+
+    def forward(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return softmax_attention(queries, keys, values, causal=self.causal, window=self.window, scale=self.scale)
+
+
+class CosFormer(torch.nn.Module):
+    """cosFormer as a module: ``forward(queries, keys, values)`` -> ``[B, T, H, Dv]``."""
+
+    def __init__(self, *, causal: bool = True, length: Optional[int] = None):
+        super().__init__()
+        self.causal, self.length = causal, length
+
+    def forward(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return cosformer(queries, keys, values, causal=self.causal, length=self.length)
+
+
+class LeaPModule(torch.nn.Module):
+    """A LeaP module's weights as parameters: ``w1 [hidden, D]``, ``b1 [hidden]``, ``w2 [hidden]``,
+    ``b2 []``, initialised as ``torch.nn.Linear(D, hidden)`` and ``torch.nn.Linear(hidden, 1)``
+    initialise theirs (uniform within +-1/sqrt(fan_in)). ``weights`` is the tuple the ops take."""
+
+    def __init__(self, dim: int, hidden: int, *, dtype: torch.dtype = torch.float32):
+        super().__init__()
+
+        def uniform(fan_in, *shape):
+            bound = fan_in ** -0.5
+            return torch.nn.Parameter(torch.empty(shape, dtype=dtype).uniform_(-bound, bound))
+
+        self.w1, self.b1, self.w2, self.b2 = uniform(dim, hidden, dim), uniform(dim, hidden), uniform(hidden, hidden), \
+            uniform(hidden)
+
+    @property
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.w1, self.b1, self.w2, self.b2
+
+
+class LeaPformer(torch.nn.Module):
+    """LeaPformer as a module: ``forward(queries, keys, values)`` -> ``[B, T, H, Dv]``, with the two
+    LeaP modules ``query_module``, ``key_module`` (hidden = key_dim // leap_factor units) learned."""
+
+    def __init__(self, key_dim: int, *, leap_factor: int = 4, causal: bool = True,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.causal = causal
+        self.query_module = LeaPModule(key_dim, key_dim // leap_factor, dtype=dtype)
+        self.key_module = LeaPModule(key_dim, key_dim // leap_factor, dtype=dtype)
+
+    def forward(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return leapformer(queries, keys, values, self.query_module.weights, self.key_module.weights,
+                          causal=self.causal)
+
+
+class LatteMacchiato(torch.nn.Module):
+    """Latte Macchiato as a module: ``forward(query_logits, key_logits, window_queries, window_keys,
+    values)`` -> ``[B, T, H, Dv]``. With ``vapor=True`` and ``learn_angles`` the VAPOR angles
+    ``[H, Dv/2]`` are a parameter (RoPE schedule at first); without ``learn_angles`` VAPOR keeps the
+    RoPE schedule."""
+
+    def __init__(self, heads: int, value_dim: int, window: int, *, causal: bool = True, vapor: bool = False,
+                 rope: bool = False, vapor_scope: str = "latent_states", scale: Optional[float] = None,
+                 learn_angles: bool = True, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.window, self.causal, self.vapor, self.rope, self.vapor_scope, self.scale = \
+            window, causal, vapor, rope, vapor_scope, scale
+        if vapor and learn_angles:
+            initial = _latte.LatteAttention(heads, 1, value_dim, vapor=True).angles  # the same RoPE schedule
+            self.angles = torch.nn.Parameter(torch.from_numpy(initial).to(dtype))
+        else:
+            self.register_parameter("angles", None)
+
+    def forward(self, query_logits: torch.Tensor, key_logits: torch.Tensor, window_queries: torch.Tensor,
+                window_keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return latte_macchiato(query_logits, key_logits, window_queries, window_keys, values, window=self.window,
+                               causal=self.causal, vapor=self.vapor, rope=self.rope, vapor_scope=self.vapor_scope,
+                               scale=self.scale, angles=self.angles)
+
+
+class Lavo(torch.nn.Module):
+    """LAVO as a module: ``forward(queries, keys, values)`` -> ``[B, T, H, d]``. The relative bias
+    ``[H, 2w - 1]`` is a parameter (zeros at first, as latte starts it); the bases ``[H, r, d]`` are
+    orthonormal from ``basis_seed``, and a parameter starting there with ``learn_basis=True``."""
+
+    def __init__(self, heads: int, dim: int, bases: int, window: int, *, causal: bool = True, basis_seed: int = 0,
+                 learn_basis: bool = False, scale: Optional[float] = None, empty_memory: str = "zero",
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.bases, self.window, self.causal, self.basis_seed, self.scale, self.empty_memory = \
+            bases, window, causal, basis_seed, scale, empty_memory
+        self.relative_bias = torch.nn.Parameter(torch.zeros(heads, 2 * window - 1, dtype=dtype))
+        if learn_basis:
+            initial = _latte.Lavo(heads, dim, bases, window, basis_seed=basis_seed).basis
+            self.basis = torch.nn.Parameter(torch.from_numpy(initial).to(dtype))
+        else:
+            self.register_parameter("basis", None)
+
+    def forward(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return lavo(queries, keys, values, bases=self.bases, window=self.window, relative_bias=self.relative_bias,
+                    basis=self.basis, basis_seed=self.basis_seed, causal=self.causal, scale=self.scale,
+                    empty_memory=self.empty_memory)

@@ -1,0 +1,216 @@
+"""latte.torch's training in chunks (flash-linear-attention's initial_state / output_final_state)
+for the Latte and linear-attention ops: torch.autograd.gradcheck in float64 with respect to the
+inputs and the initial state's tensors under a loss that uses the final state (dh0 and dht),
+the outputs against the NumPy definitions continued from a state, chunks chained under
+autograd against the whole sequence, torch.compile(fullgraph=True) and the fake impls
+(torch.library.opcheck). Skipped, saying why, where PyTorch is not installed."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed: the torch ops are not tested")
+
+import latte  # noqa: E402
+import latte.torch as lt  # noqa: E402
+from latte_reference import latte as latte_definition  # noqa: E402
+from test_state_gradients import EPS, latte_from_state, linear_from_state  # noqa: E402
+
+
+def tensors(*shapes, dtype=torch.float64, seed=0, grad=True):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, dtype=dtype, generator=generator, requires_grad=grad) for shape in shapes]
+
+
+def latte_state(B, H, L, Dv, seed=1):
+    """(running_max, normaliser, memory): running_max without a gradient (held fixed)."""
+    generator = torch.Generator().manual_seed(seed)
+    running_max = torch.randn(B, H, L, dtype=torch.float64, generator=generator)
+    normaliser = (torch.rand(B, H, L, dtype=torch.float64, generator=generator) + 0.5).requires_grad_()
+    memory = torch.randn(B, H, L, Dv, dtype=torch.float64, generator=generator).requires_grad_()
+    return running_max, normaliser, memory
+
+
+def linear_state(B, H, Dk, Dv, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, H, Dk, Dv, dtype=torch.float64, generator=generator).requires_grad_(),
+            (torch.rand(B, H, Dk, dtype=torch.float64, generator=generator) + 0.5).requires_grad_())
+
+
+def numpy(*xs):
+    return [x.detach().numpy() for x in xs]
+
+
+@pytest.mark.parametrize("vapor", [False, True])
+def test_latte_state_op_matches_the_definition(vapor):
+    B, T, H, L, Dv, position = 2, 7, 2, 3, 4, 6
+    q, k, v = tensors((B, T, H, L), (B, T, H, L), (B, T, H, Dv))
+    angles = torch.from_numpy(latte.LatteAttention(H, L, Dv, vapor=True).angles) if vapor else None
+    state = latte_state(B, H, L, Dv)
+    out, (m, a, M) = lt.latte_attention(q, k, v, angles=angles, initial_state=state, output_final_state=True,
+                                        position=position)
+    expected, A, V = latte_from_state(*numpy(q, k, v, *state), position, None if angles is None else angles.numpy())
+    m_final = m.numpy()  # the final state's reference: at least every logit seen
+    np.testing.assert_allclose(out.detach().numpy(), expected, rtol=0, atol=1e-12 * np.abs(expected).max())
+    assert np.all(m_final >= np.maximum(state[0].numpy(), k.detach().numpy().max(axis=1)))
+    np.testing.assert_allclose(a.detach().numpy(), A * np.exp(-m_final), rtol=1e-12)
+    np.testing.assert_allclose(M.detach().numpy(), V * np.exp(-m_final)[..., None], rtol=0,
+                               atol=1e-12 * np.abs(V).max())
+    assert not m.requires_grad and a.requires_grad and M.requires_grad
+
+
+@pytest.mark.parametrize("feature_map,rope", [("elu_plus_one", False), ("relu", False), ("elu_plus_one", True)])
+def test_linear_state_op_gradcheck_with_the_final_state_in_the_loss(feature_map, rope):
+    B, T, H, Dk, Dv = 2, 6, 2, 4, 3
+    q, k, v = tensors((B, T, H, Dk), (B, T, H, Dk), (B, T, H, Dv), seed=3)
+    S, z = linear_state(B, H, Dk, Dv)
+
+    def f(q, k, v, S, z):
+        out, (S_final, z_final) = lt.linear_attention(q, k, v, feature_map=feature_map, rope=rope,
+                                                      initial_state=(S, z), output_final_state=True, position=5)
+        return out, S_final, z_final
+
+    assert torch.autograd.gradcheck(f, (q, k, v, S, z))
+
+
+def test_linear_state_op_matches_the_definition():
+    B, T, H, Dk, Dv = 2, 6, 2, 4, 3
+    q, k, v = tensors((B, T, H, Dk), (B, T, H, Dk), (B, T, H, Dv), seed=4)
+    S, z = linear_state(B, H, Dk, Dv)
+    out, (S_final, z_final) = lt.linear_attention(q, k, v, initial_state=(S, z), output_final_state=True)
+    # the op's default normaliser is latte's (additive EPS), which linear_from_state transcribes
+    expected, S_expected, z_expected = linear_from_state(*numpy(q, k, v, S, z))
+    np.testing.assert_allclose(out.detach().numpy(), expected, rtol=0, atol=1e-12 * np.abs(expected).max())
+    np.testing.assert_allclose(S_final.detach().numpy(), S_expected, rtol=0, atol=1e-12 * np.abs(S_expected).max())
+    np.testing.assert_allclose(z_final.detach().numpy(), z_expected, rtol=1e-12)
+    assert EPS == 1e-6
+
+
+@pytest.mark.parametrize("vapor", [False, True])
+def test_latte_state_op_gradcheck_with_the_final_state_in_the_loss(vapor):
+    B, T, H, L, Dv = 1, 6, 2, 3, 4
+    q, k, v = tensors((B, T, H, L), (B, T, H, L), (B, T, H, Dv), seed=5)
+    angles = tensors((H, Dv // 2), seed=6)[0] if vapor else None
+    running_max, normaliser, memory = latte_state(B, H, L, Dv)
+
+    def f(q, k, v, normaliser, memory, *angles):
+        out, (m, a, M) = lt.latte_attention(q, k, v, angles=angles[0] if angles else None,
+                                            initial_state=(running_max, normaliser, memory),
+                                            output_final_state=True, position=3)
+        scale = torch.exp(m)  # the final state's meaning: its sums times exp(running_max)
+        return out, a * scale, M * scale[..., None]
+
+    assert torch.autograd.gradcheck(f, (q, k, v, normaliser, memory, *([angles] if vapor else [])))
+
+
+def test_the_initial_running_max_gets_no_gradient():
+    B, T, H, L, Dv = 1, 4, 1, 2, 2
+    q, k, v = tensors((B, T, H, L), (B, T, H, L), (B, T, H, Dv))
+    running_max, normaliser, memory = latte_state(B, H, L, Dv)
+    running_max.requires_grad_()
+    out = lt.latte_attention(q, k, v, initial_state=(running_max, normaliser, memory))
+    out.sum().backward()
+    assert running_max.grad is None and normaliser.grad is not None and memory.grad is not None
+
+
+def chained(op, inputs, cuts, **options):
+    """The op over the sequence in chunks, each continuing from the last's final state."""
+    bounds, state, outs = [0, *cuts, inputs[0].shape[1]], None, []
+    for lo, hi in zip(bounds, bounds[1:]):
+        out, state = op(*(x[:, lo:hi] for x in inputs), initial_state=state, output_final_state=True, position=lo,
+                        **options)
+        outs.append(out)
+    return torch.cat(outs, dim=1), state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mechanism", ["latte", "latte_vapor", "linear", "linear_rope"])
+def test_chunks_under_autograd_equal_the_whole_sequence(mechanism, dtype):
+    B, T, H, D = 2, 29, 2, 4
+    q, k, v = tensors((B, T, H, D), (B, T, H, D), (B, T, H, D), dtype=dtype, seed=7)
+    weight = tensors((B, T, H, D), dtype=dtype, seed=8, grad=False)[0]
+    if mechanism.startswith("latte"):
+        angles = tensors((H, D // 2), dtype=dtype, seed=9)[0] if mechanism == "latte_vapor" else None
+        op, options, parameters = lt.latte_attention, {"angles": angles}, [angles] if angles is not None else []
+    else:
+        op, options, parameters = lt.linear_attention, {"rope": mechanism == "linear_rope"}, []
+    leaves = [q, k, v, *parameters]
+    whole = op(q, k, v, **options)
+    expected = torch.autograd.grad((whole * weight).sum(), leaves)
+    out, final = chained(op, (q, k, v), (10, 11, 23), **options)
+    got = torch.autograd.grad((out * weight).sum(), leaves)
+    tolerance = {"rtol": 0, "atol": 2e-5 if dtype == torch.float32 else 1e-12}
+    torch.testing.assert_close(out, whole, **tolerance)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g / e.abs().max(), e / e.abs().max(), **tolerance)
+    if mechanism.startswith("latte"):  # and against the definition, not latte itself
+        definition = latte_definition(*numpy(q, k, v), True, None if angles is None else angles.detach().numpy())
+        assert np.abs(out.detach().numpy() - definition).max() <= 2 * tolerance["atol"] * np.abs(definition).max()
+        assert len(final) == 3 and not final[0].requires_grad
+
+
+def test_modules_train_in_chunks():
+    B, T, H, L, Dv = 1, 12, 2, 3, 4
+    q, k, v = tensors((B, T, H, L), (B, T, H, L), (B, T, H, Dv), seed=10)
+    module = lt.LatteAttention(H, L, Dv, vapor=True, dtype=torch.float64)
+    whole = module(q, k, v)
+    out, state = chained(module, (q, k, v), (5,))
+    torch.testing.assert_close(out, whole, rtol=0, atol=1e-12)
+    out.square().sum().backward()
+    angles_grad, module.angles.grad = module.angles.grad.clone(), None
+    whole.square().sum().backward()
+    torch.testing.assert_close(angles_grad, module.angles.grad, rtol=1e-10, atol=0)
+    linear = lt.LinearAttention()
+    out, (S, z) = linear(q, k, v, output_final_state=True)
+    assert S.shape == (B, H, L, Dv) and z.shape == (B, H, L)
+    torch.testing.assert_close(out, linear(q, k, v), rtol=0, atol=0)
+
+
+def test_state_ops_compile_without_graph_breaks():
+    B, T, H, D = 1, 12, 2, 4
+    q, k, v = tensors((B, T, H, D), (B, T, H, D), (B, T, H, D), dtype=torch.float32, seed=11)
+    running_max, normaliser, memory = (x.detach().float().requires_grad_(x.requires_grad)
+                                       for x in latte_state(B, H, D, D))
+    S, z = (x.detach().float().requires_grad_() for x in linear_state(B, H, D, D))
+
+    def loss(q, k, v, normaliser, memory, S, z):
+        out, (m, a, M) = lt.latte_attention(q, k, v, initial_state=(running_max, normaliser, memory),
+                                            output_final_state=True, position=4)
+        out2, (S_final, z_final) = lt.linear_attention(q, k, v, initial_state=(S, z), output_final_state=True)
+        return out.square().sum() + a.sum() + M.sum() + out2.sum() + S_final.square().sum() + z_final.sum()
+
+    leaves = (q, k, v, normaliser, memory, S, z)
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(compiled(*leaves), leaves)
+    expected = torch.autograd.grad(loss(*leaves), leaves)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
+
+
+def test_fake_impls_match_the_ops():
+    B, T, H, D, Dv = 2, 5, 2, 4, 3
+    q, k, v = tensors((B, T, H, D), (B, T, H, D), (B, T, H, Dv), seed=12)
+    running_max, normaliser, memory = latte_state(B, H, D, Dv)
+    S, z = linear_state(B, H, D, Dv)
+    angles = tensors((H, Dv // 2), seed=13)[0]
+    for op, args in [(torch.ops.latte.latte_attention_state, (q, k, v, None, running_max, normaliser, memory, 2)),
+                     (torch.ops.latte.latte_attention_state, (q, k, v, angles, None, None, None, 0)),
+                     (torch.ops.latte.linear_attention_state, (q, k, v, S, z, "elu_plus_one", False, 1)),
+                     (torch.ops.latte.linear_attention_state, (q, k, v, None, None, "elu_plus_one", True, 0))]:
+        torch.library.opcheck(op, args)
+
+
+def test_bad_states_raise_latte_error():
+    q, k, v = tensors((1, 4, 2, 3), (1, 4, 2, 3), (1, 4, 2, 4))
+    running_max, normaliser, memory = latte_state(1, 2, 3, 4)
+    with pytest.raises(latte.Error) as error:
+        lt.latte_attention(q, k, v, causal=False, output_final_state=True)
+    assert error.value.argument == "initial_state"
+    with pytest.raises(latte.Error) as error:
+        lt.latte_attention(q, k, v, initial_state=(normaliser, memory))
+    assert error.value.argument == "initial_state"
+    with pytest.raises(latte.Error) as error:
+        lt.latte_attention(q, k, v, initial_state=(running_max, normaliser, memory[..., :3]))
+    assert error.value.argument == "fields.memory"
+    with pytest.raises(latte.Error) as error:
+        lt.linear_attention(q, k, v, initial_state=(normaliser, memory))  # (z, S) for (S, z)
+    assert error.value.argument == "fields.memory"
