@@ -1,4 +1,4 @@
-"""The directional-derivative check every Python backward test uses."""
+"""The central-difference checks the Python backward tests use."""
 
 import numpy as np
 
@@ -12,3 +12,13 @@ def directional_error(f, gradients, directions, step=1e-5):
     got = sum(float(p.sum()) for p in products)
     magnitude = sum(float(np.abs(p).sum()) for p in products)
     return abs(got - expected) / magnitude
+
+
+def elementwise_gradient(f, x, step=1e-5):
+    """The gradient of f at x (float64) by a central difference along every element of x."""
+    gradient = np.zeros(x.shape)
+    for at in np.ndindex(x.shape):
+        unit = np.zeros(x.shape)
+        unit[at] = 1.0
+        gradient[at] = (f(x + step * unit) - f(x - step * unit)) / (2 * step)
+    return gradient

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import latte
-from gradient_check import directional_error
+from gradient_check import directional_error, elementwise_gradient
 from latte_reference import latte as latte_definition, rotate
 
 RNG = np.random.default_rng(41)
@@ -235,10 +235,6 @@ def test_bad_state_arguments_of_backward_are_refused_by_name():
 # --- state gradients against central differences ---------------------------------
 
 
-def central_difference(f, x, direction, step=1e-6):
-    return (f(x + step * direction) - f(x - step * direction)) / (2 * step)
-
-
 @pytest.mark.parametrize("vapor", [False, True])
 @pytest.mark.parametrize("exec_", ["cpu", "reference"])
 def test_latte_state_gradients_match_central_differences(vapor, exec_):
@@ -272,12 +268,8 @@ def test_latte_state_gradients_match_central_differences(vapor, exec_):
 
     a, M = sums_of(fields, "normaliser"), sums_of(fields, "memory")
     for name, x in (("normaliser", a), ("memory", M)):
-        expected = np.zeros(x.shape)
-        for at in np.ndindex(x.shape):
-            unit = np.zeros(x.shape)
-            unit[at] = 1.0
-            expected[at] = central_difference(
-                lambda y: loss((q, k, v), *((y, M) if name == "normaliser" else (a, y))), x, unit)
+        expected = elementwise_gradient(lambda y: loss((q, k, v), *((y, M) if name == "normaliser" else (a, y))), x,
+                                        step=1e-6)
         assert relative_error(got[name], expected) <= 1e-8, name
     # The inputs' gradients carry the d_final term too.
     directions = [RNG.normal(size=x.shape) for x in (q, k, v)]
@@ -309,12 +301,8 @@ def test_linear_state_gradients_match_central_differences(exec_):
 
     S, z = S + S_low, z + z_low
     for name, x in (("memory", S), ("normaliser", z)):
-        expected = np.zeros(x.shape)
-        for at in np.ndindex(x.shape):
-            unit = np.zeros(x.shape)
-            unit[at] = 1.0
-            expected[at] = central_difference(
-                lambda y: loss((q, k, v), *((y, z) if name == "memory" else (S, y))), x, unit)
+        expected = elementwise_gradient(lambda y: loss((q, k, v), *((y, z) if name == "memory" else (S, y))), x,
+                                        step=1e-6)
         assert relative_error(got[name], expected) <= 1e-8, name
     directions = [RNG.normal(size=x.shape) for x in (q, k, v)]
     f = lambda t: loss([x + t * d for x, d in zip((q, k, v), directions)], S, z)  # noqa: E731
