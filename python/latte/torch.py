@@ -30,7 +30,8 @@ from . import _latte
 
 __all__ = ["latte_attention", "linear_attention", "LatteAttention", "LinearAttention",
            "softmax_attention", "cosformer", "leapformer", "latte_macchiato", "lavo",
-           "SoftmaxAttention", "CosFormer", "LeaPModule", "LeaPformer", "LatteMacchiato", "Lavo"]
+           "SoftmaxAttention", "CosFormer", "LeaPModule", "LeaPformer", "LatteMacchiato", "Lavo",
+           "conv_compressed_attention", "ConvCompressedAttention"]
 
 
 def _array(tensor: torch.Tensor) -> torch.Tensor:
@@ -647,6 +648,131 @@ def lavo(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, bas
                     None if scale is None else float(scale), empty_memory)
 
 
+# --- convolutional compression -----------------------------------------------
+#
+# The op takes the weights as ConvCompressedAttention names them: five per-level lists
+# (conv_weight, conv_bias: `levels` tensors each; level_query, level_key, level_value:
+# levels - 1 each), then the three cross projections; its backward op returns the
+# gradients flat (d_queries, d_keys, d_values, then every weight in that order).
+
+_CONV_LISTS = ("conv_weight", "conv_bias", "level_query", "level_key", "level_value")
+_CONV_CROSS = ("cross_query", "cross_key", "cross_value")
+
+
+def _conv_compressed_for(queries, values, lists, cross, group_size, levels, causal, window_left, window_right,
+                         scale):
+    weights = {name: [_float64(w) for w in tensors] for name, tensors in zip(_CONV_LISTS, lists)}
+    weights.update({name: _float64(w) for name, w in zip(_CONV_CROSS, cross)})
+    return _latte.ConvCompressedAttention(queries.shape[2], queries.shape[3], values.shape[3], group_size,
+                                          levels=levels, causal=causal, window_left=window_left,
+                                          window_right=window_right, scale=scale, **weights)
+
+
+@torch.library.custom_op("latte::conv_compressed_attention", mutates_args=(), device_types="cpu")
+def _conv_compressed_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        conv_weight: list[torch.Tensor], conv_bias: list[torch.Tensor],
+                        level_query: list[torch.Tensor], level_key: list[torch.Tensor],
+                        level_value: list[torch.Tensor], cross_query: torch.Tensor, cross_key: torch.Tensor,
+                        cross_value: torch.Tensor, group_size: int, levels: int, causal: bool,
+                        window_left: Optional[int], window_right: Optional[int],
+                        scale: Optional[float]) -> torch.Tensor:
+    attention = _conv_compressed_for(queries, values, (conv_weight, conv_bias, level_query, level_key, level_value),
+                                     (cross_query, cross_key, cross_value), group_size, levels, causal, window_left,
+                                     window_right, scale)
+    return _forward(attention, queries, keys, values)
+
+
+@_conv_compressed_op.register_fake
+def _(queries, keys, values, *args):
+    return values.new_empty(values.shape)
+
+
+@torch.library.custom_op("latte::conv_compressed_attention_backward", mutates_args=(), device_types="cpu")
+def _conv_compressed_backward_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                                 conv_weight: list[torch.Tensor], conv_bias: list[torch.Tensor],
+                                 level_query: list[torch.Tensor], level_key: list[torch.Tensor],
+                                 level_value: list[torch.Tensor], cross_query: torch.Tensor, cross_key: torch.Tensor,
+                                 cross_value: torch.Tensor, d_out: torch.Tensor, group_size: int, levels: int,
+                                 causal: bool, window_left: Optional[int], window_right: Optional[int],
+                                 scale: Optional[float]) -> list[torch.Tensor]:
+    """[d_queries, d_keys, d_values, then one gradient per weight: the lists' entries in order, then the
+    cross projections], each weight's in that weight's dtype."""
+    lists, cross = (conv_weight, conv_bias, level_query, level_key, level_value), (cross_query, cross_key, cross_value)
+    attention = _conv_compressed_for(queries, values, lists, cross, group_size, levels, causal, window_left,
+                                     window_right, scale)
+    *d_inputs, d_params = attention.backward(_array(queries), _array(keys), _array(values), _array(d_out))
+    weights = [w for tensors in lists for w in tensors] + list(cross)
+    d_weights = [g for name in _CONV_LISTS for g in d_params[name]] + [d_params[name] for name in _CONV_CROSS]
+    return [_tensor(g) for g in d_inputs] + [_tensor(g).to(w.dtype) for g, w in zip(d_weights, weights)]
+
+
+@_conv_compressed_backward_op.register_fake
+def _(queries, keys, values, conv_weight, conv_bias, level_query, level_key, level_value, cross_query, cross_key,
+      cross_value, d_out, *options):
+    weights = [*conv_weight, *conv_bias, *level_query, *level_key, *level_value, cross_query, cross_key, cross_value]
+    return [t.new_empty(t.shape) for t in (queries, keys, values, *weights)]
+
+
+def _conv_compressed_setup(ctx, inputs, output):
+    queries, keys, values, *lists = inputs[:8]
+    ctx.lengths = [len(tensors) for tensors in lists]
+    ctx.save_for_backward(queries, keys, values, *(w for tensors in lists for w in tensors), *inputs[8:11])
+    ctx.options = inputs[11:]
+
+
+def _conv_compressed_backward(ctx, d_out):
+    saved = ctx.saved_tensors
+
+    def split(flat):  # [q, k, v, *lists' entries, *cross] -> (q, k, v, list, ..., list, *cross)
+        items, at = list(flat[:3]), 3
+        for length in ctx.lengths:
+            items.append(list(flat[at:at + length]))
+            at += length
+        return items + list(flat[at:])
+
+    gradients = split(_conv_compressed_backward_op(*split(saved), d_out, *ctx.options))
+    return (*gradients, *(None,) * len(ctx.options))
+
+
+_conv_compressed_op.register_autograd(_conv_compressed_backward, setup_context=_conv_compressed_setup)
+
+
+def conv_compressed_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
+                              conv_weight: list[torch.Tensor], conv_bias: list[torch.Tensor],
+                              cross_query: torch.Tensor, cross_key: torch.Tensor, cross_value: torch.Tensor,
+                              level_query: Optional[list[torch.Tensor]] = None,
+                              level_key: Optional[list[torch.Tensor]] = None,
+                              level_value: Optional[list[torch.Tensor]] = None, group_size: int,
+                              levels: Optional[int] = None, causal: bool = True, window_left: Optional[int] = None,
+                              window_right: Optional[int] = None, scale: Optional[float] = None) -> torch.Tensor:
+    """Convolutional compression (``torch.ops.latte.conv_compressed_attention``; paper 003, as
+    ``latte.ConvCompressedAttention``): a sliding-window softmax y0 (``window_left`` /
+    ``window_right`` tokens each side, defaults M - 1 and 0 causal / M - 1 bidirectional) plus a
+    global softmax over the tokens of ``levels`` L convolutional compressions of group_size M;
+    ``[B, T, H, Dk]`` queries and keys, ``[B, T, H, Dv]`` values -> ``[B, T, H, Dv]``. The weights,
+    every one differentiable: ``conv_weight`` (L tensors ``[H, M, Dv, Dv]``, [i, out, in]),
+    ``conv_bias`` (L ``[H, Dv]``), ``level_query`` / ``level_key`` (L - 1 ``[H, Dk, Dv]``, None: no
+    tensors) and ``level_value`` (L - 1 ``[H, Dv, Dv]``), ``cross_query`` / ``cross_key``
+    ``[H, Dk, Dv]`` and ``cross_value`` ``[H, Dv, Dv]``. ``levels`` defaults to len(conv_weight);
+    ``scale`` to ``1 / sqrt(Dk)``. Gradients come back in each weight's dtype."""
+    lists = {"conv_weight": conv_weight, "conv_bias": conv_bias,
+             **{name: [] if given is None else given for name, given in
+                (("level_query", level_query), ("level_key", level_key), ("level_value", level_value))}}
+    for name, tensors in lists.items():
+        if not isinstance(tensors, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in tensors):
+            raise _error(name, f"expected a list of tensors (one per level), given {type(tensors).__name__}")
+    cross = {"cross_query": cross_query, "cross_key": cross_key, "cross_value": cross_value}
+    for name, tensor in cross.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise _error(name, f"expected a tensor, given {type(tensor).__name__}")
+    for name, tensor in (("queries", queries), ("values", values)):
+        if tensor.dim() != 4:
+            raise _error(name, f"expected a [B, T, H, D] tensor, given {tensor.dim()} dimensions")
+    return _conv_compressed_op(queries, keys, values, *map(list, lists.values()), *cross.values(), group_size,
+                               len(conv_weight) if levels is None else levels, causal, window_left, window_right,
+                               None if scale is None else float(scale))
+
+
 # --- modules -----------------------------------------------------------------
 
 
@@ -797,3 +923,47 @@ class Lavo(torch.nn.Module):
         return lavo(queries, keys, values, bases=self.bases, window=self.window, relative_bias=self.relative_bias,
                     basis=self.basis, basis_seed=self.basis_seed, causal=self.causal, scale=self.scale,
                     empty_memory=self.empty_memory)
+
+
+class ConvCompressedAttention(torch.nn.Module):
+    """Convolutional compression as a module: ``forward(queries, keys, values)`` -> ``[B, T, H, Dv]``,
+    every weight a parameter (the lists ``conv_weight``, ``conv_bias``, ``level_query``,
+    ``level_key``, ``level_value`` ParameterLists; ``cross_query``, ``cross_key``, ``cross_value``).
+    latte starts them at zero (the global part then reads zero); here they start random, seeded by
+    torch's RNG, as ``torch.nn.Linear`` initialises its weight and bias: uniform within
+    +-1/sqrt(fan_in), fan_in = M Dv for a convolution and its bias (M tokens of Dv values each),
+    Dv for a projection. ``weights`` is the dict of keyword arguments the op takes."""
+
+    def __init__(self, heads: int, key_dim: int, value_dim: int, group_size: int, *, levels: int = 1,
+                 causal: bool = True, window_left: Optional[int] = None, window_right: Optional[int] = None,
+                 scale: Optional[float] = None, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        # latte checks the dimensions (a bad one raises latte.Error naming it) and resolves the window.
+        checked = _latte.ConvCompressedAttention(heads, key_dim, value_dim, group_size, levels=levels, causal=causal,
+                                                 window_left=window_left, window_right=window_right, scale=scale)
+        self.group_size, self.levels, self.causal, self.scale = group_size, levels, causal, scale
+        self.window_left, self.window_right = checked.window
+
+        def uniform(fan_in, *shape):
+            bound = fan_in ** -0.5
+            return torch.nn.Parameter(torch.empty(shape, dtype=dtype).uniform_(-bound, bound))
+
+        H, Dk, Dv, M = heads, key_dim, value_dim, group_size
+        self.conv_weight = torch.nn.ParameterList([uniform(M * Dv, H, M, Dv, Dv) for _ in range(levels)])
+        self.conv_bias = torch.nn.ParameterList([uniform(M * Dv, H, Dv) for _ in range(levels)])
+        self.level_query = torch.nn.ParameterList([uniform(Dv, H, Dk, Dv) for _ in range(levels - 1)])
+        self.level_key = torch.nn.ParameterList([uniform(Dv, H, Dk, Dv) for _ in range(levels - 1)])
+        self.level_value = torch.nn.ParameterList([uniform(Dv, H, Dv, Dv) for _ in range(levels - 1)])
+        self.cross_query, self.cross_key, self.cross_value = \
+            uniform(Dv, H, Dk, Dv), uniform(Dv, H, Dk, Dv), uniform(Dv, H, Dv, Dv)
+
+    @property
+    def weights(self) -> dict:
+        """The weights as ``conv_compressed_attention`` takes them (lists of the ParameterLists' entries)."""
+        return {**{name: list(getattr(self, name)) for name in _CONV_LISTS},
+                **{name: getattr(self, name) for name in _CONV_CROSS}}
+
+    def forward(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return conv_compressed_attention(queries, keys, values, **self.weights, group_size=self.group_size,
+                                         levels=self.levels, causal=self.causal, window_left=self.window_left,
+                                         window_right=self.window_right, scale=self.scale)
