@@ -12,8 +12,11 @@
 #include <cstdint>
 #include <cstdlib>
 #include <new>
+#include <optional>
 #include <span>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__linux__)
@@ -157,6 +160,22 @@ template <Real T, std::size_t N>
   std::array<index_t, N> extents{};
   for (std::size_t d = 0; d < N; ++d) extents[d] = static_cast<index_t>(array.shape(d));
   return TensorView<T, N>(array.data(), extents);
+}
+
+/// The Dtype of float / double.
+template <Real T>
+inline constexpr Dtype dtype_v = std::is_same_v<T, float> ? Dtype::float32 : Dtype::float64;
+
+/// A call's output: `out` as given (checked writable, of T and `layout`), or a
+/// new array of `extents`; the object to hand back and a view to write.
+template <Real T, std::size_t R>
+[[nodiscard]] std::pair<nb::object, TensorView<T, R>> output_array(std::optional<nb::handle> out,
+                                                                   const std::array<index_t, R>& extents,
+                                                                   const char* layout) {
+  if (out) return {nb::borrow(*out), writable_view_of<T, R>(*out, "out", layout, dtype_v<T>)};
+  auto array = new_array<T, R>(extents);
+  const auto view = view_of_new<T, R>(array);
+  return {nb::cast(std::move(array)), view};
 }
 
 }  // namespace latte::python

@@ -141,8 +141,6 @@ nb::object to_numpy(const Tensor<double, N>& tensor) {
 /// Lavo's cross-attention (paper 002 §3.4), on either direction: queries
 /// [B, Tq, H, d] read the orthogonal memory of `source` [B, Ts, H, d].
 struct LavoCross {
-  template <Real T>
-  static constexpr Dtype dtype_v = std::is_same_v<T, float> ? Dtype::float32 : Dtype::float64;
 
   static nb::object forward(const PyLavo& a, const AnyArray& q, const AnyArray& source,
                             std::optional<nb::handle> out, const std::string& exec) {
@@ -162,23 +160,16 @@ struct LavoCross {
     const auto q = view_of<T, 4>(q_array, "queries", "[B, Tq, H, d]", dtype_v<T>);
     const auto source = view_of<T, 4>(source_array, "source", "[B, Ts, H, d]", dtype_v<T>);
     const Backend backend = parse_exec(exec);
-    nb::object result;
-    TensorView<T, 4> out;
-    if (out_object) {
-      result = nb::borrow(*out_object);
-      out = writable_view_of<T, 4>(*out_object, "out", "[B, Tq, H, d]", dtype_v<T>);
-    } else {
-      auto array = new_array<T, 4>({q.extent(0), q.extent(1), q.extent(2), a.config().dim});
-      out = view_of_new<T, 4>(array);
-      result = nb::cast(std::move(array));
-    }
+    auto output =
+        output_array<T, 4>(out_object, {q.extent(0), q.extent(1), q.extent(2), a.config().dim}, "[B, Tq, H, d]");
+    const TensorView<T, 4> out = output.second;
     std::visit(
         [&](const auto& lavo) {
           nb::gil_scoped_release released;
           with_backend(backend, [&](auto e) { lavo.cross_forward(e, q, source, out); });
         },
         a.attention());
-    return result;
+    return output.first;
   }
 
   template <Real T>

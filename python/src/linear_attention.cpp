@@ -298,18 +298,6 @@ template <class Traits>
 struct LinearCalls {
   using M = PyMechanism<Traits>;
   using S = PyState<Traits>;
-  template <Real T>
-  static constexpr Dtype dtype_v = std::is_same_v<T, float> ? Dtype::float32 : Dtype::float64;
-
-  /// `out` as given, or a new array of `extents`.
-  template <Real T, std::size_t R>
-  static std::pair<nb::object, TensorView<T, R>> output(std::optional<nb::handle> out,
-                                                        const std::array<index_t, R>& extents, const char* layout) {
-    if (out) return {nb::borrow(*out), writable_view_of<T, R>(*out, "out", layout, dtype_v<T>)};
-    auto array = new_array<T, R>(extents);
-    const auto view = view_of_new<T, R>(array);
-    return {nb::cast(std::move(array)), view};
-  }
 
   static void require_bidirectional(const M& m, bool cross) {
     if (cross && Traits::causal(m.config()))
@@ -336,7 +324,7 @@ struct LinearCalls {
     const auto proportions = sequence_proportions<T>(given, cross);
     const Backend backend = parse_exec(exec);
     typename Traits::template State<T>* native_state = state ? &state->template as<T>("state", dtype_v<T>) : nullptr;
-    auto [result, out] = output<T, 4>(out_object, {v.extent(0), q.extent(1), v.extent(2), Traits::value_dim(m.config())},
+    auto [result, out] = output_array<T, 4>(out_object, {v.extent(0), q.extent(1), v.extent(2), Traits::value_dim(m.config())},
                                       "[B, T, H, Dv]");
     std::visit(
         [&](const auto& attention) {
@@ -380,7 +368,7 @@ struct LinearCalls {
                                          view_of<T, 2>(*given.keys, "key_proportions", "[B, H]", dtype_v<T>)};
     const Backend backend = parse_exec(exec);
     auto& native_state = state.template as<T>("state", dtype_v<T>);
-    auto [result, out] = output<T, 3>(out_object, {native_state.batch(), v.extent(1), Traits::value_dim(m.config())},
+    auto [result, out] = output_array<T, 3>(out_object, {native_state.batch(), v.extent(1), Traits::value_dim(m.config())},
                                       "[B, H, Dv]");
     std::visit(
         [&](const auto& attention) {

@@ -312,8 +312,6 @@ class PyMechanism {
   }
 
  private:
-  template <Real T>
-  static constexpr Dtype dtype_v = std::is_same_v<T, float> ? Dtype::float32 : Dtype::float64;
 
   template <Real T, std::size_t R>
   static std::array<TensorView<const T, R>, N> views(const std::array<AnyArray, N>& inputs) {
@@ -323,17 +321,6 @@ class PyMechanism {
                              R == 4 ? Traits::inputs[i].sequence_layout : Traits::inputs[i].step_layout,
                              dtype_v<T>);
     return out;
-  }
-
-  /// `out` as given, or a new array of `extents`.
-  template <Real T, std::size_t R>
-  static std::pair<nb::object, TensorView<T, R>> output(std::optional<nb::handle> out,
-                                                        const std::array<index_t, R>& extents,
-                                                        const char* layout) {
-    if (out) return {nb::borrow(*out), writable_view_of<T, R>(*out, "out", layout, dtype_v<T>)};
-    auto array = new_array<T, R>(extents);
-    const auto view = view_of_new<T, R>(array);
-    return {nb::cast(std::move(array)), view};
   }
 
   template <Real T>
@@ -347,7 +334,7 @@ class PyMechanism {
       native_state = &state->template as<T>("state", dtype_v<T>);
     }
     const auto& last = in[N - 1];  // the values: [B, T, H, Dv]
-    auto [result, out] = output<T, 4>(
+    auto [result, out] = output_array<T, 4>(
         out_object, {last.extent(0), last.extent(1), last.extent(2), Traits::value_dim(*config_)}, "[B, T, H, Dv]");
     std::visit(
         [&](const auto& attention) {
@@ -377,7 +364,7 @@ class PyMechanism {
     const auto in = views<T, 3>(inputs);
     const Backend backend = parse_exec(exec);
     auto& native_state = std::get<typename Traits::template State<T>>(state.state);
-    auto [result, out] = output<T, 3>(
+    auto [result, out] = output_array<T, 3>(
         out_object, {native_state.batch(), in[N - 1].extent(1), Traits::value_dim(*config_)}, "[B, H, Dv]");
     std::visit(
         [&](const auto& attention) {
