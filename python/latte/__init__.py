@@ -16,9 +16,9 @@ raises latte.Error, a ValueError whose ``argument`` names the argument at fault.
 from ._latte import (ConvCompressedAttention, ConvCompressedState, CosFormer, CosFormerState, Error,
                      KVCache, LatteAttention, LatteMacchiato, LatteState, Lavo, LavoState, LeaPformer,
                      LeaPformerState, LinearAttention, LinearState, MacchiatoState, SoftmaxAttention,
-                     __version__, build_info)
+                     __version__, array_cache_info, build_info, empty_array_cache, set_array_cache_limit)
 
 __all__ = ["ConvCompressedAttention", "ConvCompressedState", "CosFormer", "CosFormerState", "Error",
            "KVCache", "LatteAttention", "LatteMacchiato", "LatteState", "Lavo", "LavoState", "LeaPformer",
            "LeaPformerState", "LinearAttention", "LinearState", "MacchiatoState", "SoftmaxAttention",
-           "__version__", "build_info"]
+           "__version__", "array_cache_info", "build_info", "empty_array_cache", "set_array_cache_limit"]

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <new>
 #include <optional>
 #include <span>
@@ -19,10 +20,7 @@
 #include <utility>
 #include <vector>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
+#include "array_memory.hpp"
 #include "latte/core/error.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
@@ -83,6 +81,15 @@ template <Real T, std::size_t N>
   // A size-1 axis may come with any stride (NumPy and PyTorch choose freely):
   // latte wants the last one to be 1.
   if (N > 0 && extents[N - 1] == 1) strides[N - 1] = 1;
+  // An empty array addresses no element, and NumPy gives it strides of 0:
+  // any strides will do, C order's are what latte expects.
+  if (std::find(extents.begin(), extents.end(), index_t{0}) != extents.end()) {
+    index_t stride = 1;
+    for (std::size_t d = N; d-- > 0;) {
+      strides[d] = stride;
+      stride *= std::max<index_t>(extents[d], 1);
+    }
+  }
   return TensorView<const T, N>(static_cast<const T*>(array.data()), extents, strides);
 }
 
@@ -102,31 +109,20 @@ template <Real T, std::size_t N>
   return TensorView<T, N>(const_cast<T*>(view.data()), view.extents(), view.strides());
 }
 
-/// Memory for a new array of `bytes`: 64-byte aligned; from 4 MiB on, aligned to
-/// and asked for in 2 MiB huge pages (Linux's transparent huge pages are often
-/// "madvise" only). A fresh output is faulted in on its first write, page by
-/// page: with 4 KiB pages that cost a 64K-token Latte forward (134 MB of output)
-/// 1.9x the kernel's own time; latte-compare, which reuses its output, never
-/// paid it. Freed with std::free.
-[[nodiscard]] inline void* allocate_array_bytes(std::size_t bytes) {
-  constexpr std::size_t huge_page = std::size_t{2} << 20;
-  const bool huge = bytes >= 2 * huge_page;
-  const std::size_t alignment = huge ? huge_page : 64;
-  void* data = std::aligned_alloc(alignment, (std::max<std::size_t>(bytes, 1) + alignment - 1) / alignment * alignment);
-  if (data == nullptr) throw std::bad_alloc();
-#if defined(__linux__)
-  if (huge) madvise(data, bytes, MADV_HUGEPAGE);  // advice: ignored where huge pages are off
-#endif
-  return data;
-}
-
-/// A NumPy array of `shape` (any rank), uninitialised, owning its memory (freed with the array).
+/// A NumPy array of `shape` (any rank), uninitialised, owning its memory
+/// (array_memory.hpp's: given back to its cache when the array is freed).
 template <Real T>
 [[nodiscard]] NumpyArray<T> new_array(std::span<const std::size_t> shape) {
   std::size_t count = 1;
   for (const std::size_t extent : shape) count *= extent;
-  T* data = static_cast<T*>(allocate_array_bytes(count * sizeof(T)));
-  nb::capsule owner(data, [](void* p) noexcept { std::free(p); });
+  auto block = std::make_unique<ArrayBlock>();
+  *block = ArrayMemory::instance().allocate(count * sizeof(T));
+  T* data = static_cast<T*>(block->data);
+  nb::capsule owner(block.get(), [](void* p) noexcept {
+    const std::unique_ptr<ArrayBlock> freed(static_cast<ArrayBlock*>(p));
+    ArrayMemory::instance().release(*freed);
+  });
+  block.release();  // the capsule owns it now
   return NumpyArray<T>(data, shape.size(), shape.data(), owner);
 }
 

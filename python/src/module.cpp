@@ -5,8 +5,10 @@
 
 #include <Python.h>
 
+#include <cstddef>
 #include <cstdint>
 
+#include "array_memory.hpp"
 #include "bindings.hpp"
 #include "latte/build_info.hpp"
 #include "latte/core/error.hpp"
@@ -49,6 +51,24 @@ NB_MODULE(_latte, m) {
   m.def("_data_address", [](const latte::python::AnyArray& array) {
     return reinterpret_cast<std::uintptr_t>(array.data());
   });
+  // The cache of freed output memory (array_memory.hpp).
+  m.def("set_array_cache_limit",
+        [](std::size_t bytes) { latte::python::ArrayMemory::instance().set_limit(bytes); }, nb::arg("bytes"),
+        "Holds at most `bytes` of freed output arrays' memory for reuse from now on (0: none; default 1 GiB).\n"
+        "latte's outputs of 4 MiB and more come from this cache when a freed block of a similar size is\n"
+        "there: the kernel then writes memory already faulted in, as a C++ caller reusing its output does.");
+  m.def("empty_array_cache", [] { latte::python::ArrayMemory::instance().empty(); },
+        "Frees the memory the array cache holds (its limit stays).");
+  m.def(
+      "array_cache_info",
+      [] {
+        const auto& memory = latte::python::ArrayMemory::instance();
+        nb::dict info;
+        info["cached_bytes"] = memory.cached_bytes();
+        info["limit"] = memory.limit();
+        return info;
+      },
+      "{'cached_bytes': bytes held now, 'limit': the most it holds}.");
   latte::python::bind_latte_attention(m);
   latte::python::bind_softmax_attention(m);
   latte::python::bind_linear_attention(m);
