@@ -3,8 +3,9 @@ beside latte-compare's C++ call.
 
 What a PyTorch user of latte pays, at latte-compare's core shape (B1 H8 L64 D64, fp32):
 `lt.latte_attention` (causal Latte) and `lt.linear_attention` (causal, elu + 1), forward,
-and forward + backward under autograd (q, k, v require grad, loss = (out * d_out).sum(),
-torch.autograd.grad: latte's C++ backward through register_autograd); and the plain
+and forward + backward under autograd (q, k, v require grad, then
+torch.autograd.grad(out, (q, k, v), d_out): latte's C++ backward through
+register_autograd); and the plain
 NumPy `latte.LatteAttention.forward` / `latte.LinearAttention.forward` (a new output
 array each call, as a user calls it). The Python call's overhead (issue 25: <= 5 % over
 the C++ call at T >= 4K) is their time over latte-compare's rows for the same mechanisms
@@ -30,8 +31,15 @@ with -DLATTE_BUILD_PYTHON=ON for the same Python) also works.
 """
 import csv
 import io
+import os
 import subprocess
 import sys
+
+# PyTorch's own switch (read when torch loads): tensors of 2 MiB and more in transparent huge
+# pages, as latte-compare's inputs and latte's outputs are. Without it, torch's q, k, v sit in
+# 4 KiB pages and, at T = 64K, the same kernel reading them takes 9-12 % longer (TLB misses) on
+# this machine: the pages', not the call's. THP_MEM_ALLOC_ENABLE=0 measures that case.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import latte
 import latte.torch as lt
@@ -51,9 +59,11 @@ def flops(mechanism, T):
 
 
 def forward_backward(op, q, k, v, d_out):
-    """op's forward, then the gradients of (out * d_out).sum() with respect to q, k, v."""
+    """op's forward, then the gradients with respect to q, k, v of a loss whose gradient with
+    respect to the output is d_out (that of (out * d_out).sum(), without the loss's own
+    T-sized torch ops, which latte-compare's rows do not have either)."""
     leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
-    return torch.autograd.grad((op(*leaves) * d_out).sum(), leaves)
+    return torch.autograd.grad(op(*leaves), leaves, grad_outputs=d_out)
 
 
 def cases(T, generator):
