@@ -4,6 +4,7 @@
 // defines one bind_* function, which module.cpp declares and calls.
 #include <nanobind/nanobind.h>
 
+#include <algorithm>
 #include <array>
 #include <optional>
 #include <string>
@@ -53,6 +54,17 @@ void with_backend(Backend backend, F&& f) {
   for (index_t h = 0; h < expected[0]; ++h)
     for (index_t i = 0; i < expected[1]; ++i) flat.push_back(view(h, i));
   return flat;
+}
+
+/// The gradient arrays of VAPOR's angles ([H, Dv/2], zeroed: the backward adds
+/// into them) when the config's mechanism rotates by VAPOR; none otherwise.
+template <Real T, class Config>
+[[nodiscard]] std::vector<NumpyArray<T>> vapor_angle_gradients(const Config& c) {
+  std::vector<NumpyArray<T>> out;
+  if (!c.vapor) return out;
+  out.push_back(new_array<T, 2>({c.heads, c.value_dim / 2}));
+  std::fill_n(out.back().data(), out.back().size(), T(0));
+  return out;
 }
 
 }  // namespace latte::python

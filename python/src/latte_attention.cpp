@@ -58,11 +58,7 @@ struct LatteTraits {
   /// VAPOR's angles [H, Dv/2] when VAPOR rotates; none otherwise.
   template <Real T>
   static std::vector<NumpyArray<T>> parameter_gradients(const Config& c) {
-    std::vector<NumpyArray<T>> out;
-    if (!c.vapor) return out;
-    out.push_back(new_array<T, 2>({c.heads, c.value_dim / 2}));
-    std::fill_n(out.back().data(), out.back().size(), T(0));
-    return out;
+    return vapor_angle_gradients<T>(c);
   }
   template <Real T, class A>
   static LatteGradients<T> gradients(const std::array<TensorView<T, 4>, 3>& d, std::vector<NumpyArray<T>>& p) {
