@@ -18,7 +18,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <exception>
 #include <numeric>
 #include <span>
 #include <string>
@@ -241,18 +240,10 @@ void forward_packed(const Attention& attention, E e, std::span<const index_t> cu
         sequences.schedule(workers, [&](index_t length) { return detail::prefill_cost(attention, length); });
     for (index_t i : plan[0]) run(i, sequences.begin(i), sequences.length(i));
     if (workers > 1) {
-      std::exception_ptr failure;  // (memory exhaustion: every argument was checked above)
+      // (memory exhaustion only: every argument was checked above; parallel_for rethrows)
       cpu::parallel_for(workers, workers, [&](index_t w, int) {
-        try {
-          for (index_t i : plan[static_cast<std::size_t>(w) + 1]) run(i, sequences.begin(i), sequences.length(i));
-        } catch (...) {
-#if LATTE_WITH_OPENMP
-#pragma omp critical(latte_packed_prefill_failure)
-#endif
-          if (!failure) failure = std::current_exception();
-        }
+        for (index_t i : plan[static_cast<std::size_t>(w) + 1]) run(i, sequences.begin(i), sequences.length(i));
       });
-      if (failure) std::rethrow_exception(failure);
     }
   } else {
     for (index_t i = 0; i < N; ++i) run(i, sequences.begin(i), sequences.length(i));
