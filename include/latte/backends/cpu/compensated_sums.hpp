@@ -85,10 +85,52 @@ void scale_pairs(T* high, T* low, T c, index_t n) noexcept {
   for (index_t i = 0; i < n; ++i) latte::detail::compensated_scale(high[i], low[i], c);
 }
 
+namespace detail {
+
+/// (high, low) <- (high, low) + y over lanes, renormalised: the steps of
+/// latte::detail::compensated_add, lane by lane (the same bits).
+template <Real T>
+inline void compensated_add(simd::batch<T>& high, simd::batch<T>& low, const simd::batch<T>& y) noexcept {
+  const simd::batch<T> zero(T(0));
+  simd::batch<T> s, e;
+  two_sum(high, y, s, e);
+  low = simd::select_finite(s, low + e, zero);
+  two_sum(s, low, high, e);
+  low = simd::select_finite(high, e, zero);
+}
+
+}  // namespace detail
+
 /// (high, low) <- (high, low) + terms, renormalised, for n elements.
 template <Real T>
 void add_to_pairs(T* high, T* low, const T* terms, index_t n) noexcept {
-  for (index_t i = 0; i < n; ++i) latte::detail::compensated_add(high[i], low[i], terms[i]);
+  using B = simd::batch<T>;
+  constexpr index_t W = simd::width<T>;
+  index_t i = 0;
+  for (; i + W <= n; i += W) {
+    B h = simd::load(high + i), l = simd::load(low + i);
+    detail::compensated_add(h, l, simd::load(terms + i));
+    simd::store(high + i, h);
+    simd::store(low + i, l);
+  }
+  for (; i < n; ++i) latte::detail::compensated_add(high[i], low[i], terms[i]);
+}
+
+/// (high, low) <- (high, low) + c x, renormalised, for n elements; each term
+/// c x_i rounded once (never contracted into the sum).
+template <Real T>
+void add_scaled_to_pairs(T* high, T* low, T c, const T* x, index_t n) noexcept {
+  using B = simd::batch<T>;
+  constexpr index_t W = simd::width<T>;
+  const B scale(c), zero(T(0));
+  index_t i = 0;
+  for (; i + W <= n; i += W) {
+    B h = simd::load(high + i), l = simd::load(low + i);
+    detail::compensated_add(h, l, simd::fma(scale, simd::load(x + i), zero));
+    simd::store(high + i, h);
+    simd::store(low + i, l);
+  }
+  for (; i < n; ++i) latte::detail::compensated_add(high[i], low[i], latte::detail::rounded_product(c, x[i]));
 }
 
 namespace detail {

@@ -97,6 +97,43 @@ inline void reduce_each(const simd::batch<T>* lanes, int count, T* out) noexcept
   for (; i < count; ++i) out[i] = simd::reduce_add(lanes[i]);
 }
 
+/// One token's step of the compensated adjoint normaliser over its L latents
+/// (reference::latte_causal_backward's Abar recurrence), `width` latents at a
+/// time with the scalar steps lane by lane: the pair (hi, lo) of Abar_l gains
+/// -rdp_l; dk_l = w_l (dot_l + Abar_l), 0 where w_l = 0; then the pair is
+/// rescaled by c_l where c_l != 1 (latte::detail::compensated_scale).
+template <Real T>
+inline void compensated_normaliser_bar_step(T* hi, T* lo, const T* rdp, const T* c, const T* w, const T* dot,
+                                            T* dk, index_t L) noexcept {
+  index_t l = 0;
+#if LATTE_WITH_XSIMD
+  using B = simd::batch<T>;
+  constexpr index_t W = simd::width<T>;
+  const B zero(T(0)), one(T(1));
+  for (; l + W <= L; l += W) {
+    B high = simd::load(hi + l), low = simd::load(lo + l);
+    cpu::detail::compensated_add(high, low, -simd::load(rdp + l));
+    const B wl = simd::load(w + l);
+    simd::store(dk + l, xsimd::select(wl == zero, zero, wl * (simd::load(dot + l) + high)));
+    const B cl = simd::load(c + l);
+    const B product = simd::fma(high, cl, zero);  // hi c rounded once, and its error
+    const B error = simd::fma(high, cl, -product);
+    B scaled_high, scaled_low;
+    cpu::detail::two_sum(product, simd::select_finite(product, simd::fma(low, cl, error), zero), scaled_high,
+                         scaled_low);
+    scaled_low = simd::select_finite(scaled_high, scaled_low, zero);
+    const auto rescale = cl != one;
+    simd::store(hi + l, xsimd::select(rescale, scaled_high, high));
+    simd::store(lo + l, xsimd::select(rescale, scaled_low, low));
+  }
+#endif
+  for (; l < L; ++l) {
+    latte::detail::compensated_add(hi[l], lo[l], -rdp[l]);
+    dk[l] = w[l] == T(0) ? T(0) : w[l] * (dot[l] + hi[l]);  // hi: fl(hi + lo), the pair is renormalised
+    if (c[l] != T(1)) latte::detail::compensated_scale(hi[l], lo[l], c[l]);
+  }
+}
+
 /// Pass 1's memory pass for R tokens and G latent rows: for r = 0 .. R-1,
 /// M^ = c_r M^ + w_r v~_r, then dot[r][j] = <g~_r, M^> (the memory after token r).
 /// Each row is loaded and stored once for the R tokens. c, w: [R][L] (row
@@ -385,14 +422,10 @@ void latte_causal_backward_head(TensorView<const T, 4> q, TensorView<const T, 4>
       const T* rdp = read_dp + t * L;
       const T* dot = dots + r * L;
       T* dkt = dk.row(0, t, 0);
-      for (index_t l = 0; l < L; ++l) {
-        if constexpr (Sum::compensated) {
-          latte::detail::compensated_add(normaliser_bar[l], normaliser_bar_low[l], -rdp[l]);
-          const T abar = normaliser_bar[l];  // fl(hi + lo): the pair is renormalised
-          dkt[l] = wr[l] == T(0) ? T(0) : wr[l] * (dot[l] + abar);
-          if (cr[l] != T(1))
-            latte::detail::compensated_scale(normaliser_bar[l], normaliser_bar_low[l], cr[l]);
-        } else {
+      if constexpr (Sum::compensated) {
+        compensated_normaliser_bar_step(normaliser_bar, normaliser_bar_low, rdp, cr, wr, dot, dkt, L);
+      } else {
+        for (index_t l = 0; l < L; ++l) {
           const T abar = normaliser_bar[l] - rdp[l];
           dkt[l] = wr[l] == T(0) ? T(0) : wr[l] * (dot[l] + abar);
           normaliser_bar[l] = abar * cr[l];

@@ -305,7 +305,7 @@ void linear_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
       for (index_t r = 0; r < n; ++r) {  // z_t (after key t), D_t, 1 / n_t; z_t kept for dE'_Q
         T denominator;
         if constexpr (Sum::compensated) {
-          for (index_t e = 0; e < E; ++e) latte::detail::compensated_add(z[e], z_low[e], kd[r * E + e]);
+          add_to_pairs(z, z_low, kd + r * E, E);
           denominator = dot(z, qd + r * E, E);
         } else {
           denominator = absorb_read_normaliser(z, kd + r * E, qd + r * E, E);
@@ -379,9 +379,7 @@ void linear_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
       const reference::ReadGradient<T>* reads = ws.reads.data() + c0;
       for (index_t r = n; r-- > 0;) {  // u_t = u_{t+1} + dD_t e'(q_t)
         if constexpr (Sum::compensated)
-          for (index_t e = 0; e < E; ++e)
-            latte::detail::compensated_add(
-                u[e], u_low[e], latte::detail::rounded_product(reads[r].d_denominator, qd[r * E + e]));
+          add_scaled_to_pairs(u, u_low, reads[r].d_denominator, qd + r * E, E);
         else
           for (index_t e = 0; e < E; ++e) u[e] += reads[r].d_denominator * qd[r * E + e];
         std::copy_n(u, E, d_kd.row(r).data());
