@@ -70,6 +70,8 @@
 #include <type_traits>
 #include <vector>
 
+#include <unistd.h>
+
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
@@ -186,6 +188,20 @@ latte::Tensor<float, N> random_tensor(std::mt19937& rng, const std::array<index_
   std::normal_distribution<float> normal(0.f, 1.f);
   for (index_t i = 0; i < x.size(); ++i) x.data()[i] = normal(rng);
   return x;
+}
+
+/// Whether `bytes` more of tensors fit beside the heap latte-compare holds,
+/// within 3/4 of this machine's memory (workspaces and the system need the
+/// rest); a block of rows that does not fit is skipped, saying so on stderr
+/// (at 1M tokens a Macchiato backward's nine extra [1, 1M, 8, 64] tensors
+/// would not fit in 24 GiB beside the inputs: the OOM killer ended the run).
+bool memory_allows(const char* rows, index_t T, double bytes) {
+  const double physical = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
+  const double held = double(heap_now.load());
+  if (physical <= 0 || held + bytes <= 0.75 * physical) return true;
+  std::fprintf(stderr, "  %s rows T=%td skipped (%.1f GB of tensors beside %.1f GB held; memory %.1f GB)\n", rows,
+               T, bytes / 1e9, held / 1e9, physical / 1e9);
+  return false;
 }
 
 /// Skips a run whose time grows like T^2 once its previous length predicts more
@@ -327,7 +343,8 @@ int main(int argc, char** argv) {
           [&] { latte_bidirectional.forward(latte::exec::cpu, q, k, v, out.view()); });
       // Backward (docs/backward.md): counted as 2x the forward's FLOPs, no credit
       // for its recompute; forward + backward as 3x.
-      {
+      const double tensor_bytes = double(B) * T * H * std::max(L + 1, D) * sizeof(float);  // one [B, T, H, *]
+      if (memory_allows("latte_backward", T, 4 * tensor_bytes)) {
         auto d_out = random_tensor<4>(rng, {B, T, H, D});
         latte::Tensor<float, 4> dq({B, T, H, L}), dk({B, T, H, L}), dv({B, T, H, D});
         const latte::LatteGradients<float> gradients{dq.view(), dk.view(), dv.view()};
@@ -354,7 +371,8 @@ int main(int argc, char** argv) {
         timed(name, "causal", E, double(B) * T * H * (4.0 * E * D + 3.0 * E), f, 1, 1000);
       };
       linear_run("linear_elu", L, [&] { linear_causal.forward(latte::exec::cpu, q, k, v, out.view()); });
-      {  // backward: 2x the forward's FLOPs, forward + backward 3x (as Latte's rows)
+      if (memory_allows("linear_elu_backward", T, 4 * tensor_bytes)) {
+        // backward: 2x the forward's FLOPs, forward + backward 3x (as Latte's rows)
         const double linear_flops = double(B) * T * H * (4.0 * L * D + 3.0 * L);
         auto d_out = random_tensor<4>(rng, {B, T, H, D});
         latte::Tensor<float, 4> dq({B, T, H, L}), dk({B, T, H, L}), dv({B, T, H, D});
@@ -371,7 +389,7 @@ int main(int argc, char** argv) {
                  [&] { cosformer_causal.forward(latte::exec::cpu, q, k, v, out.view()); });
       // Macchiato: q carries L + 1 columns (column 0 scores the window state), the
       // window part its own RoPE-rotated queries / keys wq, wk.
-      {
+      if (memory_allows("macchiato", T, 3 * tensor_bytes)) {
         auto q_states = random_tensor<4>(rng, {B, T, H, L + 1});
         auto wq = random_tensor<4>(rng, {B, T, H, D}), wk = random_tensor<4>(rng, {B, T, H, D});
         const double macchiato_flops =
@@ -380,18 +398,20 @@ int main(int argc, char** argv) {
           macchiato.forward(latte::exec::cpu, q_states, k, wq, wk, v, out.view());
         });
         // Backward: 2x the forward's FLOPs, forward + backward 3x (as Latte's rows).
-        auto d_out = random_tensor<4>(rng, {B, T, H, D});
-        latte::Tensor<float, 4> dq({B, T, H, L + 1}), dk({B, T, H, L}), dwq({B, T, H, D}),
-            dwk({B, T, H, D}), dv({B, T, H, D});
-        const latte::MacchiatoGradients<float> gradients{dq.view(), dk.view(), dwq.view(),
-                                                         dwk.view(), dv.view()};
-        run("macchiato_backward", "causal", 2 * macchiato_flops, [&] {
-          macchiato.backward(latte::exec::cpu, q_states, k, wq, wk, v, d_out, gradients);
-        });
-        run("macchiato_forward_backward", "causal", 3 * macchiato_flops, [&] {
-          macchiato.forward(latte::exec::cpu, q_states, k, wq, wk, v, out.view());
-          macchiato.backward(latte::exec::cpu, q_states, k, wq, wk, v, d_out, gradients);
-        });
+        if (memory_allows("macchiato_backward", T, 6 * tensor_bytes)) {
+          auto d_out = random_tensor<4>(rng, {B, T, H, D});
+          latte::Tensor<float, 4> dq({B, T, H, L + 1}), dk({B, T, H, L}), dwq({B, T, H, D}),
+              dwk({B, T, H, D}), dv({B, T, H, D});
+          const latte::MacchiatoGradients<float> gradients{dq.view(), dk.view(), dwq.view(),
+                                                           dwk.view(), dv.view()};
+          run("macchiato_backward", "causal", 2 * macchiato_flops, [&] {
+            macchiato.backward(latte::exec::cpu, q_states, k, wq, wk, v, d_out, gradients);
+          });
+          run("macchiato_forward_backward", "causal", 3 * macchiato_flops, [&] {
+            macchiato.forward(latte::exec::cpu, q_states, k, wq, wk, v, out.view());
+            macchiato.backward(latte::exec::cpu, q_states, k, wq, wk, v, d_out, gradients);
+          });
+        }
       }
       run("lavo", "causal",
           double(B) * H * latte::bench::lavo_forward_flops(T, D, L, lavo_window, true),
@@ -399,7 +419,8 @@ int main(int argc, char** argv) {
       run("lavo", "bidirectional",
           double(B) * H * latte::bench::lavo_forward_flops(T, D, L, lavo_window, false),
           [&] { lavo_bidirectional.forward(latte::exec::cpu, q, k, v, out.view()); });
-      {  // backward: 2x the forward's FLOPs, forward + backward 3x (as Latte's rows)
+      if (memory_allows("lavo_backward", T, 4 * tensor_bytes)) {
+        // backward: 2x the forward's FLOPs, forward + backward 3x (as Latte's rows)
         const double lavo_flops =
             double(B) * H * latte::bench::lavo_forward_flops(T, D, L, lavo_window, true);
         auto d_out = random_tensor<4>(rng, {B, T, H, D});
@@ -430,7 +451,8 @@ int main(int argc, char** argv) {
              double(B) * H *
                  latte::bench::conv_compressed_forward_flops(T, conv_levels, conv_group, D, D, true),
              [&] { conv_causal.forward(latte::exec::cpu, q, k, v, out.view()); });
-      {  // backward: 2x the forward's FLOPs, forward + backward 3x (as Latte's rows)
+      if (memory_allows("conv_compressed_backward", T, 4 * tensor_bytes)) {
+        // backward: 2x the forward's FLOPs, forward + backward 3x (as Latte's rows)
         const double conv_flops =
             double(B) * H *
             latte::bench::conv_compressed_forward_flops(T, conv_levels, conv_group, D, D, true);
