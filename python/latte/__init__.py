@@ -4,6 +4,8 @@ Arrays are NumPy arrays or anything that speaks DLPack / the buffer protocol
 on the CPU (PyTorch tensors included), float32 or float64, read in place:
 nothing is copied, and the GIL is released while a kernel runs. Bad input
 raises latte.Error, a ValueError whose ``argument`` names the argument at fault.
+New outputs of 4 MiB or more reuse freed outputs' memory (at most 1 GiB held:
+``set_array_cache_limit``, ``empty_array_cache``, ``array_cache_info``).
 
     import numpy as np, latte
     attention = latte.LatteAttention(heads=4, latents=16, value_dim=32)
