@@ -99,6 +99,17 @@ inline void compensated_add(simd::batch<T>& high, simd::batch<T>& low, const sim
   low = simd::select_finite(high, e, zero);
 }
 
+/// (high, low) <- (high, low) * c over lanes (a rescale), renormalised: the
+/// steps of latte::detail::compensated_scale, lane by lane.
+template <Real T>
+inline void compensated_scale(simd::batch<T>& high, simd::batch<T>& low, const simd::batch<T>& c) noexcept {
+  const simd::batch<T> zero(T(0));
+  const simd::batch<T> product = simd::fma(high, c, zero);  // high c rounded once, and its error
+  const simd::batch<T> error = simd::fma(high, c, zero - product);
+  two_sum(product, simd::select_finite(product, simd::fma(low, c, error), zero), high, low);
+  low = simd::select_finite(high, low, zero);
+}
+
 }  // namespace detail
 
 /// (high, low) <- (high, low) + terms, renormalised, for n elements.

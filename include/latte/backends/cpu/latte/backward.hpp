@@ -116,12 +116,8 @@ inline void compensated_normaliser_bar_step(T* hi, T* lo, const T* rdp, const T*
     const B wl = simd::load(w + l);
     simd::store(dk + l, xsimd::select(wl == zero, zero, wl * (simd::load(dot + l) + high)));
     const B cl = simd::load(c + l);
-    const B product = simd::fma(high, cl, zero);  // hi c rounded once, and its error
-    const B error = simd::fma(high, cl, -product);
-    B scaled_high, scaled_low;
-    cpu::detail::two_sum(product, simd::select_finite(product, simd::fma(low, cl, error), zero), scaled_high,
-                         scaled_low);
-    scaled_low = simd::select_finite(scaled_high, scaled_low, zero);
+    B scaled_high = high, scaled_low = low;
+    cpu::detail::compensated_scale(scaled_high, scaled_low, cl);
     const auto rescale = cl != one;
     simd::store(hi + l, xsimd::select(rescale, scaled_high, high));
     simd::store(lo + l, xsimd::select(rescale, scaled_low, low));
