@@ -69,13 +69,18 @@ struct Problem {
   }
 
   template <class E>
-  void run(E e) {
+  void run(E e, const ConvCompressedStateGradients<T>* states = nullptr) {
     dq = Tensor<T, 4>(q.extents());
     dk = Tensor<T, 4>(k.extents());
     dv = Tensor<T, 4>(v.extents());
     ConvCompressedParams d_params = ConvCompressedParams::zeros(dims);
-    attention->backward(e, q.cview(), k.cview(), v.cview(), g.cview(),
-                        ConvCompressedGradients<T>{dq.view(), dk.view(), dv.view(), &d_params});
+    const ConvCompressedGradients<T> gradients{dq.view(), dk.view(), dv.view(), &d_params};
+    if constexpr (Dir::is_causal) {
+      if (states) attention->backward(e, q.cview(), k.cview(), v.cview(), g.cview(), gradients, *states);
+      else attention->backward(e, q.cview(), k.cview(), v.cview(), g.cview(), gradients);
+    } else {
+      attention->backward(e, q.cview(), k.cview(), v.cview(), g.cview(), gradients);
+    }
     weight_gradients.clear();
     for_each_weight(d_params, [&](const auto& w) {
       weight_gradients.emplace_back(w.data(), w.data() + w.size());
@@ -195,6 +200,101 @@ TEST_CASE("bidirectional conv-compression backward matches the oracle's gradient
   every_element_cases<float, Bidirectional>(201);
   direction_cases<double, Bidirectional>(202, 10);
   direction_cases<float, Bidirectional>(203, 10);
+}
+
+namespace {
+
+/// Backward over [0, T) from `start` equals the backward over three chunks
+/// [0, c1), [c1, c2), [c2, T) chained through the state: forwards from `start`
+/// leave S1, S2; the last chunk's backward from S2 gives dS2 (every level's
+/// ring, the open groups' sums, the compressed store); the middle one's from
+/// S1 with d_final = dS2 gives dS1 (a chunk shorter than a ring or a group
+/// passes what it does not overwrite or close through); the first one's with
+/// d_final = dS1. `start` is the state a forward over `prelude` tokens left,
+/// so the groups of every level are open at arbitrary taps.
+template <class T, class E>
+void check_chunks(E e, Rng& rng, const ConvShape& s, index_t c1, index_t c2, index_t prelude) {
+  using P = Problem<T, Causal>;
+  P whole(rng, s, 1.5);
+  const ConvCompressedAttention<Causal>& attention = *whole.attention;
+  auto start = attention.template make_state<T>(s.batch, prelude + s.time);
+  if (prelude > 0) {
+    const Tensor<T, 4> q = random_tensor<T, 4>(rng, {s.batch, prelude, s.heads, s.key_dim}, 1.5);
+    const Tensor<T, 4> k = random_tensor<T, 4>(rng, {s.batch, prelude, s.heads, s.key_dim}, 1.5);
+    const Tensor<T, 4> v = uniform_tensor<T, 4>(rng, {s.batch, prelude, s.heads, s.value_dim}, -1, 1);
+    Tensor<T, 4> out(v.extents());
+    attention.forward(e, q.cview(), k.cview(), v.cview(), out.view(), start);
+  }
+  const ConvCompressedStateGradients<T> from_start{.initial = &start};
+  whole.run(e, &from_start);
+
+  const std::array<index_t, 4> borders{0, c1, c2, s.time};
+  std::vector<P> chunks(3, whole);
+  std::vector<ConvCompressedState<T>> states{start};  // the state before each chunk
+  for (std::size_t i = 0; i < 3; ++i) {
+    P& chunk = chunks[i];
+    const index_t from = borders[i], count = borders[i + 1] - borders[i];
+    chunk.q = time_slice(whole.q, from, count);
+    chunk.k = time_slice(whole.k, from, count);
+    chunk.v = time_slice(whole.v, from, count);
+    chunk.g = time_slice(whole.g, from, count);
+    auto state = states.back();
+    Tensor<T, 4> out(chunk.v.extents());
+    attention.forward(e, chunk.q.cview(), chunk.k.cview(), chunk.v.cview(), out.view(), state);
+    states.push_back(state);
+  }
+  std::vector<ConvCompressedState<T>> d_states(3);
+  for (std::size_t i = 3; i-- > 0;) {  // d_states[i]: the gradient of the state before chunk i
+    const ConvCompressedStateGradients<T> ends{.initial = &states[i],
+                                               .d_final = i == 2 ? nullptr : &d_states[i + 1],
+                                               .d_initial = &d_states[i]};
+    chunks[i].run(e, &ends);
+  }
+  auto joined = [&](Tensor<T, 4> P::*gradient) {
+    return join_in_time(join_in_time(chunks[0].*gradient, chunks[1].*gradient),
+                        to_long_double(chunks[2].*gradient));
+  };
+  // Both sides are sums of the same terms grouped differently: rounding only.
+  const double bound = 50 * Tolerance<T>::relative;
+  CHECK(relative_error(whole.dq, joined(&P::dq)) <= bound);
+  CHECK(relative_error(whole.dk, joined(&P::dk)) <= bound);
+  CHECK(relative_error(whole.dv, joined(&P::dv)) <= bound);
+  for (std::size_t w = 0; w < whole.weight_gradients.size(); ++w) {
+    CAPTURE(w);
+    long double worst = 0, largest = 0;
+    for (std::size_t i = 0; i < whole.weight_gradients[w].size(); ++i) {
+      long double summed = 0;
+      for (const P& chunk : chunks) summed += chunk.weight_gradients[w][i];
+      worst = std::max(worst, std::fabs(summed - whole.weight_gradients[w][i]));
+      largest = std::max(largest, std::fabs((long double)whole.weight_gradients[w][i]));
+    }
+    CHECK(static_cast<double>(worst / std::max(largest, 1e-30L)) <= bound);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("conv-compression training in chunks: backward chained through the state gradients equals the whole backward") {
+  Rng rng(300);
+  for (const auto& cuts : {std::pair<index_t, index_t>{1, 2}, {3, 5}, {7, 16}, {16, 17}, {0, 30}, {29, 30}}) {
+    const index_t c1 = cuts.first, c2 = cuts.second;  // names clang 14 can capture
+    for (const index_t prelude : {0, 3, 13}) {
+      CAPTURE(c1);
+      CAPTURE(c2);
+      CAPTURE(prelude);
+      // {B, T, H, Dk, Dv, M, levels, window left}: rings partly and wholly
+      // filled, groups open at every level, a window wider than the chunks.
+      const ConvShape shapes[] = {{2, 30, 2, 3, 4, 2, 2}, {1, 30, 1, 2, 3, 2, 3, 4, {}},
+                                  {1, 30, 2, 3, 2, 3, 1, 1, {}}, {1, 30, 1, 2, 2, 2, 2, 11, {}}};
+      for (const ConvShape& s : shapes) {
+        CAPTURE(s.levels);
+        check_chunks<double>(exec::reference, rng, s, c1, c2, prelude);
+        check_chunks<double>(exec::cpu, rng, s, c1, c2, prelude);
+      }
+      check_chunks<float>(exec::cpu, rng, shapes[0], c1, c2, prelude);
+      check_chunks<float>(exec::reference, rng, shapes[1], c1, c2, prelude);
+    }
+  }
 }
 
 TEST_CASE("conv-compression backward: empty sequences, and bad gradient buffers are refused by name") {

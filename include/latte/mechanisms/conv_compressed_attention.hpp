@@ -29,6 +29,7 @@
 //   latte::ConvCompressedAttention<latte::Causal> attn(
 //       {.heads = 8, .key_dim = 64, .value_dim = 64, .group_size = 64, .levels = 1}, params);
 //   attn.forward(latte::exec::cpu, q, k, v, out.view());
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -132,6 +133,29 @@ struct ConvCompressedGradients {
   ConvCompressedParams* d_params = nullptr;
 };
 
+/// Causal convolutional-compression attention's state in a backward (training
+/// in chunks, as LatteStateGradients). A state's gradient is with respect to
+/// the state as saved: every level's window ring (level 0: the keys and values
+/// given; level l >= 1: Wk^(l) c^(l)_j and Wv^(l) c^(l)_j), the open groups'
+/// partial convolution sums and the compressed store (Wk_x c^(L)_j,
+/// Wv_x c^(L)_j). Slots that hold no token (a ring not yet full, the store past
+/// its floor(position / M^L) tokens, the sum of a level whose open group has
+/// no tap yet) are not part of the state: their gradient is ignored when given
+/// and written as 0. A gradient lives in a ConvCompressedState of the same
+/// batch and context capacity at the position of the state it is the gradient of.
+template <Real T>
+struct ConvCompressedStateGradients {
+  /// The state the forward continued from, as it was before the forward
+  /// (nullptr: a fresh state at position 0).
+  const ConvCompressedState<T>* initial = nullptr;
+  /// The gradient of the state the forward left (nullptr: zero); copy that
+  /// state, then fill its fields.
+  const ConvCompressedState<T>* d_final = nullptr;
+  /// Written when not null: the gradient of `initial` (make it with
+  /// make_state(batch, context_capacity); it takes initial's position).
+  ConvCompressedState<T>* d_initial = nullptr;
+};
+
 template <Direction Dir>
 class ConvCompressedAttention {
  public:
@@ -225,28 +249,26 @@ class ConvCompressedAttention {
   /// [B, T, H, Dv]: writes d_queries, d_keys, d_values and, when given,
   /// accumulates the op's weights' gradients into *d_params. The forward is
   /// recomputed; extra memory: y^(0) and its gradient [B, T, H, Dv] and the
-  /// levels above (O(T / M (Dk + Dv)) per head in flight). Whole sequences
-  /// (no state gradients yet).
+  /// levels above (O(T / M (Dk + Dv)) per head in flight).
   template <exec::Policy E, Real T>
-  void backward(E, InputView<T> queries, InputView<T> keys, InputView<T> values,
+  void backward(E e, InputView<T> queries, InputView<T> keys, InputView<T> values,
                 InputView<T> d_out, const ConvCompressedGradients<T>& gradients) const {
-    static_assert(!std::is_same_v<E, exec::cuda_t> && !exec::cuda_unavailable<E>,
-                  "ConvCompressedAttention::backward runs on exec::reference and exec::cpu (no "
-                  "CUDA backward yet)");
-    static_assert(exec::implemented<E>, "this execution backend is not implemented yet");
-    validate_backward(queries, keys, values, d_out, gradients);
-    std::optional<reference::ConvCompressedWeightGradients> flat;
-    if (gradients.d_params) {  // zeros in the flat layout of the weights
-      flat.emplace();
-      fill_weights(ConvCompressedParams::zeros(dims_), *flat);
-    }
-    using Parts = std::conditional_t<std::is_same_v<E, exec::cpu_t>, cpu::ConvCompressedParts,
-                                     reference::ReferenceConvCompressedParts>;
-    reference::conv_compressed_backward<Dir::is_causal, Parts>(
-        queries, keys, values, d_out, gradients.d_queries, gradients.d_keys, gradients.d_values,
-        weights<T>(), static_cast<T>(scale_), window_, flat ? &*flat : nullptr);
-    if (!flat) return;
-    add_flat(*flat, *gradients.d_params);
+    run_backward(e, queries, keys, values, d_out, gradients,
+                 static_cast<const ConvCompressedStateGradients<T>*>(nullptr));
+  }
+
+  /// Causal backward of a forward that continued from `states.initial`, with
+  /// the gradient of the state it left (`states.d_final`); writes the gradient
+  /// of the initial state into `states.d_initial`. Backward over chunks chained
+  /// through these equals the backward over the whole sequence. Extra memory
+  /// as above, plus, after a state with tokens, copies of the inputs and their
+  /// gradients over min(R, position) + T rows (level 0's ring comes first).
+  template <exec::Policy E, Real T>
+    requires(Dir::is_causal)
+  void backward(E e, InputView<T> queries, InputView<T> keys, InputView<T> values,
+                InputView<T> d_out, const ConvCompressedGradients<T>& gradients,
+                const ConvCompressedStateGradients<T>& states) const {
+    run_backward(e, queries, keys, values, d_out, gradients, &states);
   }
 
   /// A fresh decode state for `batch` sequences that can absorb up to
@@ -390,6 +412,122 @@ class ConvCompressedAttention {
             .levels = dims_.levels,
             .window_left = window_.left,
             .context_capacity = capacity};
+  }
+
+  /// The states of a causal backward as reference::conv_compressed_backward
+  /// reads them (reference::ConvCompressedHeadStates per (batch, head)).
+  template <Real T>
+  struct BackwardStates {
+    std::int64_t position;
+    index_t ring;
+    const State<T>* initial;
+    const State<T>* d_final;
+    State<T>* d_initial;
+    template <Real U>
+      requires std::is_same_v<U, T>
+    [[nodiscard]] reference::ConvCompressedHeadStates<T> of(index_t b, index_t h) const noexcept {
+      reference::ConvCompressedHeadStates<T> head{.position = position, .ring = ring};
+      if (initial) head.initial = initial->carry(b, h);
+      if (d_final) head.d_final = d_final->carry(b, h);
+      if (d_initial) head.d_initial = d_initial->carry(b, h);
+      return head;
+    }
+  };
+
+  template <exec::Policy E, Real T>
+  void run_backward(E, const TensorView<const T, 4>& queries, const TensorView<const T, 4>& keys,
+                    const TensorView<const T, 4>& values, const TensorView<const T, 4>& d_out,
+                    const ConvCompressedGradients<T>& gradients,
+                    const ConvCompressedStateGradients<T>* states) const {
+    static_assert(!std::is_same_v<E, exec::cuda_t> && !exec::cuda_unavailable<E>,
+                  "ConvCompressedAttention::backward runs on exec::reference and exec::cpu (no "
+                  "CUDA backward yet)");
+    static_assert(exec::implemented<E>, "this execution backend is not implemented yet");
+    validate_backward(queries, keys, values, d_out, gradients);
+    const index_t B = queries.extent(0), Tn = queries.extent(1);
+    if (states) validate_state_gradients(*states, B, Tn);
+    const State<T>* initial = states ? states->initial : nullptr;
+    const State<T>* d_final = states ? states->d_final : nullptr;
+    State<T>* d_initial = states ? states->d_initial : nullptr;
+    if constexpr (Dir::is_causal) {
+      if (d_initial) {  // initial's position and sizes (else d_final's, else its own), zeros
+        if (initial) *d_initial = *initial;
+        else if (d_final) *d_initial = make_state<T>(B, d_final->context_capacity());
+        else *d_initial = make_state<T>(B, std::max<index_t>(d_initial->context_capacity(), 1));
+        for (int field = 0; field < 5; ++field)
+          std::fill_n(d_initial->field(field), d_initial->field_size(field), T(0));
+      }
+    }
+    std::optional<reference::ConvCompressedWeightGradients> flat;
+    if (gradients.d_params) {  // zeros in the flat layout of the weights
+      flat.emplace();
+      fill_weights(ConvCompressedParams::zeros(dims_), *flat);
+    }
+    using Parts = std::conditional_t<std::is_same_v<E, exec::cpu_t>, cpu::ConvCompressedParts,
+                                     reference::ReferenceConvCompressedParts>;
+    if (Tn > 0 && B > 0) {
+      if constexpr (Dir::is_causal) {
+        const ConvCompressedStateShape shape =
+            initial ? initial->shape() : (d_final ? d_final->shape() : state_shape(B, 1));
+        const BackwardStates<T> ends{initial ? initial->position() : 0, shape.ring(), initial,
+                                     d_final, d_initial};
+        reference::conv_compressed_backward<true, Parts>(
+            queries, keys, values, d_out, gradients.d_queries, gradients.d_keys,
+            gradients.d_values, weights<T>(), static_cast<T>(scale_), window_,
+            flat ? &*flat : nullptr, ends);
+      } else {
+        reference::conv_compressed_backward<false, Parts>(
+            queries, keys, values, d_out, gradients.d_queries, gradients.d_keys,
+            gradients.d_values, weights<T>(), static_cast<T>(scale_), window_,
+            flat ? &*flat : nullptr);
+      }
+    } else if constexpr (Dir::is_causal) {  // no token: the initial state's gradient is d_final's
+      if (d_initial && d_final) copy_live_gradients(*d_final, *d_initial, B);
+    }
+    if (flat) add_flat(*flat, *gradients.d_params);
+  }
+
+  /// d_initial = d_final on the fields' live slots (a backward over no token).
+  template <Real T>
+  void copy_live_gradients(const State<T>& d_final, State<T>& d_initial, index_t batch) const {
+    const ConvCompressedStateShape& s = d_initial.shape();
+    const reference::ConvLevelGeometry geometry(d_initial.position(), 0, s.group_size, s.levels);
+    const index_t R = s.ring(), Dk = s.key_dim, Dv = s.value_dim;
+    for (index_t b = 0; b < batch; ++b)
+      for (index_t h = 0; h < s.heads; ++h) {
+        const reference::ConvCompressedCarry<const T> from = d_final.carry(b, h);
+        const reference::ConvCompressedCarry<T> to = d_initial.carry(b, h);
+        for (index_t level = 0; level < s.levels; ++level) {
+          const std::int64_t count = geometry.before[static_cast<std::size_t>(level)];
+          for (std::int64_t token = count - std::min<std::int64_t>(R, count); token < count; ++token) {
+            const index_t slot = level * R + static_cast<index_t>(token % R);
+            std::copy_n(from.window_keys + slot * Dk, Dk, to.window_keys + slot * Dk);
+            std::copy_n(from.window_values + slot * Dv, Dv, to.window_values + slot * Dv);
+          }
+          if (geometry.taps_after(level + 1, s.group_size) > 0)
+            std::copy_n(from.group_sums + level * Dv, Dv, to.group_sums + level * Dv);
+        }
+        const auto stored = static_cast<index_t>(geometry.before[static_cast<std::size_t>(s.levels)]);
+        std::copy_n(from.compressed_keys, stored * Dk, to.compressed_keys);
+        std::copy_n(from.compressed_values, stored * Dv, to.compressed_values);
+      }
+  }
+
+  template <Real T>
+  void validate_state_gradients(const ConvCompressedStateGradients<T>& states, index_t batch,
+                                index_t tokens) const {
+    const State<T>* sized = states.initial ? states.initial : states.d_final;
+    if (sized == nullptr) return;  // d_initial alone: a fresh state's gradient, remade below
+    detail::require_backward_states(
+        states, kind<T>(), State<T>::sizes_for(state_shape(batch, sized->context_capacity())),
+        tokens);
+    if (states.initial) {
+      validate_state(*states.initial, batch, tokens);  // room for the tokens
+    } else {
+      detail::require(tokens <= sized->context_capacity(), "states.d_final",
+                      detail::expected_given("context_capacity", ">= " + std::to_string(tokens),
+                                             sized->context_capacity()));
+    }
   }
 
   template <Real T>

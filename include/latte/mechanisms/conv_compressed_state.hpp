@@ -102,6 +102,14 @@ class ConvCompressedState final : public StateStorage<T> {
             this->field(2) + head * shape_.levels * Dv, this->field(3) + head * stored * Dk,
             this->field(4) + head * stored * Dv};
   }
+  /// The same, read only (a backward's initial state and final gradient).
+  [[nodiscard]] reference::ConvCompressedCarry<const T> carry(index_t b, index_t h) const noexcept {
+    const index_t head = b * shape_.heads + h, Dk = shape_.key_dim, Dv = shape_.value_dim;
+    const index_t ring = shape_.levels * shape_.ring(), stored = shape_.compressed_capacity();
+    return {this->field(0) + head * ring * Dk, this->field(1) + head * ring * Dv,
+            this->field(2) + head * shape_.levels * Dv, this->field(3) + head * stored * Dk,
+            this->field(4) + head * stored * Dv};
+  }
   /// Step workspace (not part of the saved state).
   [[nodiscard]] reference::ConvCompressedScratch<T> scratch() noexcept {
     T* p = scratch_.data();

@@ -507,16 +507,25 @@ void add_to_double(const Block& block, double* into) {
     for (index_t c = 0; c < block.cols(); ++c) into[r * block.cols() + c] += static_cast<double>(block(r, c));
 }
 
-/// C = b + sum_i Y_i W_i^T over the n complete groups of `source` (rows
-/// `stride` apart; Y_i are rows jM + i): the convolution as M GEMMs.
+/// C = b + sum_i Y_i W_i^T over the n new groups of a level whose first `r`
+/// taps were summed before the sequence (`initial_sum`, added to group 0):
+/// tap i of group j is new row jM + i - r of `source` (rows `stride` apart),
+/// so the convolution is M GEMMs over strided rows (group 0 joins tap i's
+/// GEMM when i >= r).
 template <Real T>
-void convolve(const T* source, index_t stride, index_t n, const T* weights, const T* bias,
-              index_t M, index_t Dv, Matrix<T>& C) {
+void convolve(const T* source, index_t stride, index_t n, index_t r, const T* initial_sum,
+              const T* weights, const T* bias, index_t M, index_t Dv, Matrix<T>& C) {
   C.resize(n, Dv);
+  if (n == 0) return;
   C.rowwise() = Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(bias, Dv);
-  for (index_t i = 0; i < M && n > 0; ++i)
-    C.noalias() += rows_of(source + i * stride, n, Dv, M * stride) *
-                   rows_of(weights + i * Dv * Dv, Dv, Dv, Dv).transpose();
+  for (index_t i = 0; i < M; ++i) {
+    const index_t skip = i < r ? 1 : 0, count = n - skip;  // group 0 has no new tap i < r
+    if (count > 0)
+      C.bottomRows(count).noalias() +=
+          rows_of(source + (skip * M + i - r) * stride, count, Dv, M * stride) *
+          rows_of(weights + i * Dv * Dv, Dv, Dv, Dv).transpose();
+  }
+  if (r > 0) C.row(0) += Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(initial_sum, Dv);
 }
 
 }  // namespace conv_backward_detail
@@ -526,7 +535,10 @@ void convolve(const T* source, index_t stride, index_t n, const T* weights, cons
 /// backward), heads in parallel over OpenMP threads, and each head's levels
 /// and cross read as GEMMs (the convolution as M GEMMs, projections, the
 /// block-causal cross read's backward per 64-query block); the levels' own
-/// window attentions (T / M tokens and fewer) on the reference kernels.
+/// window attentions (T / M tokens and fewer) on the reference kernels. A
+/// state continued (reference::ConvCompressedHeadStates) puts each level's
+/// ring rows ahead of its new tokens and the stored compressed tokens ahead
+/// of the new ones, as the reference does.
 struct ConvCompressedParts {
   template <bool Causal, class... Args>
   static void window_forward(Args&&... args) {
@@ -546,59 +558,93 @@ struct ConvCompressedParts {
                             index_t dy0_stride, index_t Tn, index_t h,
                             const reference::ConvCompressedWeights<T>& w, T scale,
                             const SlidingWindow& window, reference::ConvCompressedLevels<T>& levels,
-                            reference::ConvCompressedWeightGradients* dw) {
+                            reference::ConvCompressedWeightGradients* dw,
+                            const reference::ConvCompressedHeadStates<T>& states) {
     using namespace conv_backward_detail;
     using Mat = Matrix<T>;
-    const index_t Dk = w.key_dim, Dv = w.value_dim, M = w.group_size, L = w.levels;
+    using Row = Eigen::Matrix<T, 1, Eigen::Dynamic>;
+    using RowMap = Eigen::Map<Row>;
+    using ConstRowMap = Eigen::Map<const Row>;
+    const index_t Dk = w.key_dim, Dv = w.value_dim, M = w.group_size, L = w.levels, R = states.ring;
     const reference::ConvCompressedGradientLayout layout{w.heads, Dk, Dv, M, L};
+    const reference::ConvLevelGeometry geometry(states.position, Tn, M, L);
+    const std::vector<index_t>& length = geometry.lengths;
     auto flat = [&](std::vector<double> reference::ConvCompressedWeightGradients::*field,
                     index_t offset) -> double* { return dw ? (dw->*field).data() + offset : nullptr; };
     auto sequence = [](T* data, index_t n, index_t D) { return TensorView<T, 4>(data, {1, n, 1, D}); };
-    // Forward of the levels: c^(l) = conv(y^(l-1)), y^(l) = window(projections of c^(l)).
+    // Forward of the levels: c^(l) = conv(y^(l-1)), y^(l) = window(projections
+    // of c^(l)) over the level's ring rows (pre[l]) then its new tokens.
     std::vector<Mat> C(static_cast<std::size_t>(L)), Ql(static_cast<std::size_t>(L)),
         Kl(static_cast<std::size_t>(L)), Vl(static_cast<std::size_t>(L)), Yl(static_cast<std::size_t>(L));
-    std::vector<index_t> length{Tn};
+    std::vector<index_t> pre(static_cast<std::size_t>(L), 0);
+    auto source_of = [&](index_t level) -> std::pair<const T*, index_t> {  // new rows of y^(level - 1)
+      if (level == 1) return {y0, y0_stride};
+      const auto below = static_cast<std::size_t>(level - 2);
+      return {Yl[below].data() + pre[below] * Dv, Dv};
+    };
     for (index_t level = 1; level <= L; ++level) {
-      const index_t n = length.back() / M;
-      length.push_back(n);
-      const T* source = level == 1 ? y0 : Yl[static_cast<std::size_t>(level - 2)].data();
-      const index_t stride = level == 1 ? y0_stride : Dv;
+      const index_t n = length[static_cast<std::size_t>(level)];
+      const auto [source, stride] = source_of(level);
       Mat& c = C[static_cast<std::size_t>(level - 1)];
-      convolve(source, stride, n, w.conv(level, h), w.bias(level, h), M, Dv, c);
+      convolve(source, stride, n, geometry.taps_before(level, M),
+               states.initial.group_sums ? states.initial.group_sums + (level - 1) * Dv : nullptr,
+               w.conv(level, h), w.bias(level, h), M, Dv, c);
       if (level == L) break;
       const auto at = static_cast<std::size_t>(level - 1);
-      Ql[at].noalias() = c * rows_of(w.query_projection(level, h), Dk, Dv, Dv).transpose();
-      Kl[at].noalias() = c * rows_of(w.key_projection(level, h), Dk, Dv, Dv).transpose();
-      Vl[at].noalias() = c * rows_of(w.value_projection(level, h), Dv, Dv, Dv).transpose();
-      Yl[at].resize(n, Dv);
-      reference::softmax_forward<Causal>(TensorView<const T, 4>(sequence(Ql[at].data(), n, Dk)),
-                                         TensorView<const T, 4>(sequence(Kl[at].data(), n, Dk)),
-                                         TensorView<const T, 4>(sequence(Vl[at].data(), n, Dv)),
-                                         sequence(Yl[at].data(), n, Dv), scale, window);
+      const std::int64_t before = geometry.before[static_cast<std::size_t>(level)];
+      const index_t p = pre[at] = static_cast<index_t>(std::min<std::int64_t>(R, before)), rows = p + n;
+      Ql[at].resize(rows, Dk);
+      Kl[at].resize(rows, Dk);
+      Vl[at].resize(rows, Dv);
+      if (p > 0)
+        reference::ring_rows_first(states.initial.window_keys + level * R * Dk,
+                                   states.initial.window_values + level * R * Dv, R, before, p, Dk, Dv,
+                                   [&](index_t j) { return Ql[at].row(j).data(); },
+                                   [&](index_t j) { return Kl[at].row(j).data(); },
+                                   [&](index_t j) { return Vl[at].row(j).data(); });
+      Ql[at].bottomRows(n).noalias() = c * rows_of(w.query_projection(level, h), Dk, Dv, Dv).transpose();
+      Kl[at].bottomRows(n).noalias() = c * rows_of(w.key_projection(level, h), Dk, Dv, Dv).transpose();
+      Vl[at].bottomRows(n).noalias() = c * rows_of(w.value_projection(level, h), Dv, Dv, Dv).transpose();
+      Yl[at].resize(rows, Dv);
+      if (rows > 0)
+        reference::softmax_forward<Causal>(TensorView<const T, 4>(sequence(Ql[at].data(), rows, Dk)),
+                                           TensorView<const T, 4>(sequence(Kl[at].data(), rows, Dk)),
+                                           TensorView<const T, 4>(sequence(Vl[at].data(), rows, Dv)),
+                                           sequence(Yl[at].data(), rows, Dv), scale, window);
     }
     (void)levels;  // the reference's per-head workspace; these GEMMs keep their own
-    // The cross read's backward, 64 queries at a time (each block sees a prefix of the keys).
+    // The cross read's backward over the stored then the new top-level tokens,
+    // 64 queries at a time (each block sees a prefix of the keys).
     const Mat& top = C[static_cast<std::size_t>(L - 1)];
     const index_t n_top = length[static_cast<std::size_t>(L)];
+    const auto stored = static_cast<index_t>(geometry.before[static_cast<std::size_t>(L)]);
+    const index_t total = stored + n_top;
     const auto Y0 = rows_of(y0, Tn, Dv, y0_stride);
     const auto G = rows_of(g, Tn, Dv, g_stride);
     auto dY0 = rows_of(dy0, Tn, Dv, dy0_stride);
     const auto Wq = rows_of(w.cross_query_projection(h), Dk, Dv, Dv);
     const auto Wk = rows_of(w.cross_key_projection(h), Dk, Dv, Dv);
     const auto Wv = rows_of(w.cross_value_projection(h), Dv, Dv, Dv);
-    Mat dC;
-    if (n_top > 0) {
-      const Mat K = top * Wk.transpose(), V = top * Wv.transpose();
+    Mat dC = Mat::Zero(n_top, Dv);
+    if (total > 0) {
+      Mat K(total, Dk), V(total, Dv);
+      if (stored > 0) {
+        K.topRows(stored) = rows_of(states.initial.compressed_keys, stored, Dk, Dk);
+        V.topRows(stored) = rows_of(states.initial.compressed_values, stored, Dv, Dv);
+      }
+      K.bottomRows(n_top).noalias() = top * Wk.transpose();
+      V.bottomRows(n_top).noalias() = top * Wv.transpose();
       const Mat Q = Y0 * Wq.transpose();
       Mat dQ = Mat::Zero(Tn, Dk), P, dS;
       // dK and dV sum over every later query block (T / 64 of them), dQ over a
       // row's keys: in double, as the rows' softmax sums, so that their error
       // does not grow with T.
       using Wide = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-      Wide dK_sum = Wide::Zero(n_top, Dk), dV_sum = Wide::Zero(n_top, Dv);
+      Wide dK_sum = Wide::Zero(total, Dk), dV_sum = Wide::Zero(total, Dv);
       const std::int64_t span = reference::tokens_per_compressed_token(M, L);
       auto visible = [&](index_t t) {
-        return Causal ? static_cast<index_t>(std::min<std::int64_t>(t / span, n_top)) : n_top;
+        return Causal ? static_cast<index_t>(std::min<std::int64_t>((states.position + t) / span, total))
+                      : total;
       };
       constexpr index_t rows = 64;
       for (index_t t0 = 0; t0 < Tn; t0 += rows) {
@@ -634,58 +680,100 @@ struct ConvCompressedParts {
         dK_sum.topRows(seen) += (Mat(dS.transpose() * Q.middleRows(t0, nq)) * scale).template cast<double>();
         dV_sum.topRows(seen) += Mat(P.transpose() * G.middleRows(t0, nq)).template cast<double>();
       }
-      const Mat dK = dK_sum.template cast<T>(), dV = dV_sum.template cast<T>();
+      Mat dK = dK_sum.template cast<T>(), dV = dV_sum.template cast<T>();
+      // The compressed store: the final state's gradient in, the stored tokens' out.
+      if (states.d_final.compressed_keys != nullptr) {
+        dK += rows_of(states.d_final.compressed_keys, total, Dk, Dk);
+        dV += rows_of(states.d_final.compressed_values, total, Dv, Dv);
+      }
+      if (states.d_initial.compressed_keys != nullptr && stored > 0) {
+        rows_of(states.d_initial.compressed_keys, stored, Dk, Dk) += dK.topRows(stored);
+        rows_of(states.d_initial.compressed_values, stored, Dv, Dv) += dV.topRows(stored);
+      }
       dY0.noalias() += dQ * Wq;
       add_to_double(Mat(dQ.transpose() * Y0), flat(&reference::ConvCompressedWeightGradients::cross_query, h * Dk * Dv));
-      add_to_double(Mat(dK.transpose() * top), flat(&reference::ConvCompressedWeightGradients::cross_key, h * Dk * Dv));
-      add_to_double(Mat(dV.transpose() * top), flat(&reference::ConvCompressedWeightGradients::cross_value, h * Dv * Dv));
-      dC.noalias() = dK * Wk;
-      dC.noalias() += dV * Wv;
-    } else {
-      dC = Mat::Zero(0, Dv);
+      if (n_top > 0) {
+        add_to_double(Mat(dK.bottomRows(n_top).transpose() * top),
+                      flat(&reference::ConvCompressedWeightGradients::cross_key, h * Dk * Dv));
+        add_to_double(Mat(dV.bottomRows(n_top).transpose() * top),
+                      flat(&reference::ConvCompressedWeightGradients::cross_value, h * Dv * Dv));
+        dC.noalias() = dK.bottomRows(n_top) * Wk;
+        dC.noalias() += dV.bottomRows(n_top) * Wv;
+      }
     }
     // Down the levels: dc^(level) -> d y^(level - 1) (-> dc^(level - 1) through level - 1's window).
     Mat dY;
     for (index_t level = L; level >= 1; --level) {
       const index_t n = length[static_cast<std::size_t>(level)];
       const index_t n_below = length[static_cast<std::size_t>(level - 1)];
-      const T* source = level == 1 ? y0 : Yl[static_cast<std::size_t>(level - 2)].data();
-      const index_t stride = level == 1 ? y0_stride : Dv;
-      if (level > 1) dY = Mat::Zero(n_below, Dv);
-      T* d_source = level == 1 ? dy0 : dY.data();
+      const index_t r = geometry.taps_before(level, M);
+      const auto below = static_cast<std::size_t>(level - 2);  // level - 1's activations (level > 1)
+      const index_t p = level > 1 ? pre[below] : 0;
+      const std::pair<const T*, index_t> source_rows = source_of(level);  // no structured
+      const T* source = source_rows.first;  // binding: clang 14 cannot capture those
+      const index_t stride = source_rows.second;
+      if (level > 1) dY = Mat::Zero(p + n_below, Dv);
+      T* d_source = level == 1 ? dy0 : dY.data() + p * Dv;
       const index_t d_stride = level == 1 ? dy0_stride : Dv;
-      if (dw && n > 0) {
-        const Eigen::Matrix<T, 1, Eigen::Dynamic> column_sums = dC.colwise().sum();
-        add_to_double(column_sums, flat(&reference::ConvCompressedWeightGradients::conv_bias, layout.bias(level, h)));
+      T* d_initial_sum = states.d_initial.group_sums ? states.d_initial.group_sums + (level - 1) * Dv : nullptr;
+      if (n > 0) {
+        if (dw) {
+          const Row column_sums = dC.colwise().sum();
+          add_to_double(column_sums, flat(&reference::ConvCompressedWeightGradients::conv_bias, layout.bias(level, h)));
+        }
+        for (index_t i = 0; i < M; ++i) {
+          const index_t skip = i < r ? 1 : 0, count = n - skip, first = skip * M + i - r;
+          if (count == 0) continue;
+          const auto Wi = rows_of(w.conv(level, h) + i * Dv * Dv, Dv, Dv, Dv);
+          rows_of(d_source + first * d_stride, count, Dv, M * d_stride).noalias() += dC.bottomRows(count) * Wi;
+          if (dw)
+            add_to_double(Mat(dC.bottomRows(count).transpose() * rows_of(source + first * stride, count, Dv, M * stride)),
+                          flat(&reference::ConvCompressedWeightGradients::conv_weight,
+                               layout.conv(level, h) + i * Dv * Dv));
+        }
+        if (r > 0 && d_initial_sum != nullptr) RowMap(d_initial_sum, Dv) += dC.row(0);  // the initial open group closed
       }
-      for (index_t i = 0; i < M && n > 0; ++i) {
-        const auto Wi = rows_of(w.conv(level, h) + i * Dv * Dv, Dv, Dv, Dv);
-        rows_of(d_source + i * d_stride, n, Dv, M * d_stride).noalias() += dC * Wi;
-        if (dw)
-          add_to_double(Mat(dC.transpose() * rows_of(source + i * stride, n, Dv, M * stride)),
-                        flat(&reference::ConvCompressedWeightGradients::conv_weight,
-                             layout.conv(level, h) + i * Dv * Dv));
-      }
+      if (states.d_final.group_sums != nullptr)  // the open group left behind
+        reference::open_group_backward(
+            states.d_final.group_sums + (level - 1) * Dv, geometry.taps_after(level, M), n_below, Dv,
+            d_initial_sum, [&](index_t i, index_t s, const T* dg) {
+              const auto Wi = rows_of(w.conv(level, h) + i * Dv * Dv, Dv, Dv, Dv);
+              const ConstRowMap d_sum(dg, Dv);
+              RowMap(d_source + s * d_stride, Dv).noalias() += d_sum * Wi;
+              if (dw)
+                add_to_double(Mat(d_sum.transpose() * ConstRowMap(source + s * stride, Dv)),
+                              flat(&reference::ConvCompressedWeightGradients::conv_weight,
+                                   layout.conv(level, h) + i * Dv * Dv));
+            });
       if (level == 1) break;
-      const auto at = static_cast<std::size_t>(level - 2);
-      Mat dq_l = Mat::Zero(n_below, Dk), dk_l = Mat::Zero(n_below, Dk), dv_l = Mat::Zero(n_below, Dv);
-      reference::softmax_backward<Causal>(
-          TensorView<const T, 4>(sequence(Ql[at].data(), n_below, Dk)),
-          TensorView<const T, 4>(sequence(Kl[at].data(), n_below, Dk)),
-          TensorView<const T, 4>(sequence(Vl[at].data(), n_below, Dv)),
-          TensorView<const T, 4>(sequence(dY.data(), n_below, Dv)), sequence(dq_l.data(), n_below, Dk),
-          sequence(dk_l.data(), n_below, Dk), sequence(dv_l.data(), n_below, Dv), scale, window);
-      const Mat& c = C[at];
+      const index_t rows = p + n_below;
+      Mat dq_l = Mat::Zero(rows, Dk), dk_l = Mat::Zero(rows, Dk), dv_l = Mat::Zero(rows, Dv);
+      if (rows > 0)
+        reference::softmax_backward<Causal>(
+            TensorView<const T, 4>(sequence(Ql[below].data(), rows, Dk)),
+            TensorView<const T, 4>(sequence(Kl[below].data(), rows, Dk)),
+            TensorView<const T, 4>(sequence(Vl[below].data(), rows, Dv)),
+            TensorView<const T, 4>(sequence(dY.data(), rows, Dv)), sequence(dq_l.data(), rows, Dk),
+            sequence(dk_l.data(), rows, Dk), sequence(dv_l.data(), rows, Dv), scale, window);
+      const index_t ring_level = level - 1;
+      auto in_ring = [&](auto* field, index_t D) { return field ? field + ring_level * R * D : nullptr; };
+      reference::ring_gradients(in_ring(states.d_final.window_keys, Dk), in_ring(states.d_final.window_values, Dv),
+                                in_ring(states.d_initial.window_keys, Dk),
+                                in_ring(states.d_initial.window_values, Dv), R,
+                                geometry.before[static_cast<std::size_t>(level - 1)], p, n_below, Dk, Dv,
+                                [&](index_t row) { return dk_l.row(row).data(); },
+                                [&](index_t row) { return dv_l.row(row).data(); });
+      const Mat& c = C[below];
       const auto Wql = rows_of(w.query_projection(level - 1, h), Dk, Dv, Dv);
       const auto Wkl = rows_of(w.key_projection(level - 1, h), Dk, Dv, Dv);
       const auto Wvl = rows_of(w.value_projection(level - 1, h), Dv, Dv, Dv);
-      dC.noalias() = dq_l * Wql;
-      dC.noalias() += dk_l * Wkl;
-      dC.noalias() += dv_l * Wvl;
+      dC.noalias() = dq_l.bottomRows(n_below) * Wql;
+      dC.noalias() += dk_l.bottomRows(n_below) * Wkl;
+      dC.noalias() += dv_l.bottomRows(n_below) * Wvl;
       if (dw) {
-        add_to_double(Mat(dq_l.transpose() * c), flat(&reference::ConvCompressedWeightGradients::level_query, layout.query(level - 1, h)));
-        add_to_double(Mat(dk_l.transpose() * c), flat(&reference::ConvCompressedWeightGradients::level_key, layout.query(level - 1, h)));
-        add_to_double(Mat(dv_l.transpose() * c), flat(&reference::ConvCompressedWeightGradients::level_value, layout.value(level - 1, h)));
+        add_to_double(Mat(dq_l.bottomRows(n_below).transpose() * c), flat(&reference::ConvCompressedWeightGradients::level_query, layout.query(level - 1, h)));
+        add_to_double(Mat(dk_l.bottomRows(n_below).transpose() * c), flat(&reference::ConvCompressedWeightGradients::level_key, layout.query(level - 1, h)));
+        add_to_double(Mat(dv_l.bottomRows(n_below).transpose() * c), flat(&reference::ConvCompressedWeightGradients::level_value, layout.value(level - 1, h)));
       }
     }
   }

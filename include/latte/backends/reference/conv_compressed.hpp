@@ -195,8 +195,8 @@ void conv_compressed_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
     }
 }
 
-/// The decode carry of one (batch, head).
-template <Real T>
+/// The decode carry of one (batch, head); ConvCompressedCarry<const T> reads one.
+template <class T>
 struct ConvCompressedCarry {
   T* window_keys;        // [L][R][Dk]: ring of level l's keys (l = 0: the inputs), R slots
   T* window_values;      // [L][R][Dv]
@@ -338,59 +338,170 @@ void softmax_row_backward(const T* q, const T* g, index_t Dk, index_t Dv, T scal
   }
 }
 
-/// The forward's activations of one (batch, head) above level 0, kept for its
-/// backward (O(T / M (Dk + Dv)) values): c^(l) for l = 1..L and, for l < L,
-/// the level's projections and window output.
-template <Real T>
-struct ConvCompressedLevels {
-  std::vector<std::vector<T>> compressed;       // [L]: c^(l), n_l x Dv
-  std::vector<std::vector<T>> queries, keys, values, outputs;  // [L - 1]: level l's
-  std::vector<index_t> lengths;                 // [L + 1]: n_0 = T, n_l = floor(n_{l-1} / M)
+/// Where a causal sequence of `tokens` tokens after `position` sits at each
+/// level: before[l] = floor(P / M^l) tokens of level l precede it (level 0:
+/// the inputs, l >= 1: c^(l)), lengths[l] = floor((P + T) / M^l) - before[l]
+/// of them are new. A whole sequence (P = 0): before = 0, lengths[l] =
+/// floor(T / M^l). Repeated division: no M^l is formed, nothing overflows.
+struct ConvLevelGeometry {
+  std::vector<std::int64_t> before;  // [L + 1]
+  std::vector<index_t> lengths;      // [L + 1]
+
+  ConvLevelGeometry(std::int64_t position, index_t tokens, index_t group_size, index_t levels) {
+    std::int64_t start = position, end = position + tokens;
+    for (index_t level = 0; level <= levels; ++level) {
+      before.push_back(start);
+      lengths.push_back(static_cast<index_t>(end - start));
+      start /= group_size;
+      end /= group_size;
+    }
+  }
+  /// Taps of level l's first new group that the open group's partial sum
+  /// (ConvCompressedCarry::group_sums) already holds: before[l - 1] mod M.
+  [[nodiscard]] index_t taps_before(index_t level, index_t group_size) const noexcept {
+    return static_cast<index_t>(before[static_cast<std::size_t>(level - 1)] % group_size);
+  }
+  /// Taps in level l's open group once the sequence is absorbed (0: no open group).
+  [[nodiscard]] index_t taps_after(index_t level, index_t group_size) const noexcept {
+    const auto at = static_cast<std::size_t>(level - 1);
+    return static_cast<index_t>((before[at] + lengths[at]) % group_size);
+  }
 };
 
-/// Recomputes the levels above y^(0) (rows `y0_row(s)`) for head h.
+/// What a causal backward continues from and gives back of one (batch,
+/// head)'s state (docs/backward.md "Convolutional compression"): the tokens
+/// the initial state absorbed (P), its ring slot count R (token j of a level
+/// in slot j mod R), the initial carry (read: rings, open groups' sums,
+/// compressed store), the final state's gradient (null pointers: zero) and
+/// the initial state's gradient (added into; the caller zeroed it; null
+/// pointers: not asked). Default: a whole sequence from position 0.
+template <Real T>
+struct ConvCompressedHeadStates {
+  std::int64_t position = 0;
+  index_t ring = 1;
+  ConvCompressedCarry<const T> initial{};
+  ConvCompressedCarry<const T> d_final{};
+  ConvCompressedCarry<T> d_initial{};
+};
+
+/// Rows of a level's window attention when a ring comes first: `pre` ring
+/// tokens (before - pre .. before - 1, each in slot j mod R of `keys` /
+/// `values`) take rows 0..pre-1, with a zero query (they take no query and no
+/// d_out; only their keys and values matter).
+template <Real T, class QRow, class KRow, class VRow>
+void ring_rows_first(const T* keys, const T* values, index_t R, std::int64_t before, index_t pre,
+                     index_t Dk, index_t Dv, QRow&& q_row, KRow&& k_row, VRow&& v_row) {
+  for (index_t j = 0; j < pre; ++j) {
+    const auto slot = static_cast<index_t>((before - pre + j) % R);
+    std::fill_n(q_row(j), Dk, T(0));
+    std::copy_n(keys + slot * Dk, Dk, k_row(j));
+    std::copy_n(values + slot * Dv, Dv, v_row(j));
+  }
+}
+
+/// A level's ring in the backward: the final ring's gradient (its last
+/// min(R, before + new) tokens) added to their keys' and values' gradient rows
+/// (row = token - (before - pre)), then the `pre` ring rows' gradients added
+/// into the initial ring's gradient. Null pointers: not given / not asked.
+template <class T, class DKRow, class DVRow>
+void ring_gradients(const T* d_final_keys, const T* d_final_values, T* d_initial_keys,
+                    T* d_initial_values, index_t R, std::int64_t before, index_t pre,
+                    index_t fresh, index_t Dk, index_t Dv, DKRow&& dk_row, DVRow&& dv_row) {
+  const std::int64_t first = before - pre, end = before + fresh;
+  if (d_final_keys != nullptr)
+    for (std::int64_t token = end - std::min<std::int64_t>(R, end); token < end; ++token) {
+      const auto slot = static_cast<index_t>(token % R), row = static_cast<index_t>(token - first);
+      T* dk = dk_row(row);
+      T* dv = dv_row(row);
+      for (index_t d = 0; d < Dk; ++d) dk[d] += d_final_keys[slot * Dk + d];
+      for (index_t d = 0; d < Dv; ++d) dv[d] += d_final_values[slot * Dv + d];
+    }
+  if (d_initial_keys != nullptr)
+    for (index_t j = 0; j < pre; ++j) {
+      const auto slot = static_cast<index_t>((first + j) % R);
+      const T* dk = dk_row(j);
+      const T* dv = dv_row(j);
+      for (index_t d = 0; d < Dk; ++d) d_initial_keys[slot * Dk + d] += dk[d];
+      for (index_t d = 0; d < Dv; ++d) d_initial_values[slot * Dv + d] += dv[d];
+    }
+}
+
+/// The forward's activations of one (batch, head) above level 0, kept for its
+/// backward (O(T / M (Dk + Dv)) values): the new c^(l) for l = 1..L and, for
+/// l < L, the level's window attention over its ring rows then its new tokens
+/// (queries, keys, values, outputs: prefix[l - 1] + lengths[l] rows).
+template <Real T>
+struct ConvCompressedLevels {
+  std::vector<std::vector<T>> compressed;                      // [L]: new c^(l), lengths[l] x Dv
+  std::vector<std::vector<T>> queries, keys, values, outputs;  // [L - 1]
+  std::vector<index_t> prefix;                                 // [L - 1]: ring rows first
+  std::vector<index_t> lengths;                                // [L + 1]: new tokens per level
+};
+
+/// Recomputes the levels above y^(0) (rows `y0_row(s)` of the sequence's T
+/// tokens) for head h, continuing `states` (a whole sequence by default).
 template <bool Causal, Real T, class Y0Row>
 void conv_compressed_levels(Y0Row&& y0_row, index_t Tn, index_t h,
                             const ConvCompressedWeights<T>& w, T scale,
-                            const SlidingWindow& window, ConvCompressedLevels<T>& levels) {
+                            const SlidingWindow& window, ConvCompressedLevels<T>& levels,
+                            const ConvCompressedHeadStates<T>& states = {}) {
   const index_t Dk = w.key_dim, Dv = w.value_dim, M = w.group_size, L = w.levels;
+  const ConvLevelGeometry geometry(states.position, Tn, M, L);
   levels.compressed.resize(static_cast<std::size_t>(L));
   levels.queries.resize(static_cast<std::size_t>(L - 1));
   levels.keys.resize(static_cast<std::size_t>(L - 1));
   levels.values.resize(static_cast<std::size_t>(L - 1));
   levels.outputs.resize(static_cast<std::size_t>(L - 1));
-  levels.lengths.assign(1, Tn);
+  levels.prefix.assign(static_cast<std::size_t>(L - 1), 0);
+  levels.lengths = geometry.lengths;
   auto as_sequence = [](std::vector<T>& data, index_t n, index_t D) {
     return TensorView<T, 4>(data.data(), {1, n, 1, D});
   };
   for (index_t level = 1; level <= L; ++level) {
-    const index_t n = levels.lengths.back() / M;
-    levels.lengths.push_back(n);
+    const index_t n = levels.lengths[static_cast<std::size_t>(level)];
+    const index_t r = geometry.taps_before(level, M);  // taps summed before the sequence
     std::vector<T>& c = levels.compressed[static_cast<std::size_t>(level - 1)];
     c.assign(static_cast<std::size_t>(n * Dv), T(0));
-    auto source_row = [&](index_t s) -> const T* {
-      return level == 1 ? y0_row(s) : levels.outputs[static_cast<std::size_t>(level - 2)].data() + s * Dv;
+    auto source_row = [&](index_t s) -> const T* {  // new row s of y^(level - 1)
+      if (level == 1) return y0_row(s);
+      const auto below = static_cast<std::size_t>(level - 2);
+      return levels.outputs[below].data() + (levels.prefix[below] + s) * Dv;
     };
     for (index_t j = 0; j < n; ++j) {
+      T* cj = c.data() + j * Dv;
+      if (j == 0 && r > 0) std::copy_n(states.initial.group_sums + (level - 1) * Dv, Dv, cj);
       for (index_t i = 0; i < M; ++i)
-        conv_tap(w.conv(level, h) + i * Dv * Dv, source_row(j * M + i), c.data() + j * Dv, Dv, i == 0);
-      close_group(c.data() + j * Dv, w.bias(level, h), c.data() + j * Dv, Dv);
+        if (j * M + i >= r)  // tap i of group j is new row jM + i - r
+          conv_tap(w.conv(level, h) + i * Dv * Dv, source_row(j * M + i - r), cj, Dv, false);
+      close_group(cj, w.bias(level, h), cj, Dv);
     }
     if (level == L) break;
     const auto at = static_cast<std::size_t>(level - 1);
-    levels.queries[at].resize(static_cast<std::size_t>(n * Dk));
-    levels.keys[at].resize(static_cast<std::size_t>(n * Dk));
-    levels.values[at].resize(static_cast<std::size_t>(n * Dv));
-    levels.outputs[at].resize(static_cast<std::size_t>(n * Dv));
+    const std::int64_t before = geometry.before[static_cast<std::size_t>(level)];
+    const index_t pre = static_cast<index_t>(std::min<std::int64_t>(states.ring, before));
+    const index_t rows = pre + n;
+    levels.prefix[at] = pre;
+    levels.queries[at].resize(static_cast<std::size_t>(rows * Dk));
+    levels.keys[at].resize(static_cast<std::size_t>(rows * Dk));
+    levels.values[at].resize(static_cast<std::size_t>(rows * Dv));
+    levels.outputs[at].resize(static_cast<std::size_t>(rows * Dv));
+    if (pre > 0)
+      ring_rows_first(states.initial.window_keys + level * states.ring * Dk,
+                      states.initial.window_values + level * states.ring * Dv, states.ring,
+                      before, pre, Dk, Dv, [&](index_t j) { return levels.queries[at].data() + j * Dk; },
+                      [&](index_t j) { return levels.keys[at].data() + j * Dk; },
+                      [&](index_t j) { return levels.values[at].data() + j * Dv; });
     for (index_t j = 0; j < n; ++j) {
-      matvec(w.query_projection(level, h), c.data() + j * Dv, levels.queries[at].data() + j * Dk, Dk, Dv);
-      matvec(w.key_projection(level, h), c.data() + j * Dv, levels.keys[at].data() + j * Dk, Dk, Dv);
-      matvec(w.value_projection(level, h), c.data() + j * Dv, levels.values[at].data() + j * Dv, Dv, Dv);
+      const T* cj = c.data() + j * Dv;
+      matvec(w.query_projection(level, h), cj, levels.queries[at].data() + (pre + j) * Dk, Dk, Dv);
+      matvec(w.key_projection(level, h), cj, levels.keys[at].data() + (pre + j) * Dk, Dk, Dv);
+      matvec(w.value_projection(level, h), cj, levels.values[at].data() + (pre + j) * Dv, Dv, Dv);
     }
-    softmax_forward<Causal>(TensorView<const T, 4>(as_sequence(levels.queries[at], n, Dk)),
-                            TensorView<const T, 4>(as_sequence(levels.keys[at], n, Dk)),
-                            TensorView<const T, 4>(as_sequence(levels.values[at], n, Dv)),
-                            as_sequence(levels.outputs[at], n, Dv), scale, window);
+    if (rows > 0)
+      softmax_forward<Causal>(TensorView<const T, 4>(as_sequence(levels.queries[at], rows, Dk)),
+                              TensorView<const T, 4>(as_sequence(levels.keys[at], rows, Dk)),
+                              TensorView<const T, 4>(as_sequence(levels.values[at], rows, Dv)),
+                              as_sequence(levels.outputs[at], rows, Dv), scale, window);
   }
 }
 
@@ -415,36 +526,62 @@ struct ConvCompressedGradientLayout {
 /// ConvCompressedWeights' layout in double: the weights' gradients.
 using ConvCompressedWeightGradients = ConvCompressedWeights<double>;
 
+/// The gradient `dg` of level l's open group sum once the sequence is
+/// absorbed (the final state's group_sums row): its `taps` newest taps are
+/// rows n_below - taps + i of y^(l-1) when those are new, else (a group begun
+/// before the sequence) the initial group sum's, which gets dg whole.
+/// `tap_backward(i, s, dg)` runs tap i's backward on new row s.
+template <class T, class TapBackward>
+void open_group_backward(const T* dg, index_t taps, index_t n_below, index_t Dv, T* d_initial_sum,
+                         TapBackward&& tap_backward) {
+  for (index_t i = 0; i < taps; ++i)
+    if (n_below - taps + i >= 0) tap_backward(i, n_below - taps + i, dg);
+  if (n_below - taps < 0 && d_initial_sum != nullptr)
+    for (index_t d = 0; d < Dv; ++d) d_initial_sum[d] += dg[d];
+}
+
 /// The backward above level 0 for one (batch, head): given the recomputed
 /// `levels`, y^(0) rows and G rows, adds the cross read's and the levels'
 /// contributions to dy0 rows (which must hold G_t on entry: the residual) and
-/// to `dw` (null: weights' gradients not wanted).
+/// to `dw` (null: weights' gradients not wanted); with `states`, also the
+/// final state's gradient (rings above level 0, open groups, compressed
+/// store) and the initial state's (the same fields) as ConvCompressedHeadStates says.
 template <bool Causal, Real T, class Y0Row, class GRow, class DY0Row>
 void conv_compressed_levels_backward(Y0Row&& y0_row, GRow&& g_row, DY0Row&& dy0_row, index_t Tn,
                                      index_t h, const ConvCompressedWeights<T>& w, T scale,
                                      const SlidingWindow& window,
                                      const ConvCompressedLevels<T>& levels,
-                                     ConvCompressedWeightGradients* dw) {
+                                     ConvCompressedWeightGradients* dw,
+                                     const ConvCompressedHeadStates<T>& states = {}) {
   const index_t Dk = w.key_dim, Dv = w.value_dim, M = w.group_size, L = w.levels;
+  const ConvLevelGeometry geometry(states.position, Tn, M, L);
   const index_t n_top = levels.lengths[static_cast<std::size_t>(L)];
+  const auto stored = static_cast<index_t>(geometry.before[static_cast<std::size_t>(L)]);
+  const index_t total = stored + n_top;  // compressed tokens once the sequence is absorbed
   const std::vector<T>& top = levels.compressed[static_cast<std::size_t>(L - 1)];
   using Field = std::vector<double> ConvCompressedWeightGradients::*;
   auto flat = [&](Field field, index_t offset) -> double* {
     return dw ? (dw->*field).data() + offset : nullptr;
   };
-  // Steps 3-4: the cross read over the top level.
-  std::vector<T> cross_k(static_cast<std::size_t>(n_top * Dk)), cross_v(static_cast<std::size_t>(n_top * Dv));
+  // Steps 3-4: the cross read over the stored then the new top-level tokens.
+  std::vector<T> cross_k(static_cast<std::size_t>(total * Dk)), cross_v(static_cast<std::size_t>(total * Dv));
   std::vector<T> d_cross_k(cross_k.size(), T(0)), d_cross_v(cross_v.size(), T(0));
+  if (stored > 0) {
+    std::copy_n(states.initial.compressed_keys, stored * Dk, cross_k.data());
+    std::copy_n(states.initial.compressed_values, stored * Dv, cross_v.data());
+  }
   for (index_t j = 0; j < n_top; ++j) {
-    matvec(w.cross_key_projection(h), top.data() + j * Dv, cross_k.data() + j * Dk, Dk, Dv);
-    matvec(w.cross_value_projection(h), top.data() + j * Dv, cross_v.data() + j * Dv, Dv, Dv);
+    matvec(w.cross_key_projection(h), top.data() + j * Dv, cross_k.data() + (stored + j) * Dk, Dk, Dv);
+    matvec(w.cross_value_projection(h), top.data() + j * Dv, cross_v.data() + (stored + j) * Dv, Dv, Dv);
   }
   const std::int64_t span = tokens_per_compressed_token(M, L);
   std::vector<T> query(static_cast<std::size_t>(Dk)), d_query(query.size()),
-      p(static_cast<std::size_t>(std::max<index_t>(n_top, 1)));
+      p(static_cast<std::size_t>(std::max<index_t>(total, 1)));
   const index_t projection_offset = h * Dk * Dv, value_offset = h * Dv * Dv;
   for (index_t t = 0; t < Tn; ++t) {
-    const index_t visible = Causal ? static_cast<index_t>(std::min<std::int64_t>(t / span, n_top)) : n_top;
+    const index_t visible =
+        Causal ? static_cast<index_t>(std::min<std::int64_t>((states.position + t) / span, total))
+               : total;
     if (visible == 0) continue;
     const T* y = y0_row(t);
     matvec(w.cross_query_projection(h), y, query.data(), Dk, Dv);
@@ -458,12 +595,21 @@ void conv_compressed_levels_backward(Y0Row&& y0_row, GRow&& g_row, DY0Row&& dy0_
     matvec_backward(w.cross_query_projection(h), y, d_query.data(), Dk, Dv, dy0_row(t),
                     flat(&ConvCompressedWeightGradients::cross_query, projection_offset));
   }
-  // The top level's compressed tokens, through the cross keys and values.
+  // The compressed store: the final state's gradient, the stored tokens' to the initial state's.
+  if (states.d_final.compressed_keys != nullptr)
+    for (index_t i = 0; i < total * Dk; ++i) d_cross_k[static_cast<std::size_t>(i)] += states.d_final.compressed_keys[i];
+  if (states.d_final.compressed_values != nullptr)
+    for (index_t i = 0; i < total * Dv; ++i) d_cross_v[static_cast<std::size_t>(i)] += states.d_final.compressed_values[i];
+  if (states.d_initial.compressed_keys != nullptr) {
+    for (index_t i = 0; i < stored * Dk; ++i) states.d_initial.compressed_keys[i] += d_cross_k[static_cast<std::size_t>(i)];
+    for (index_t i = 0; i < stored * Dv; ++i) states.d_initial.compressed_values[i] += d_cross_v[static_cast<std::size_t>(i)];
+  }
+  // The new top-level compressed tokens, through the cross keys and values.
   std::vector<T> dc(static_cast<std::size_t>(n_top * Dv), T(0));
   for (index_t j = 0; j < n_top; ++j) {
-    matvec_backward(w.cross_key_projection(h), top.data() + j * Dv, d_cross_k.data() + j * Dk, Dk,
+    matvec_backward(w.cross_key_projection(h), top.data() + j * Dv, d_cross_k.data() + (stored + j) * Dk, Dk,
                     Dv, dc.data() + j * Dv, flat(&ConvCompressedWeightGradients::cross_key, projection_offset));
-    matvec_backward(w.cross_value_projection(h), top.data() + j * Dv, d_cross_v.data() + j * Dv,
+    matvec_backward(w.cross_value_projection(h), top.data() + j * Dv, d_cross_v.data() + (stored + j) * Dv,
                     Dv, Dv, dc.data() + j * Dv, flat(&ConvCompressedWeightGradients::cross_value, value_offset));
   }
   const ConvCompressedGradientLayout layout{w.heads, Dk, Dv, M, L};
@@ -475,41 +621,64 @@ void conv_compressed_levels_backward(Y0Row&& y0_row, GRow&& g_row, DY0Row&& dy0_
   for (index_t level = L; level >= 1; --level) {
     const index_t n = levels.lengths[static_cast<std::size_t>(level)];
     const index_t n_below = levels.lengths[static_cast<std::size_t>(level - 1)];
-    if (level > 1) dy.assign(static_cast<std::size_t>(n_below * Dv), T(0));
+    const index_t r = geometry.taps_before(level, M);
+    const auto below = static_cast<std::size_t>(level - 2);  // level - 1's activations (level > 1)
+    const index_t pre = level > 1 ? levels.prefix[below] : 0;
+    if (level > 1) dy.assign(static_cast<std::size_t>((pre + n_below) * Dv), T(0));
     auto source_row = [&](index_t s) -> const T* {
-      return level == 1 ? y0_row(s) : levels.outputs[static_cast<std::size_t>(level - 2)].data() + s * Dv;
+      return level == 1 ? y0_row(s) : levels.outputs[below].data() + (pre + s) * Dv;
     };
-    auto d_source_row = [&](index_t s) -> T* { return level == 1 ? dy0_row(s) : dy.data() + s * Dv; };
+    auto d_source_row = [&](index_t s) -> T* { return level == 1 ? dy0_row(s) : dy.data() + (pre + s) * Dv; };
+    auto tap_backward = [&](index_t i, index_t s, const T* dcj) {
+      matvec_backward(w.conv(level, h) + i * Dv * Dv, source_row(s), dcj, Dv, Dv, d_source_row(s),
+                      flat(&ConvCompressedWeightGradients::conv_weight, layout.conv(level, h) + i * Dv * Dv));
+    };
+    T* d_initial_sum =
+        states.d_initial.group_sums != nullptr ? states.d_initial.group_sums + (level - 1) * Dv : nullptr;
     for (index_t j = 0; j < n; ++j) {
       const T* dcj = dc.data() + j * Dv;
       if (dw)
         for (index_t o = 0; o < Dv; ++o) dw->conv_bias[static_cast<std::size_t>(layout.bias(level, h) + o)] += dcj[o];
       for (index_t i = 0; i < M; ++i)
-        matvec_backward(w.conv(level, h) + i * Dv * Dv, source_row(j * M + i), dcj, Dv, Dv,
-                        d_source_row(j * M + i),
-                        flat(&ConvCompressedWeightGradients::conv_weight, layout.conv(level, h) + i * Dv * Dv));
+        if (j * M + i >= r) tap_backward(i, j * M + i - r, dcj);
+      if (j == 0 && r > 0 && d_initial_sum != nullptr)  // the initial open group closed here
+        for (index_t o = 0; o < Dv; ++o) d_initial_sum[o] += dcj[o];
     }
+    if (states.d_final.group_sums != nullptr)
+      open_group_backward(states.d_final.group_sums + (level - 1) * Dv, geometry.taps_after(level, M),
+                          n_below, Dv, d_initial_sum, tap_backward);
     if (level == 1) break;
-    // y^(level - 1) = window attention over level - 1's projections of c^(level - 1).
-    const auto at = static_cast<std::size_t>(level - 2);
-    dq_l.assign(static_cast<std::size_t>(n_below * Dk), T(0));
+    // y^(level - 1) = window attention over level - 1's ring rows then its new tokens.
+    const index_t rows = pre + n_below;
+    dq_l.assign(static_cast<std::size_t>(rows * Dk), T(0));
     dk_l.assign(dq_l.size(), T(0));
-    dv_l.assign(static_cast<std::size_t>(n_below * Dv), T(0));
-    softmax_backward<Causal>(
-        TensorView<const T, 4>(as_sequence(levels.queries[at], n_below, Dk)),
-        TensorView<const T, 4>(as_sequence(levels.keys[at], n_below, Dk)),
-        TensorView<const T, 4>(as_sequence(levels.values[at], n_below, Dv)),
-        TensorView<const T, 4>(as_sequence(dy, n_below, Dv)), as_sequence(dq_l, n_below, Dk),
-        as_sequence(dk_l, n_below, Dk), as_sequence(dv_l, n_below, Dv), scale, window);
-    const std::vector<T>& c = levels.compressed[at];
+    dv_l.assign(static_cast<std::size_t>(rows * Dv), T(0));
+    if (rows > 0)
+      softmax_backward<Causal>(
+          TensorView<const T, 4>(as_sequence(levels.queries[below], rows, Dk)),
+          TensorView<const T, 4>(as_sequence(levels.keys[below], rows, Dk)),
+          TensorView<const T, 4>(as_sequence(levels.values[below], rows, Dv)),
+          TensorView<const T, 4>(as_sequence(dy, rows, Dv)), as_sequence(dq_l, rows, Dk),
+          as_sequence(dk_l, rows, Dk), as_sequence(dv_l, rows, Dv), scale, window);
+    const index_t R = states.ring, ring_level = level - 1;
+    auto ring_of = [&](auto* keys, auto* values) {
+      return std::pair(keys ? keys + ring_level * R * Dk : nullptr, values ? values + ring_level * R * Dv : nullptr);
+    };
+    const auto [final_keys, final_values] = ring_of(states.d_final.window_keys, states.d_final.window_values);
+    const auto [initial_keys, initial_values] = ring_of(states.d_initial.window_keys, states.d_initial.window_values);
+    ring_gradients(final_keys, final_values, initial_keys, initial_values, R,
+                   geometry.before[static_cast<std::size_t>(level - 1)], pre, n_below, Dk, Dv,
+                   [&](index_t row) { return dk_l.data() + row * Dk; },
+                   [&](index_t row) { return dv_l.data() + row * Dv; });
+    const std::vector<T>& c = levels.compressed[below];
     dc.assign(static_cast<std::size_t>(n_below * Dv), T(0));
     for (index_t j = 0; j < n_below; ++j) {
       const T* cj = c.data() + j * Dv;
-      matvec_backward(w.query_projection(level - 1, h), cj, dq_l.data() + j * Dk, Dk, Dv,
+      matvec_backward(w.query_projection(level - 1, h), cj, dq_l.data() + (pre + j) * Dk, Dk, Dv,
                       dc.data() + j * Dv, flat(&ConvCompressedWeightGradients::level_query, layout.query(level - 1, h)));
-      matvec_backward(w.key_projection(level - 1, h), cj, dk_l.data() + j * Dk, Dk, Dv,
+      matvec_backward(w.key_projection(level - 1, h), cj, dk_l.data() + (pre + j) * Dk, Dk, Dv,
                       dc.data() + j * Dv, flat(&ConvCompressedWeightGradients::level_key, layout.query(level - 1, h)));
-      matvec_backward(w.value_projection(level - 1, h), cj, dv_l.data() + j * Dv, Dv, Dv,
+      matvec_backward(w.value_projection(level - 1, h), cj, dv_l.data() + (pre + j) * Dv, Dv, Dv,
                       dc.data() + j * Dv, flat(&ConvCompressedWeightGradients::level_value, layout.value(level - 1, h)));
     }
   }
@@ -536,43 +705,110 @@ struct ReferenceConvCompressedParts {
   static void head_backward(const T* y0, index_t y0_stride, const T* g, index_t g_stride, T* dy0,
                             index_t dy0_stride, index_t Tn, index_t h,
                             const ConvCompressedWeights<T>& w, T scale, const SlidingWindow& window,
-                            ConvCompressedLevels<T>& levels, ConvCompressedWeightGradients* dw) {
+                            ConvCompressedLevels<T>& levels, ConvCompressedWeightGradients* dw,
+                            const ConvCompressedHeadStates<T>& states) {
     auto y0_row = [&](index_t t) -> const T* { return y0 + t * y0_stride; };
-    conv_compressed_levels<Causal>(y0_row, Tn, h, w, scale, window, levels);
+    conv_compressed_levels<Causal>(y0_row, Tn, h, w, scale, window, levels, states);
     conv_compressed_levels_backward<Causal>(
         y0_row, [&](index_t t) { return g + t * g_stride; },
-        [&](index_t t) { return dy0 + t * dy0_stride; }, Tn, h, w, scale, window, levels, dw);
+        [&](index_t t) { return dy0 + t * dy0_stride; }, Tn, h, w, scale, window, levels, dw,
+        states);
   }
 };
 
-/// Whole-sequence backward: writes dq, dk, dv and accumulates the weights'
-/// gradients into `dw` (null: not wanted). `Parts` runs level 0's window
-/// attention (the T-sized part) and the loop over heads; the levels above and
-/// the cross read run here. Workspace: y^(0) and its gradient [B, T, H, Dv] and,
-/// per head in flight, the levels above, O(T / M (Dk + Dv)).
-template <bool Causal, class Parts, Real T>
+/// A whole sequence from position 0: no state read or given back.
+struct FreshConvCompressedStates {
+  static constexpr std::int64_t position = 0;
+  static constexpr index_t ring = 1;
+  template <Real T>
+  [[nodiscard]] ConvCompressedHeadStates<T> of(index_t, index_t) const noexcept { return {}; }
+};
+
+/// The backward: writes dq, dk, dv and accumulates the weights' gradients into
+/// `dw` (null: not wanted). `Parts` runs level 0's window attention (the
+/// T-sized part) and the loop over heads; the levels above and the cross read
+/// run in Parts::head_backward. `states` (causal only) gives P, R and each
+/// head's ConvCompressedHeadStates (`states.template of<T>(b, h)`): level 0's
+/// window then runs over the initial ring's last min(R, P) tokens and the
+/// sequence (those rows take no query), its ring's gradients are added here,
+/// the rest in head_backward. Workspace: y^(0) and its gradient [B, T, H, Dv]
+/// (with a ring: copies of q, k, v, their gradients, over min(R, P) + T rows)
+/// and, per head in flight, the levels above, O(T / M (Dk + Dv)).
+template <bool Causal, class Parts, Real T, class States = FreshConvCompressedStates>
 void conv_compressed_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
                               TensorView<const T, 4> v, TensorView<const T, 4> d_out,
                               TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,
                               const ConvCompressedWeights<T>& w, T scale,
-                              const SlidingWindow& window, ConvCompressedWeightGradients* dw) {
-  const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), Dv = w.value_dim;
+                              const SlidingWindow& window, ConvCompressedWeightGradients* dw,
+                              const States& states = {}) {
+  const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), Dk = w.key_dim, Dv = w.value_dim;
   if (B == 0 || Tn == 0) return;
-  std::vector<T> y0_data(static_cast<std::size_t>(B * Tn * H * Dv)), dy0_data(y0_data.size());
-  const TensorView<T, 4> y0(y0_data.data(), {B, Tn, H, Dv}), dy0(dy0_data.data(), {B, Tn, H, Dv});
-  Parts::template window_forward<Causal>(q, k, v, y0, scale, window);
-  // One task per head (each writes only its head's weight gradients).
+  const std::int64_t P = states.position;
+  const index_t R = states.ring, pre = static_cast<index_t>(std::min<std::int64_t>(R, P));
+  const index_t rows = pre + Tn;  // level 0's window: the ring's tokens, then the sequence
+  auto size = [](index_t n) { return static_cast<std::size_t>(n); };
+  std::vector<T> y0_data(size(B * rows * H * Dv)), dy0_data(y0_data.size());
+  const TensorView<T, 4> y0(y0_data.data(), {B, rows, H, Dv}), dy0(dy0_data.data(), {B, rows, H, Dv});
+  // With a ring ahead: copies of q, k, v and their gradients over `rows` rows.
+  std::vector<T> copies(pre > 0 ? size(4 * B * rows * H * Dk + 2 * B * rows * H * Dv) : 0);
+  auto dense = [&](std::size_t offset, index_t D) { return TensorView<T, 4>(copies.data() + offset, {B, rows, H, D}); };
+  const std::size_t key_rows = size(B * rows * H * Dk), value_rows = size(B * rows * H * Dv);
+  const TensorView<T, 4> Xq = pre > 0 ? dense(0, Dk) : TensorView<T, 4>{};
+  const TensorView<T, 4> Xk = pre > 0 ? dense(key_rows, Dk) : TensorView<T, 4>{};
+  const TensorView<T, 4> Xv = pre > 0 ? dense(2 * key_rows, Dv) : TensorView<T, 4>{};
+  const TensorView<T, 4> dXq = pre > 0 ? dense(2 * key_rows + value_rows, Dk) : dq;
+  const TensorView<T, 4> dXk = pre > 0 ? dense(3 * key_rows + value_rows, Dk) : dk;
+  const TensorView<T, 4> dXv = pre > 0 ? dense(4 * key_rows + value_rows, Dv) : dv;
+  if (pre > 0)
+    for (index_t b = 0; b < B; ++b)
+      for (index_t h = 0; h < H; ++h) {
+        const ConvCompressedHeadStates<T> head = states.template of<T>(b, h);
+        ring_rows_first(head.initial.window_keys, head.initial.window_values, R, P, pre, Dk, Dv,
+                        [&](index_t j) { return Xq.row(b, j, h); }, [&](index_t j) { return Xk.row(b, j, h); },
+                        [&](index_t j) { return Xv.row(b, j, h); });
+        for (index_t t = 0; t < Tn; ++t) {
+          std::copy_n(q.row(b, t, h), Dk, Xq.row(b, pre + t, h));
+          std::copy_n(k.row(b, t, h), Dk, Xk.row(b, pre + t, h));
+          std::copy_n(v.row(b, t, h), Dv, Xv.row(b, pre + t, h));
+        }
+      }
+  const TensorView<const T, 4> window_q = pre > 0 ? TensorView<const T, 4>(Xq) : q;
+  const TensorView<const T, 4> window_k = pre > 0 ? TensorView<const T, 4>(Xk) : k;
+  const TensorView<const T, 4> window_v = pre > 0 ? TensorView<const T, 4>(Xv) : v;
+  Parts::template window_forward<Causal>(window_q, window_k, window_v, y0, scale, window);
+  // One task per head (each writes only its head's weight and state gradients).
   Parts::for_heads(H, [&](index_t h) {
     ConvCompressedLevels<T> levels;
     for (index_t b = 0; b < B; ++b) {
-      for (index_t t = 0; t < Tn; ++t) std::copy_n(d_out.row(b, t, h), Dv, dy0.row(b, t, h));
-      Parts::template head_backward<Causal>(y0.row(b, 0, h), y0.stride(1), d_out.row(b, 0, h),
-                                            d_out.stride(1), dy0.row(b, 0, h), dy0.stride(1), Tn,
-                                            h, w, scale, window, levels, dw);
+      for (index_t j = 0; j < pre; ++j) std::fill_n(dy0.row(b, j, h), Dv, T(0));
+      for (index_t t = 0; t < Tn; ++t) std::copy_n(d_out.row(b, t, h), Dv, dy0.row(b, pre + t, h));
+      Parts::template head_backward<Causal>(y0.row(b, pre, h), y0.stride(1), d_out.row(b, 0, h),
+                                            d_out.stride(1), dy0.row(b, pre, h), dy0.stride(1), Tn,
+                                            h, w, scale, window, levels, dw,
+                                            states.template of<T>(b, h));
     }
   });
-  Parts::template window_backward<Causal>(q, k, v, TensorView<const T, 4>(dy0), dq, dk, dv, scale,
+  Parts::template window_backward<Causal>(window_q, window_k, window_v,
+                                          TensorView<const T, 4>(dy0), dXq, dXk, dXv, scale,
                                           window);
+  if constexpr (Causal) {  // level 0's ring: the final one's gradient in, the initial one's out
+    for (index_t b = 0; b < B; ++b)
+      for (index_t h = 0; h < H; ++h) {
+        const ConvCompressedHeadStates<T> head = states.template of<T>(b, h);
+        ring_gradients(head.d_final.window_keys, head.d_final.window_values,
+                       head.d_initial.window_keys, head.d_initial.window_values, R, P, pre, Tn, Dk,
+                       Dv, [&](index_t row) { return dXk.row(b, row, h); },
+                       [&](index_t row) { return dXv.row(b, row, h); });
+      }
+  }
+  if (pre > 0)
+    for (index_t b = 0; b < B; ++b)
+      for (index_t t = 0; t < Tn; ++t)
+        for (index_t h = 0; h < H; ++h) {
+          std::copy_n(dXq.row(b, pre + t, h), Dk, dq.row(b, t, h));
+          std::copy_n(dXk.row(b, pre + t, h), Dk, dk.row(b, t, h));
+          std::copy_n(dXv.row(b, pre + t, h), Dv, dv.row(b, t, h));
+        }
 }
 
 }  // namespace latte::reference
