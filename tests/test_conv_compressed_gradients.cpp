@@ -13,6 +13,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "expect_error.hpp"
@@ -333,6 +334,44 @@ TEST_CASE("conv-compression backward: empty sequences, and bad gradient buffers 
       none_dk({1, 0, 2, 3}), none_dv({1, 0, 2, 4});
   attention.backward(exec::reference, none_q.cview(), none_q.cview(), none_v.cview(), none_v.cview(),
                      ConvCompressedGradients<float>{none_dq.view(), none_dk.view(), none_dv.view()});
+
+  // States: each of the wrong kind or size, too small, or shared, is refused by name.
+  auto with_states = [&](const ConvCompressedStateGradients<float>& states) {
+    attention.backward(exec::cpu, q.cview(), k.cview(), v.cview(), g.cview(), valid(), states);
+  };
+  const ConvCompressedDims wider{.heads = 2, .key_dim = 3, .value_dim = 5, .group_size = 2, .levels = 2};
+  const auto other_state = ConvCompressedAttention<Causal>(wider, ConvCompressedParams::zeros(wider))
+                         .make_state<float>(1, 16);
+  auto state = attention.make_state<float>(1, 16), small = attention.make_state<float>(1, 8);
+  auto d_state = attention.make_state<float>(1, 16);
+  expect_error([&] { with_states({.initial = &other_state}); }, "states.initial", "");
+  expect_error([&] { with_states({.initial = &state, .d_final = &small}); }, "states.d_final", "");
+  expect_error([&] { with_states({.d_final = &other_state}); }, "states.d_final", "");
+  expect_error([&] { with_states({.initial = &state, .d_initial = &state}); }, "states.d_initial", "");
+  expect_error([&] { with_states({.d_final = &d_state, .d_initial = &d_state}); }, "states.d_initial", "");
+  Tensor<float, 4> out({1, 6, 2, 4});
+  attention.forward(exec::cpu, q.cview(), k.cview(), v.cview(), out.view(), small);  // 6 of 8 tokens
+  expect_error([&] { with_states({.initial = &small}); }, "state", "context_capacity");
+  auto tiny = attention.make_state<float>(1, 4);
+  expect_error([&] { with_states({.d_final = &tiny}); }, "states.d_final", "context_capacity");
+
+  // T = 0: the initial state's gradient is d_final's on the slots that hold a
+  // token (6 tokens, M = 2, ring 2: level 0's slots 0-1, level 1's (3 tokens)
+  // slots 0-1, no open group, one compressed token), zero elsewhere.
+  auto d_final = small, d_initial = attention.make_state<float>(1, 8);
+  for (int field = 0; field < 5; ++field) std::fill_n(d_final.field(field), d_final.field_size(field), 2.5f);
+  attention.backward(exec::cpu, none_q.cview(), none_q.cview(), none_v.cview(), none_v.cview(),
+                     ConvCompressedGradients<float>{none_dq.view(), none_dk.view(), none_dv.view()},
+                     ConvCompressedStateGradients<float>{.initial = &small, .d_final = &d_final,
+                                                         .d_initial = &d_initial});
+  CHECK(d_initial.position() == 6);
+  const auto carry = std::as_const(d_initial).carry(0, 1);
+  CHECK(carry.window_keys[0] == 2.5f);
+  CHECK(carry.window_values[2 * 4 + 4 + 3] == 2.5f);  // level 1, slot 1, last element
+  CHECK(carry.group_sums[0] == 0.0f);                  // level 1's group: 6 = 3 x 2, closed
+  CHECK(carry.group_sums[4] == 2.5f);                  // level 2's group: 3 tokens, 1 tap open
+  CHECK(carry.compressed_keys[0] == 2.5f);             // floor(6 / 4) = 1 stored token
+  CHECK(carry.compressed_keys[3] == 0.0f);             // slot 1: empty
 }
 
 }  // namespace test_conv_compressed_gradients
