@@ -1414,6 +1414,50 @@ void conv_compressed(Fuzz& fuzz, const Sizes& s) {
                  c.inputs[2].cview(), c.out.view());
         },
         [&](std::span<const std::byte> bytes) { return a.template load_state<T>(bytes); });
+    if (fuzz.coin(4)) {  // backward from a state and to its gradient (training in chunks)
+      using State = typename latte::ConvCompressedAttention<Dir>::template State<T>;
+      std::optional<State> initial, d_final, d_initial;
+      const index_t prelude = fuzz.parameter(0, 12);
+      if (!attempt([&] {
+            initial.emplace(make(s.batch));
+            d_final.emplace(a.template make_state<T>(s.batch, fuzz.coin(4) ? capacity + 1 : capacity));
+            d_initial.emplace(make(1));
+            latte::Tensor<T, 4> q({s.batch, prelude, s.heads, resolved.key_dim});
+            latte::Tensor<T, 4> v({s.batch, prelude, s.heads, resolved.value_dim}), out(v.extents());
+            for (index_t i = 0; i < q.size(); ++i) q.data()[i] = T(0.25) * std::sin(T(i));
+            for (index_t i = 0; i < v.size(); ++i) v.data()[i] = std::cos(T(i));
+            a.forward(latte::exec::reference, q.cview(), q.cview(), v.cview(), out.view(), *initial);
+            for (int field = 0; field < 5; ++field)
+              std::fill_n(d_final->field(field), d_final->field_size(field), T(0.5));
+          }, state_demand(s.batch) |
+                 demand({s.batch, prelude, s.heads, resolved.key_dim + resolved.value_dim}, sizeof(T))))
+        return;
+      const int shape = fuzz.in().template ConsumeIntegralInRange<int>(0, 3);
+      const latte::ConvCompressedStateGradients<T> states{
+          .initial = shape == 3 ? nullptr : &*initial,
+          .d_final = shape == 1 ? nullptr : &*d_final,
+          .d_initial = shape == 2 ? &*initial : &*d_initial};  // 2: d_initial is initial (refused)
+      const bool on_cpu = fuzz.coin(2);
+      drive_self_backward<T>(fuzz, f, s.batch, s.time, s.heads, tame(given_scale) ? 1e2 : 0,
+                             "ConvCompressedAttention backward with states",
+                             [&](auto& c, auto& second, auto& third) {
+                               const latte::ConvCompressedGradients<T> gradients{
+                                   c.out.view(), second.out.view(), third.out.view()};
+                               if (on_cpu)
+                                 a.backward(latte::exec::cpu, c.inputs[0].cview(), c.inputs[1].cview(),
+                                            c.inputs[2].cview(), c.inputs[3].cview(), gradients, states);
+                               else
+                                 a.backward(latte::exec::reference, c.inputs[0].cview(),
+                                            c.inputs[1].cview(), c.inputs[2].cview(),
+                                            c.inputs[3].cview(), gradients, states);
+                               if (shape == 2) fail("ConvCompressedAttention backward: d_initial = initial accepted");
+                               for (int field = 0; field < 5; ++field)
+                                 for (std::size_t i = 0; i < d_initial->field_size(field); ++i)
+                                   if (!std::isfinite(static_cast<double>(d_initial->field(field)[i])) &&
+                                       tame(given_scale))
+                                     fail("ConvCompressedAttention backward: a state gradient is not finite");
+                             });
+    }
     drive_packed<T, 3>(fuzz, f, s.time, s.heads, "ConvCompressedAttention forward_packed", a, make, state_demand);
     if (fuzz.coin(2)) drive_pool<T, 3>(fuzz, f, s.heads, "ConvCompressedAttention StatePool", a, capacity);
   }

@@ -278,10 +278,15 @@ struct LayerProblem {
     d_out = random_tensor<T, 3>(rng, {s.batch, s.time, s.model_dim}, 1.0);
   }
   template <class E>
-  void run(E e) {
+  void run(E e, const typename Layer::StateGradients* states = nullptr) {
     d_x = Tensor<T, 3>(x.extents());
     d_weights = layer->zero_weights();
-    layer->backward(e, x.cview(), d_out.cview(), d_x.view(), &d_weights);
+    if constexpr (Layer::trains_in_chunks) {
+      if (states) layer->backward(e, x.cview(), d_out.cview(), d_x.view(), &d_weights, *states);
+      else layer->backward(e, x.cview(), d_out.cview(), d_x.view(), &d_weights);
+    } else {
+      layer->backward(e, x.cview(), d_out.cview(), d_x.view(), &d_weights);
+    }
     attention_gradients = Mechanism::template parameter_gradients<T>(d_weights.attention);
   }
   struct Loss {
@@ -383,6 +388,97 @@ void layer_cases(std::uint64_t seed) {
   }
 }
 
+/// A fresh state of `layer` for `batch` sequences (conv-compression's holds `capacity` tokens).
+template <class Layer>
+typename Layer::State fresh_state(const Layer& layer, index_t batch, index_t capacity) {
+  if constexpr (requires { layer.attention().template make_state<typename Layer::scalar_type>(batch); })
+    return layer.make_state(batch);
+  else return layer.make_state(batch, capacity);
+}
+
+/// Training a layer in chunks: the backward over [0, T) from `start` (a state
+/// after a prelude of 4 tokens, so the mixer's history and the mechanism's
+/// state are not zero) equals three chunks' backwards chained through the
+/// layer's state gradients (the mechanism's and the mixer's): d_x joined in
+/// time, every weight's gradient summed over the chunks.
+template <class T, class Mechanism, class Mixer, class E>
+void check_layer_chunks(E e, std::uint64_t seed, index_t c1, index_t c2) {
+  using P = LayerProblem<T, Mechanism, Mixer>;
+  using Layer = typename P::Layer;
+  Rng rng(seed);
+  const LayerShape s{2, 19, 2, 3, 2, 4, 5, 3};
+  P whole(rng, s);
+  const Layer& layer = *whole.layer;
+  const index_t prelude = 4;
+  typename Layer::State start = fresh_state(layer, s.batch, prelude + s.time);
+  const Tensor<T, 3> before = random_tensor<T, 3>(rng, {s.batch, prelude, s.model_dim}, 1.0);
+  Tensor<T, 3> before_out(before.extents());
+  layer.forward(e, before.cview(), before_out.view(), start);
+  const typename Layer::StateGradients from_start{.initial = &start};
+  whole.run(e, &from_start);
+
+  const std::array<index_t, 4> borders{0, c1, c2, s.time};
+  std::vector<P> chunks(3, whole);
+  std::vector<typename Layer::State> states{start};
+  auto slice = [](const Tensor<T, 3>& x, index_t from, index_t count) {
+    Tensor<T, 3> out({x.extent(0), count, x.extent(2)});
+    for (index_t b = 0; b < x.extent(0); ++b)
+      for (index_t t = 0; t < count; ++t)
+        for (index_t c = 0; c < x.extent(2); ++c) out(b, t, c) = x(b, from + t, c);
+    return out;
+  };
+  for (std::size_t i = 0; i < 3; ++i) {
+    chunks[i].x = slice(whole.x, borders[i], borders[i + 1] - borders[i]);
+    chunks[i].d_out = slice(whole.d_out, borders[i], borders[i + 1] - borders[i]);
+    typename Layer::State state = states.back();
+    Tensor<T, 3> out(chunks[i].x.extents());
+    layer.forward(e, chunks[i].x.cview(), out.view(), state);
+    states.push_back(state);
+  }
+  std::vector<typename Layer::State> d_states(3, fresh_state(layer, s.batch, prelude + s.time));
+  for (std::size_t i = 3; i-- > 0;) {
+    const typename Layer::StateGradients ends{.initial = &states[i],
+                                              .d_final = i == 2 ? nullptr : &d_states[i + 1],
+                                              .d_initial = &d_states[i]};
+    chunks[i].run(e, &ends);
+  }
+  const double bound = 50 * Tolerance<T>::relative;
+  long double worst = 0, largest = 0;
+  for (index_t b = 0; b < s.batch; ++b)
+    for (std::size_t i = 0; i < 3; ++i)
+      for (index_t t = 0; t < chunks[i].x.extent(1); ++t)
+        for (index_t c = 0; c < s.model_dim; ++c) {
+          const long double expected = whole.d_x(b, borders[i] + t, c);
+          worst = std::max(worst, std::fabs((long double)chunks[i].d_x(b, t, c) - expected));
+          largest = std::max(largest, std::fabs(expected));
+        }
+  CHECK(static_cast<double>(worst / largest) <= bound);
+  const auto expected = whole.gradients();
+  const std::vector<std::string> names = whole.names();
+  for (std::size_t g = 1; g < expected.size(); ++g) {  // every weight: summed over the chunks
+    CAPTURE(names[g]);
+    long double error = 0, scale = 0;
+    for (std::size_t j = 0; j < expected[g].size(); ++j) {
+      long double summed = 0;
+      for (const P& chunk : chunks) summed += chunk.gradients()[g][j];
+      error = std::max(error, std::fabs(summed - expected[g][j]));
+      scale = std::max(scale, std::fabs((long double)expected[g][j]));
+    }
+    CHECK(static_cast<double>(error / std::max(scale, 1e-30L)) <= bound);
+  }
+}
+
+template <class T, class Mechanism, class Mixer>
+void layer_chunk_cases(std::uint64_t seed) {
+  for (const auto& cuts : {std::pair<index_t, index_t>{1, 2}, {6, 13}, {0, 18}}) {
+    const index_t c1 = cuts.first, c2 = cuts.second;  // names clang 14 can capture
+    CAPTURE(c1);
+    CAPTURE(c2);
+    check_layer_chunks<T, Mechanism, Mixer>(exec::cpu, seed, c1, c2);
+    check_layer_chunks<T, Mechanism, Mixer>(exec::reference, seed + 1, c1, c2);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("ShortConv backward matches the oracle's gradients") {
@@ -420,6 +516,33 @@ TEST_CASE("token mixer backward: bad buffers are refused by name") {
   bad_rglru.lambda = Tensor<float, 1>({C + 1});
   expect_error([&] { RGLRU::backward(rglru, x.cview(), d_y.cview(), d_x.view(), &bad_rglru); },
                "d_mixer.lambda", "");
+  // States of another batch or width are refused by name.
+  const auto conv_state = ShortConv<3>::make_state(bad_conv, 2);  // C + 1 channels
+  expect_error([&] {
+    ShortConv<3>::backward(conv, x.cview(), d_y.cview(), d_x.view(), nullptr, {.initial = &conv_state});
+  }, "states.initial.mixer.history", "");
+  const auto rglru_state = RGLRU::make_state(rglru, 1);  // batch 1
+  expect_error([&] {
+    RGLRU::backward(rglru, x.cview(), d_y.cview(), d_x.view(), nullptr, {.d_final = &rglru_state});
+  }, "states.d_final.mixer.hidden", "");
+}
+
+TEST_CASE("AttentionLayer training in chunks: backward chained through the layer's state gradients equals the whole backward") {
+  static_assert(!AttentionLayer<SoftmaxAttention<Causal>, NoMixer, double>::trains_in_chunks);
+  static_assert(!AttentionLayer<LatteAttention<Bidirectional>, NoMixer, double>::trains_in_chunks);
+  SUBCASE("Latte + RG-LRU") { layer_chunk_cases<double, LatteMechanism<Causal>, RGLRU>(700); }
+  SUBCASE("Latte with VAPOR + ShortConv") {
+    layer_chunk_cases<double, LatteMechanism<Causal, VAPOR>, ShortConv<3>>(702);
+    layer_chunk_cases<float, LatteMechanism<Causal, VAPOR>, ShortConv<3>>(704);
+  }
+  SUBCASE("Macchiato + RG-LRU") { layer_chunk_cases<double, MacchiatoMechanism<Causal, VAPOR>, RGLRU>(706); }
+  SUBCASE("linear elu + 1 + ShortConv") { layer_chunk_cases<double, LinearMechanism<Causal>, ShortConv<3>>(708); }
+  SUBCASE("LeaPformer (LeaP modules)") { layer_chunk_cases<double, LeaPMechanism<Causal>, NoMixer>(710); }
+  SUBCASE("LAVO + ShortConv<4>") { layer_chunk_cases<double, LavoMechanism<Causal>, ShortConv<4>>(712); }
+  SUBCASE("conv-compression + RG-LRU") {
+    layer_chunk_cases<double, ConvCompressedMechanism<Causal>, RGLRU>(714);
+    layer_chunk_cases<float, ConvCompressedMechanism<Causal>, RGLRU>(716);
+  }
 }
 
 TEST_CASE("AttentionLayer backward matches the layer oracle's gradients") {

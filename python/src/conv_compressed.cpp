@@ -134,6 +134,10 @@ struct ConvCompressedTraits {
   static ConvCompressedGradients<T> gradients(const std::array<TensorView<T, 4>, 3>& d, ConvCompressedParams& p) {
     return {.d_queries = d[0], .d_keys = d[1], .d_values = d[2], .d_params = &p};
   }
+  template <Real T>
+  static ConvCompressedStateGradients<T> state_gradients(const ConvCompressedState<T>* initial) {
+    return {.initial = initial};
+  }
   static void append_parameter_gradients(nb::list& result, const ConvCompressedParams& p) {
     result.append(params_dict(p));
   }
@@ -182,7 +186,9 @@ void bind_conv_compressed(nb::module_& m) {
       "level_key (L - 1 of [H, Dk, Dv]), level_value (L - 1 of [H, Dv, Dv]), cross_query / cross_key "
       "[H, Dk, Dv], cross_value [H, Dv, Dv]; one left out is zero. Window: t - window_left <= s <= t + "
       "window_right (defaults M - 1 and 0 causal / M - 1 bidirectional). backward returns (d_queries, "
-      "d_keys, d_values, d_params), d_params a dict of the weights' float64 gradients shaped as `params`.");
+      "d_keys, d_values, d_params), d_params a dict of the weights' float64 gradients shaped as `params`; "
+      "causal, with initial_state / d_final_state, then d_initial_state (every level's ring, the open "
+      "groups' sums and the compressed store; slots that hold no token get 0).");
   cls.def(
          "__init__",
          [](PyConvCompressed* self, index_t heads, index_t key_dim, index_t value_dim, index_t group_size,

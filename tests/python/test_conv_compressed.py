@@ -215,6 +215,46 @@ def test_backward_along_random_directions_with_every_weight(dtype, causal, level
     assert directional_error(f, d_inputs + flat(d_params), directions) <= GRADIENT_TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("levels", [1, 2])
+@pytest.mark.parametrize("exec_", ["cpu", "reference"])
+def test_chunks_chained_through_state_gradients_match_the_definition(dtype, levels, exec_):
+    """Training in chunks: forwards chunk by chunk from a fresh state, then backwards last
+    chunk first, each with the state it started from and the next chunk's d_initial_state as
+    its d_final_state; the pieces are the whole sequence's gradient, checked along random
+    directions of the definition (every weight too)."""
+    B, T, H, Dk, Dv, M = 2, 23, 2, 3, 4, 2
+    params = random_params(H, Dk, Dv, M, levels, dtype)
+    attention = latte.ConvCompressedAttention(H, Dk, Dv, M, levels=levels, window_left=3, **params)
+    x = inputs(B, T, H, Dk, Dv, dtype)
+    d_out = RNG.uniform(-1, 1, x[2].shape).astype(dtype)
+    bounds = [0, 5, 6, 15, T]  # groups of both levels open at every cut
+    states = [attention.make_state(B, T, dtype=np.dtype(dtype).name)]
+    for lo, hi in zip(bounds, bounds[1:]):
+        states.append(states[-1].copy())
+        attention.forward(*(a[:, lo:hi] for a in x), state=states[-1], exec=exec_)
+    d_state, pieces = None, []
+    for i in reversed(range(len(bounds) - 1)):
+        lo, hi = bounds[i], bounds[i + 1]
+        *gradients, d_state = attention.backward(*(a[:, lo:hi] for a in x), d_out[:, lo:hi],
+                                                 initial_state=states[i], d_final_state=d_state, exec=exec_)
+        assert d_state.position == lo
+        pieces.insert(0, gradients)
+    d_inputs = [np.concatenate([p[i] for p in pieces], axis=1) for i in range(3)]
+    d_params = [sum(arrays) for arrays in zip(*(flat(p[3]) for p in pieces))]
+    point = [a.astype(np.float64) for a in x] + flat(params)
+    directions = [RNG.normal(size=a.shape) for a in point]
+
+    def f(t):
+        q, k, v, *weights = (a + t * dd for a, dd in zip(point, directions))
+        out, _ = conv_compressed_definition(q, k, v, unflat(weights, params), M, levels, True, (3, 0))
+        return (out * d_out).sum()
+
+    assert directional_error(f, d_inputs + d_params, directions) <= GRADIENT_TOLERANCE[dtype]
+    fields = d_state.fields()  # the fresh state's gradient: nothing lives in it
+    assert all(np.all(a == 0) for a in fields.values())
+
+
 def test_bad_input_is_refused_by_name():
     H, Dk, Dv, M = 2, 3, 4, 2
     params = random_params(H, Dk, Dv, M, 2)

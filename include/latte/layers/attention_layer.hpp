@@ -20,6 +20,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <random>
 #include <string>
 #include <type_traits>
@@ -57,6 +58,11 @@ class AttentionLayer {
         Mixer::backward(w, x, x, y, d);
         Mixer::zeros_like(w);
       };
+  /// The layer trains in chunks: causal, with a mechanism whose backward takes
+  /// states (not softmax: its KV cache needs no gradient).
+  static constexpr bool trains_in_chunks =
+      trainable && Attention::direction::is_causal &&
+      requires { typename Attention::template StateGradients<Scalar>; };
   using mixer_type = Mixer;
   using scalar_type = Scalar;
   /// Row-major weight matrix [in, out].
@@ -85,6 +91,18 @@ class AttentionLayer {
     Tensor<Scalar, 2> mixed;                             ///< y_t [B, model_dim]
     std::array<Tensor<Scalar, 3>, input_count> projected;  ///< a_i [B, H, width_i]
     Tensor<Scalar, 3> attended;                          ///< o_t [B, H, Dv]
+  };
+
+  /// A causal layer's states in a backward (training in chunks): the state the
+  /// forward started from (null: a fresh one), the gradient of the state it
+  /// left (null: zero; a State of this layer holding the mechanism's and the
+  /// mixer's gradients, as their own StateGradients say) and, written when not
+  /// null, the gradient of the initial state (make it with make_state; it takes
+  /// initial's sizes and position).
+  struct StateGradients {
+    const State* initial = nullptr;
+    const State* d_final = nullptr;
+    State* d_initial = nullptr;
   };
 
   AttentionLayer(Attention attention, index_t model_dim, Weights weights)
@@ -248,18 +266,43 @@ class AttentionLayer {
     requires trainable
   void backward(E e, TensorView<const Scalar, 3> x, TensorView<const Scalar, 3> d_out,
                 TensorView<Scalar, 3> d_x, Weights* d_weights = nullptr) const {
+    run_backward(e, x, d_out, d_x, d_weights, nullptr);
+  }
+
+  /// The same for a forward that continued from `states.initial` (training in
+  /// chunks): also writes the gradient of the initial state into
+  /// `states.d_initial` (the mechanism's and the mixer's), given the gradient of
+  /// the state the forward left. Backward over chunks chained through these
+  /// equals the backward over the whole sequence.
+  template <exec::Policy E>
+    requires trains_in_chunks
+  void backward(E e, TensorView<const Scalar, 3> x, TensorView<const Scalar, 3> d_out,
+                TensorView<Scalar, 3> d_x, Weights* d_weights, const StateGradients& states) const {
+    run_backward(e, x, d_out, d_x, d_weights, &states);
+  }
+
+ private:
+  template <exec::Policy E>
+  void run_backward(E e, TensorView<const Scalar, 3> x, TensorView<const Scalar, 3> d_out,
+                    TensorView<Scalar, 3> d_x, Weights* d_weights, const StateGradients* states) const {
     static_assert(host_backend<E>, "layers hold their weights in host memory; exec::cuda layers are not implemented");
     validate_backward(x, d_out, d_x, d_weights);
     const index_t B = x.extent(0), Tn = x.extent(1), H = Inputs::heads(attention_);
-    if (B == 0 || Tn == 0) return;
+    if (states) validate_state_gradients(*states, B);
+    if (B == 0 || (Tn == 0 && states == nullptr)) return;
     check_workspace(B, Tn);
     const auto inputs = Inputs::inputs(attention_);
     const index_t Dv = Inputs::value_dim(attention_);
+    // The forward again, from a copy of the initial state when there is one.
+    std::optional<State> replay;
+    if (states && states->initial) replay.emplace(*states->initial);
+    State* from = replay ? &*replay : nullptr;
+    if (states && states->d_initial && states->initial) *states->d_initial = *states->initial;
     Tensor<Scalar, 3> mixed;
     std::array<Tensor<Scalar, 4>, input_count> projected, d_projected;
-    project(x, mixed, projected, nullptr);
+    project(x, mixed, projected, from);
     Tensor<Scalar, 4> attended({B, Tn, H, Dv}), d_attended({B, Tn, H, Dv});
-    call_forward(e, projected, attended, nullptr, std::make_index_sequence<input_count>{});
+    call_forward(e, projected, attended, from, std::make_index_sequence<input_count>{});
     for (index_t b = 0; b < B; ++b) {  // out = o W_o: d_o = d_out W_o^T, dW_o += o^T d_out
       const ConstRows g(d_out.row(b, index_t{0}), Tn, model_dim_, Eigen::OuterStride<>(d_out.stride(1)));
       Rows(d_attended.view().row(b, index_t{0}, index_t{0}), Tn, H * Dv, Eigen::OuterStride<>(H * Dv))
@@ -271,7 +314,7 @@ class AttentionLayer {
     }
     for (std::size_t i = 0; i < input_count; ++i)
       d_projected[i] = Tensor<Scalar, 4>(projected[i].extents());
-    call_backward(e, projected, d_attended, d_projected, d_weights,
+    call_backward(e, projected, d_attended, d_projected, d_weights, states,
                   std::make_index_sequence<input_count>{});
     // a_i = src_i W_i: d_src_i += d_a_i W_i^T, dW_i += src_i^T d_a_i.
     Tensor<Scalar, 3> d_mixed({B, Mixer::mixes ? Tn : 0, Mixer::mixes ? model_dim_ : 0});
@@ -297,8 +340,18 @@ class AttentionLayer {
     }
     if constexpr (Mixer::mixes) {  // y = mixer(x): d_x += the mixer's backward of d_y
       Tensor<Scalar, 3> d_x_mixer({B, Tn, model_dim_});
-      Mixer::backward(weights_.mixer, x, d_mixed.cview(), d_x_mixer.view(),
-                      d_weights ? &d_weights->mixer : nullptr);
+      if (states) {
+        using MixerState = typename Mixer::template State<Scalar>;
+        const MixerStateGradients<MixerState> mixer_states{
+            states->initial ? &states->initial->mixer : nullptr,
+            states->d_final ? &states->d_final->mixer : nullptr,
+            states->d_initial ? &states->d_initial->mixer : nullptr};
+        Mixer::backward(weights_.mixer, x, d_mixed.cview(), d_x_mixer.view(),
+                        d_weights ? &d_weights->mixer : nullptr, mixer_states);
+      } else {
+        Mixer::backward(weights_.mixer, x, d_mixed.cview(), d_x_mixer.view(),
+                        d_weights ? &d_weights->mixer : nullptr);
+      }
       for (index_t b = 0; b < B; ++b)
         Rows(d_x.row(b, index_t{0}), Tn, model_dim_, Eigen::OuterStride<>(d_x.stride(1))) +=
             ConstRows(d_x_mixer.view().row(b, index_t{0}), Tn, model_dim_,
@@ -306,6 +359,7 @@ class AttentionLayer {
     }
   }
 
+ public:
   // Tag-less overloads run the mechanism's default backend (exec::cpu where it has one).
   void forward(TensorView<const Scalar, 3> x, TensorView<Scalar, 3> out) const {
     forward(default_exec{}, x, out);
@@ -432,10 +486,45 @@ class AttentionLayer {
   void call_backward(E e, const std::array<Tensor<Scalar, 4>, input_count>& projected,
                      const Tensor<Scalar, 4>& d_attended,
                      std::array<Tensor<Scalar, 4>, input_count>& d_projected, Weights* d_weights,
-                     std::index_sequence<I...>) const {
+                     const StateGradients* states, std::index_sequence<I...>) const {
     typename Attention::template Gradients<Scalar> gradients{d_projected[I].view()...};
     if (d_weights) Parameters::template attach<Scalar>(d_weights->attention, gradients);
+    if constexpr (trains_in_chunks) {
+      if (states) {
+        const typename Attention::template StateGradients<Scalar> attention_states{
+            states->initial ? &states->initial->attention : nullptr,
+            states->d_final ? &states->d_final->attention : nullptr,
+            states->d_initial ? &states->d_initial->attention : nullptr};
+        attention_.backward(e, projected[I].cview()..., d_attended.cview(), gradients, attention_states);
+        return;
+      }
+    }
     attention_.backward(e, projected[I].cview()..., d_attended.cview(), gradients);
+  }
+
+  /// A backward's states: each a state of this layer for `batch` sequences,
+  /// d_initial one of its own (the mechanism checks its part's kind and sizes).
+  void validate_state_gradients(const StateGradients& states, index_t batch) const {
+    const std::pair<const State*, const char*> given[] = {{states.initial, "states.initial"},
+                                                          {states.d_final, "states.d_final"}};
+    for (const auto& [state, name] : given) {
+      if (state == nullptr) continue;
+      try {
+        validate_state(*state, batch);
+      } catch (const Error& error) {
+        throw detail::renamed(error, name);
+      }
+    }
+    detail::require(states.d_initial == nullptr ||
+                         (states.d_initial != states.initial && states.d_initial != states.d_final),
+                     "states.d_initial", "must be a state of its own (not initial nor d_final)");
+    if (states.d_initial && !states.initial) {
+      try {
+        validate_state(*states.d_initial, batch);
+      } catch (const Error& error) {
+        throw detail::renamed(error, "states.d_initial");
+      }
+    }
   }
 
   void validate_backward(const TensorView<const Scalar, 3>& x, const TensorView<const Scalar, 3>& d_out,

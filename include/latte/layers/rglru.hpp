@@ -17,6 +17,7 @@
 // The decode state is h (C values per sequence) plus gate scratch, so a step is
 // O(C^2) for the gates and O(C) for the recurrence, whatever the context.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -124,14 +125,28 @@ struct RGLRU {
   ///   dLambda += -c r_t sigmoid(Lambda) dlog a_t, and the gates' pre-activations
   ///   through sigmoid' = s (1 - s) into x, W and b (GEMMs).
   /// At a_t = 1 (r_t softplus(Lambda) = 0) sqrt(1 - a^2) has no derivative; a
-  /// finite input never gets there.
+  /// finite input never gets there. `states` (training in chunks): h_{-1} is
+  /// initial's hidden (zero without one), d_final's hidden the gradient of
+  /// h_{T-1} (added to g_{T-1}), and d_initial's hidden (overwritten; the gate
+  /// scratch zero) the gradient of h_{-1}, a_0 g_0.
   template <Real T>
   static void backward(const Weights<T>& weights, TensorView<const T, 3> x,
                        TensorView<const T, 3> d_y, TensorView<T, 3> d_x,
-                       std::type_identity_t<Weights<T>>* d_weights) {
+                       std::type_identity_t<Weights<T>>* d_weights,
+                       const MixerStateGradients<State<T>>& states = {}) {
     const index_t B = x.extent(0), Tn = x.extent(1), C = x.extent(2);
     detail::check_mixer_gradients(x, d_y, d_x);
     if (d_weights) validate_named(*d_weights, C, "d_mixer");
+    const std::array<index_t, 2> state_shape{B, C};
+    if (states.initial)
+      detail::check_shape(states.initial->hidden.view(), "states.initial.mixer.hidden", state_shape, "[B, C]");
+    if (states.d_final)
+      detail::check_shape(states.d_final->hidden.view(), "states.d_final.mixer.hidden", state_shape, "[B, C]");
+    if (states.d_initial) {
+      *states.d_initial = {Tensor<T, 2>(state_shape), Tensor<T, 2>(state_shape), Tensor<T, 2>(state_shape)};
+      if (states.d_final && Tn == 0)  // no token: h_{-1} is h_{T-1}
+        states.d_initial->hidden = states.d_final->hidden;
+    }
     if (B == 0 || Tn == 0) return;
     Matrix<T> gate_r(Tn, C), gate_i(Tn, C), hidden(Tn, C),
         d_gate_r(Tn, C), d_gate_i(Tn, C);  // the gates' pre-activation gradients
@@ -142,10 +157,13 @@ struct RGLRU {
     for (index_t b = 0; b < B; ++b) {
       const ConstRows<T> X(x.row(b, index_t{0}), Tn, C, Eigen::OuterStride<>(x.stride(1)));
       gates(weights, X, gate_r, gate_i);
-      std::fill(h.begin(), h.end(), T(0));
+      if (states.initial) std::copy_n(states.initial->hidden.view().row(b), C, h.begin());
+      else std::fill(h.begin(), h.end(), T(0));
+      const std::vector<T> h_initial = h;
       for (index_t t = 0; t < Tn; ++t)
         recur(weights, &gate_r(t, 0), &gate_i(t, 0), x.row(b, t), h.data(), &hidden(t, 0), C);
-      std::fill(carry.begin(), carry.end(), T(0));
+      if (states.d_final) std::copy_n(states.d_final->hidden.view().row(b), C, carry.begin());
+      else std::fill(carry.begin(), carry.end(), T(0));
       for (index_t t = Tn; t-- > 0;) {
         const T* xt = x.row(b, t);
         const T* gy = d_y.row(b, t);
@@ -157,7 +175,7 @@ struct RGLRU {
           const T a = std::exp(log_a);
           const T multiplier = std::sqrt(-std::expm1(T(2) * log_a));
           const T g = gy[c] + carry[static_cast<std::size_t>(c)];
-          const T h_before = t > 0 ? hidden(t - 1, c) : T(0);
+          const T h_before = t > 0 ? hidden(t - 1, c) : h_initial[static_cast<std::size_t>(c)];
           const T input = i * xt[c];
           const T d_log_a = g * (a * h_before - a * a * input / multiplier);
           const T d_input = g * multiplier;
@@ -169,6 +187,7 @@ struct RGLRU {
           carry[static_cast<std::size_t>(c)] = a * g;
         }
       }
+      if (states.d_initial) std::copy(carry.begin(), carry.end(), states.d_initial->hidden.view().row(b));
       Rows<T> DX(d_x.row(b, index_t{0}), Tn, C, Eigen::OuterStride<>(d_x.stride(1)));
       DX.noalias() += d_gate_r * W_a.transpose();
       DX.noalias() += d_gate_i * W_x.transpose();

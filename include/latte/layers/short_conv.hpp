@@ -8,6 +8,7 @@
 // optional bias b, zero by default). The decode state is the last K - 1 inputs
 // per sequence, so a step costs O(K * C) whatever the context.
 #include <algorithm>
+#include <array>
 #include <string>
 #include <type_traits>
 
@@ -90,37 +91,58 @@ struct ShortConv {
     }
   }
 
-  /// Gradients of a loss whose gradient with respect to y = forward(x) (from a
-  /// zero history) is d_y [B, T, C]: d_x overwritten, and when `d_weights` is
-  /// given its kernel [K, C] and bias [C] accumulated (+=):
+  /// Gradients of a loss whose gradient with respect to y = forward(x, state)
+  /// is d_y [B, T, C]: d_x overwritten, and when `d_weights` is given its
+  /// kernel [K, C] and bias [C] accumulated (+=):
   ///   d_x_{s,c} = sum_i w_{i,c} d_y_{s+i,c},  d_w_{i,c} += sum_t d_y_{t,c} x_{t-i,c},
   ///   d_b_c += sum_t d_y_{t,c}.
+  /// `states` (training in chunks): x_{s < 0} are initial's history (zeros
+  /// without one); d_final's history, the gradient of the last K - 1 inputs the
+  /// forward left, is added to those inputs' gradients; d_initial's history
+  /// (overwritten) is the gradient of initial's, d_x_s for s = -(K - 1)..-1.
   template <Real T>
   static void backward(const Weights<T>& weights, TensorView<const T, 3> x,
                        TensorView<const T, 3> d_y, TensorView<T, 3> d_x,
-                       std::type_identity_t<Weights<T>>* d_weights) {
+                       std::type_identity_t<Weights<T>>* d_weights,
+                       const MixerStateGradients<State<T>>& states = {}) {
     const index_t B = x.extent(0), Tn = x.extent(1), C = x.extent(2);
     detail::check_mixer_gradients(x, d_y, d_x);
     if (d_weights) {
       detail::check_shape(d_weights->kernel.view(), "d_mixer.kernel", {K, C}, "[K, C]");
       detail::check_shape(d_weights->bias.view(), "d_mixer.bias", {C}, "[C]");
     }
+    check_states(states, B, C);
+    // Rows s = -(K - 1)..T - 1: the history's gradient rows first, then d_x.
+    auto d_row = [&](index_t b, index_t s) -> T* {
+      return s >= 0 ? d_x.row(b, s) : states.d_initial->history.view().row(b, K - 1 + s);
+    };
+    const index_t first = states.d_initial != nullptr ? -(K - 1) : 0;
     for (index_t b = 0; b < B; ++b)
-      for (index_t s = 0; s < Tn; ++s) {
-        T* out = d_x.row(b, s);
+      for (index_t s = first; s < Tn; ++s) {
+        T* out = d_row(b, s);
         std::fill_n(out, C, T(0));
-        for (index_t i = 0; i < K && s + i < Tn; ++i) {
+        for (index_t i = std::max<index_t>(0, -s); i < K && s + i < Tn; ++i) {
           const T* g = d_y.row(b, s + i);
           for (index_t c = 0; c < C; ++c) out[c] += weights.kernel(i, c) * g[c];
         }
       }
+    if (states.d_final != nullptr && K > 1)  // the final history: inputs T - (K - 1)..T - 1
+      for (index_t b = 0; b < B; ++b)
+        for (index_t j = 0; j < K - 1; ++j) {
+          const index_t s = Tn - (K - 1) + j;
+          if (s < first) continue;  // an initial input that is not asked for
+          const T* g = states.d_final->history.view().row(b, j);
+          T* out = d_row(b, s);
+          for (index_t c = 0; c < C; ++c) out[c] += g[c];
+        }
     if (!d_weights) return;
     for (index_t b = 0; b < B; ++b)
       for (index_t t = 0; t < Tn; ++t) {
         const T* g = d_y.row(b, t);
         for (index_t c = 0; c < C; ++c) d_weights->bias(c) += g[c];
-        for (index_t i = 0; i < K && i <= t; ++i) {
-          const T* source = x.row(b, t - i);
+        for (index_t i = 0; i < K; ++i) {
+          const T* source = input_row(x, states.initial, b, t - i);
+          if (source == nullptr) continue;
           for (index_t c = 0; c < C; ++c) d_weights->kernel(i, c) += g[c] * source[c];
         }
       }
@@ -154,6 +176,16 @@ struct ShortConv {
   }
 
  private:
+  template <Real T>
+  static void check_states(const MixerStateGradients<State<T>>& states, index_t batch, index_t channels) {
+    const std::array<index_t, 3> shape{batch, K - 1, channels};
+    if (states.initial)
+      detail::check_shape(states.initial->history.view(), "states.initial.mixer.history", shape, "[B, K - 1, C]");
+    if (states.d_final)
+      detail::check_shape(states.d_final->history.view(), "states.d_final.mixer.history", shape, "[B, K - 1, C]");
+    if (states.d_initial) states.d_initial->history = Tensor<T, 3>(shape);
+  }
+
   /// Row x_s of sequence b: from x for s >= 0, from the history for s < 0
   /// (nullptr when it is before the history, i.e. zero).
   template <Real T>

@@ -9,10 +9,13 @@
 //   forward(weights, x, y, state*)  x, y: [B, T, C]; with a state, starts from its
 //                                   history and leaves it after the last token
 //   step(weights, state, x_t, y_t)  x_t, y_t: [B, C]; O(C) per token
-//   backward(weights, x, d_y, d_x, d_weights*)  (optional, for training) the
-//                                   gradients of y = forward(x) from a zero
-//                                   history: d_x overwritten, d_weights (shaped
-//                                   like Weights) accumulated when not null;
+//   backward(weights, x, d_y, d_x, d_weights*[, states])  (optional, for
+//                                   training) the gradients of y = forward(x)
+//                                   from a zero history, or from states.initial:
+//                                   d_x overwritten, d_weights (shaped like
+//                                   Weights) accumulated when not null;
+//                                   states.d_final's gradient added in and
+//                                   states.d_initial written (MixerStateGradients);
 //   zeros_like(weights)             with backward: zero weights of those shapes
 // Mixers are causal: y_t depends on x_s for s <= t only (also under Bidirectional
 // attention, as in the papers' bidirectional models).
@@ -53,6 +56,17 @@ concept TokenMixer =
       M::step(weights, state, x_t, y_t);
     };
 
+/// A mixer's states in a backward (training in chunks, as the mechanisms'
+/// *StateGradients): the state the forward started from (null: a zero
+/// history), the gradient of the state it left (null: zero) and, written when
+/// not null, the gradient of the initial state (reshaped to it).
+template <class State>
+struct MixerStateGradients {
+  const State* initial = nullptr;
+  const State* d_final = nullptr;
+  State* d_initial = nullptr;
+};
+
 /// No mixer: the query/key projections read x itself (y = x, nothing is computed).
 struct NoMixer {
   static constexpr const char* name = "no_mixer";
@@ -73,7 +87,7 @@ struct NoMixer {
   static void step(const Weights<T>&, State<T>&, TensorView<const T, 2>, TensorView<T, 2>) {}
   template <Real T>
   static void backward(const Weights<T>&, TensorView<const T, 3>, TensorView<const T, 3>,
-                       TensorView<T, 3>, Weights<T>*) {}
+                       TensorView<T, 3>, Weights<T>*, const MixerStateGradients<State<T>>& = {}) {}
   template <Real T>
   [[nodiscard]] static Weights<T> zeros_like(const Weights<T>&) {
     return {};

@@ -169,6 +169,9 @@ class ConvCompressedAttention {
   /// What backward writes (its first members: the inputs' gradients, in call order).
   template <Real T>
   using Gradients = ConvCompressedGradients<T>;
+  /// A causal backward's states (training in chunks).
+  template <Real T>
+  using StateGradients = ConvCompressedStateGradients<T>;
 
   /// `params` must have the shapes ConvCompressedParams::zeros(dims) has, with
   /// finite entries; `scale` (every softmax) defaults to 1/sqrt(Dk).

@@ -73,6 +73,9 @@ class LatteAttention {
   /// What backward writes (its first members: the inputs' gradients, in call order).
   template <Real T>
   using Gradients = LatteGradients<T>;
+  /// A causal backward's states (training in chunks).
+  template <Real T>
+  using StateGradients = LatteStateGradients<T>;
   template <Real T>
   using InputView = std::type_identity_t<TensorView<const T, 4>>;
   template <Real T>

@@ -114,6 +114,9 @@ class LatteMacchiato {
   /// What backward writes (its first members: the inputs' gradients, in call order).
   template <Real T>
   using Gradients = MacchiatoGradients<T>;
+  /// A causal backward's states (training in chunks).
+  template <Real T>
+  using StateGradients = MacchiatoStateGradients<T>;
   template <Real T>
   using InputView = std::type_identity_t<TensorView<const T, 4>>;
   template <Real T>

@@ -109,6 +109,9 @@ class Lavo {
   /// What backward writes (its first members: the inputs' gradients, in call order).
   template <Real T>
   using Gradients = LavoGradients<T>;
+  /// A causal backward's states (training in chunks).
+  template <Real T>
+  using StateGradients = LavoStateGradients<T>;
 
   /// The largest window accepted (2w - 1 and the w x d ring must stay representable).
   static constexpr index_t max_window = index_t{1} << 30;

@@ -96,6 +96,9 @@ class LinearAttention {
   /// What backward writes (its first members: the inputs' gradients, in call order).
   template <Real T>
   using Gradients = LinearGradients<T>;
+  /// A causal backward's states (training in chunks).
+  template <Real T>
+  using StateGradients = LinearStateGradients<T>;
   template <Real T>
   using InputView = std::type_identity_t<TensorView<const T, 4>>;
   template <Real T>
