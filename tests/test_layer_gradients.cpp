@@ -521,6 +521,11 @@ TEST_CASE("token mixer backward: bad buffers are refused by name") {
   expect_error([&] {
     ShortConv<3>::backward(conv, x.cview(), d_y.cview(), d_x.view(), nullptr, {.initial = &conv_state});
   }, "states.initial.mixer.history", "");
+  auto own_state = ShortConv<3>::make_state(conv, 2);
+  expect_error([&] {
+    ShortConv<3>::backward(conv, x.cview(), d_y.cview(), d_x.view(), nullptr,
+                           {.initial = &own_state, .d_initial = &own_state});
+  }, "states.d_initial", "");
   const auto rglru_state = RGLRU::make_state(rglru, 1);  // batch 1
   expect_error([&] {
     RGLRU::backward(rglru, x.cview(), d_y.cview(), d_x.view(), nullptr, {.d_final = &rglru_state});

@@ -62,7 +62,12 @@ class AttentionLayer {
   /// states (not softmax: its KV cache needs no gradient).
   static constexpr bool trains_in_chunks =
       trainable && Attention::direction::is_causal &&
-      requires { typename Attention::template StateGradients<Scalar>; };
+      requires { typename Attention::template StateGradients<Scalar>; } &&
+      requires(const typename Mixer::template Weights<Scalar>& w, TensorView<const Scalar, 3> x,
+               TensorView<Scalar, 3> y, typename Mixer::template Weights<Scalar>* d,
+               const MixerStateGradients<typename Mixer::template State<Scalar>>& states) {
+        Mixer::backward(w, x, x, y, d, states);  // a mixer without states: whole sequences only
+      };
   using mixer_type = Mixer;
   using scalar_type = Scalar;
   /// Row-major weight matrix [in, out].
@@ -340,18 +345,22 @@ class AttentionLayer {
     }
     if constexpr (Mixer::mixes) {  // y = mixer(x): d_x += the mixer's backward of d_y
       Tensor<Scalar, 3> d_x_mixer({B, Tn, model_dim_});
-      if (states) {
-        using MixerState = typename Mixer::template State<Scalar>;
-        const MixerStateGradients<MixerState> mixer_states{
-            states->initial ? &states->initial->mixer : nullptr,
-            states->d_final ? &states->d_final->mixer : nullptr,
-            states->d_initial ? &states->d_initial->mixer : nullptr};
-        Mixer::backward(weights_.mixer, x, d_mixed.cview(), d_x_mixer.view(),
-                        d_weights ? &d_weights->mixer : nullptr, mixer_states);
-      } else {
+      bool done = false;
+      if constexpr (trains_in_chunks) {
+        if (states) {
+          using MixerState = typename Mixer::template State<Scalar>;
+          const MixerStateGradients<MixerState> mixer_states{
+              states->initial ? &states->initial->mixer : nullptr,
+              states->d_final ? &states->d_final->mixer : nullptr,
+              states->d_initial ? &states->d_initial->mixer : nullptr};
+          Mixer::backward(weights_.mixer, x, d_mixed.cview(), d_x_mixer.view(),
+                          d_weights ? &d_weights->mixer : nullptr, mixer_states);
+          done = true;
+        }
+      }
+      if (!done)
         Mixer::backward(weights_.mixer, x, d_mixed.cview(), d_x_mixer.view(),
                         d_weights ? &d_weights->mixer : nullptr);
-      }
       for (index_t b = 0; b < B; ++b)
         Rows(d_x.row(b, index_t{0}), Tn, model_dim_, Eigen::OuterStride<>(d_x.stride(1))) +=
             ConstRows(d_x_mixer.view().row(b, index_t{0}), Tn, model_dim_,

@@ -137,6 +137,7 @@ struct RGLRU {
     const index_t B = x.extent(0), Tn = x.extent(1), C = x.extent(2);
     detail::check_mixer_gradients(x, d_y, d_x);
     if (d_weights) validate_named(*d_weights, C, "d_mixer");
+    detail::check_mixer_states(states);
     const std::array<index_t, 2> state_shape{B, C};
     if (states.initial)
       detail::check_shape(states.initial->hidden.view(), "states.initial.mixer.hidden", state_shape, "[B, C]");

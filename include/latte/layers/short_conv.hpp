@@ -178,6 +178,7 @@ struct ShortConv {
  private:
   template <Real T>
   static void check_states(const MixerStateGradients<State<T>>& states, index_t batch, index_t channels) {
+    detail::check_mixer_states(states);
     const std::array<index_t, 3> shape{batch, K - 1, channels};
     if (states.initial)
       detail::check_shape(states.initial->history.view(), "states.initial.mixer.history", shape, "[B, K - 1, C]");

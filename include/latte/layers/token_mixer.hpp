@@ -21,6 +21,7 @@
 // attention, as in the papers' bidirectional models).
 #include <concepts>
 
+#include "latte/core/error.hpp"
 #include "latte/core/shape_check.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
@@ -66,6 +67,16 @@ struct MixerStateGradients {
   const State* d_final = nullptr;
   State* d_initial = nullptr;
 };
+
+namespace detail {
+/// A mixer backward's d_initial: a state of its own (it is overwritten before the others are read).
+template <class State>
+void check_mixer_states(const MixerStateGradients<State>& states) {
+  require(states.d_initial == nullptr ||
+              (states.d_initial != states.initial && states.d_initial != states.d_final),
+          "states.d_initial", "must be a state of its own (not initial nor d_final)");
+}
+}  // namespace detail
 
 /// No mixer: the query/key projections read x itself (y = x, nothing is computed).
 struct NoMixer {

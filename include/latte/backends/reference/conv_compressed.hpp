@@ -284,7 +284,11 @@ void conv_compressed_step(const T* q, const T* k, const T* v, T* out, ConvCompre
 // dy_{jM+i} += W_i^T dc_j; each level's window attention is softmax_backward.
 // y^(0) collects G_t (the residual), Wq_x^T dq_x and W^(1)^T dc^(1) before
 // its own window backward gives dq, dk, dv. Weight gradients are summed in
-// double, in the flat layout of ConvCompressedWeights.
+// double, in the flat layout of ConvCompressedWeights. Continuing a state
+// (ConvCompressedHeadStates), every level's window runs over its ring's rows
+// ahead of the new tokens, the first new group starts from the open group's
+// partial sum, the cross read sees the stored compressed tokens first, and the
+// final state's gradient enters where its rows come from.
 // ---------------------------------------------------------------------------
 
 /// dW += dz x^T (double) and dx += W^T dz, for z = W x with W [rows, cols].
