@@ -474,8 +474,9 @@ void layer_chunk_cases(std::uint64_t seed) {
     const index_t c1 = cuts.first, c2 = cuts.second;  // names clang 14 can capture
     CAPTURE(c1);
     CAPTURE(c2);
+    // exec::cpu only: the layer's own part is backend-agnostic, and each mechanism's
+    // state gradients are checked on both backends in its own test file.
     check_layer_chunks<T, Mechanism, Mixer>(exec::cpu, seed, c1, c2);
-    check_layer_chunks<T, Mechanism, Mixer>(exec::reference, seed + 1, c1, c2);
   }
 }
 
@@ -535,19 +536,17 @@ TEST_CASE("token mixer backward: bad buffers are refused by name") {
 TEST_CASE("AttentionLayer training in chunks: backward chained through the layer's state gradients equals the whole backward") {
   static_assert(!AttentionLayer<SoftmaxAttention<Causal>, NoMixer, double>::trains_in_chunks);
   static_assert(!AttentionLayer<LatteAttention<Bidirectional>, NoMixer, double>::trains_in_chunks);
+  // The layer types of the oracle case below (one instantiation each in this program).
   SUBCASE("Latte + RG-LRU") { layer_chunk_cases<double, LatteMechanism<Causal>, RGLRU>(700); }
   SUBCASE("Latte with VAPOR + ShortConv") {
     layer_chunk_cases<double, LatteMechanism<Causal, VAPOR>, ShortConv<3>>(702);
     layer_chunk_cases<float, LatteMechanism<Causal, VAPOR>, ShortConv<3>>(704);
   }
-  SUBCASE("Macchiato + RG-LRU") { layer_chunk_cases<double, MacchiatoMechanism<Causal, VAPOR>, RGLRU>(706); }
-  SUBCASE("linear elu + 1 + ShortConv") { layer_chunk_cases<double, LinearMechanism<Causal>, ShortConv<3>>(708); }
+  SUBCASE("Macchiato (RoPE window) + RG-LRU") { layer_chunk_cases<double, MacchiatoMechanism<Causal>, RGLRU>(706); }
+  SUBCASE("linear elu + 1") { layer_chunk_cases<double, LinearMechanism<Causal>, NoMixer>(708); }
   SUBCASE("LeaPformer (LeaP modules)") { layer_chunk_cases<double, LeaPMechanism<Causal>, NoMixer>(710); }
-  SUBCASE("LAVO + ShortConv<4>") { layer_chunk_cases<double, LavoMechanism<Causal>, ShortConv<4>>(712); }
-  SUBCASE("conv-compression + RG-LRU") {
-    layer_chunk_cases<double, ConvCompressedMechanism<Causal>, RGLRU>(714);
-    layer_chunk_cases<float, ConvCompressedMechanism<Causal>, RGLRU>(716);
-  }
+  SUBCASE("LAVO") { layer_chunk_cases<double, LavoMechanism<Causal>, NoMixer>(712); }
+  SUBCASE("conv-compression") { layer_chunk_cases<double, ConvCompressedMechanism<Causal>, NoMixer>(714); }
 }
 
 TEST_CASE("AttentionLayer backward matches the layer oracle's gradients") {
