@@ -14,11 +14,14 @@
 # One part alone: scripts/sanitize.sh asan | tsan | cuda-emulated.
 # LATTE_ASAN_TESTS / LATTE_TSAN_TESTS (space-separated test names) narrow a part to
 # those tests (.ci/run narrows TSan to the threaded and decode tests to fit CI's time limit);
-# LATTE_ASAN_EXCLUDE leaves the named test programs out of the ASan part, which then
-# builds and runs the other tests/test_*.cpp programs only (.ci/run leaves out
-# test_golden_gradients: its kernels are each under ASan in their own gradient test,
-# and it is the longest compile). Without these variables every test runs: the full
-# run's result is in docs/sanitizers.md.
+# LATTE_ASAN_PROGRAMS (space-separated test programs: a group of tests/CMakeLists.txt
+# such as test_input_checks, or a lone test_*.cpp) narrows the ASan part to those
+# programs, built whole and run test by test (their tests carry the program's name
+# as a CTest label). .ci/run runs the validation, layer / serving, decode, allocation
+# and threading programs, the fuzz smoke the random shapes; the oracle programs
+# (test_gradients, test_forward_oracles, test_linear_programs, test_golden_gradients)
+# are under ASan in the full run only. Without these variables every test runs: the
+# full run's result is in docs/sanitizers.md.
 # LATTE_SANITIZE_DEBUG_INFO=none builds without debug information (reports name
 # functions, not lines): clang's line tables are ~30 % of an ASan compile here
 # (test_linear_golden.cpp: 91 s with -g1, 64 s with -g0); .ci/run sets it, a local
@@ -47,16 +50,10 @@ for name in ${LATTE_TSAN_TESTS:-test_thread_safety test_latte_oracle test_softma
   if [ -f "tests/$name.cpp" ]; then tsan_tests+=("$name"); fi
 done
 asan_tests=(${LATTE_ASAN_TESTS:-})
-asan_exclude=(${LATTE_ASAN_EXCLUDE:-})
-if ((${#asan_exclude[@]})) && ((${#asan_tests[@]} == 0)); then
-  for source in tests/test_*.cpp; do
-    name="$(basename "$source" .cpp)"
-    excluded=0
-    for other in "${asan_exclude[@]}"; do
-      if [ "$name" = "$other" ]; then excluded=1; fi
-    done
-    if ((!excluded)); then asan_tests+=("$name"); fi
-  done
+asan_programs=(${LATTE_ASAN_PROGRAMS:-})
+if ((${#asan_tests[@]})) && ((${#asan_programs[@]})); then
+  echo "sanitize.sh: LATTE_ASAN_TESTS and LATTE_ASAN_PROGRAMS both set; set one" >&2
+  exit 2
 fi
 
 seconds() { date +%s; }
@@ -69,10 +66,11 @@ for part in "${parts[@]}"; do
       echo "== sanitize: ASan + UBSan (clang), every test except label 'package', LATTE_TEST_CASE_SCALE=$scale"
       cmake --preset asan -B "$build" "${options[@]}" "${asan_flags[@]}" >/dev/null
       selection=(-LE "package|cuda_emulated")  # the emulated CUDA tests: part cuda-emulated
-      if ((${#asan_exclude[@]})); then
-        echo "   (every test program but ${asan_exclude[*]}; without LATTE_ASAN_EXCLUDE, every test)"
-      fi
-      if ((${#asan_tests[@]})); then
+      if ((${#asan_programs[@]})); then
+        echo "   (${#asan_programs[@]} test programs: ${asan_programs[*]}; without LATTE_ASAN_PROGRAMS, every one)"
+        cmake --build "$build" -j "$jobs" --target "${asan_programs[@]}"
+        selection+=(-L "^($(IFS='|'; echo "${asan_programs[*]}"))\$")
+      elif ((${#asan_tests[@]})); then
         echo "   (${#asan_tests[@]} test programs: ${asan_tests[*]})"
         cmake --build "$build" -j "$jobs" --target "${asan_tests[@]}"
         selection=(-R "^($(IFS='|'; echo "${asan_tests[*]}"))\$")
@@ -82,7 +80,7 @@ for part in "${parts[@]}"; do
       ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:strict_string_checks=1:detect_stack_use_after_return=1" \
       UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" \
       LATTE_TEST_CASE_SCALE="$scale" \
-        ctest --test-dir "$build" --output-on-failure "${selection[@]}" -j "$jobs" --timeout 900
+        ctest --test-dir "$build" --output-on-failure --no-tests=error "${selection[@]}" -j "$jobs" --timeout 900
       ;;
     tsan)
       build="$root/build-tsan"
