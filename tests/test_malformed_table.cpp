@@ -1042,6 +1042,8 @@ MultiOutputEntry<4> linear_backward_entry(E exec_tag, bool cross) {
         attention->cross_backward(exec_tag, in[0], in[1], in[2], in[3], gradients);
         return;
       }
+    } else {
+      (void)cross;  // a causal attention has no cross form
     }
     attention->backward(exec_tag, in[0], in[1], in[2], in[3], gradients);
   };
