@@ -17,11 +17,8 @@
 # LATTE_ASAN_PROGRAMS (space-separated test programs: a group of tests/CMakeLists.txt
 # such as test_input_checks, or a lone test_*.cpp) narrows the ASan part to those
 # programs, built whole and run test by test (their tests carry the program's name
-# as a CTest label). .ci/run runs the validation, layer / serving, decode, allocation
-# and threading programs, the fuzz smoke the random shapes; the oracle programs
-# (test_gradients, test_forward_oracles, test_linear_programs, test_golden_gradients)
-# are under ASan in the full run only. Without these variables every test runs: the
-# full run's result is in docs/sanitizers.md.
+# as a CTest label); .ci/run names its programs there. Without these variables every
+# test runs: the full run's result is in docs/sanitizers.md.
 # LATTE_SANITIZE_DEBUG_INFO=none builds without debug information (reports name
 # functions, not lines): clang's line tables are ~30 % of an ASan compile here
 # (test_linear_golden.cpp: 91 s with -g1, 64 s with -g0); .ci/run sets it, a local
