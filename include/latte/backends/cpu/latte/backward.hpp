@@ -3,15 +3,21 @@
 // of reference::latte_causal_backward, backends/reference/latte.hpp), one
 // task per (batch, head) over OpenMP threads.
 //
-// Causal, in blocks of backward_tokens (4) tokens, as the forward's passes:
-// pass 1 runs the forward's key stage (absorb_keys: c_t, w_t, with the
-// forward's headroom references) and query softmax for the block, then one
-// memory pass per group of 4 latent rows, M^ = c M^ + w v~ and <g~, M^> for
-// each of the 4 tokens with each row loaded and stored once, then each
-// token's L-wide read backward. Pass 2 walks the blocks backwards with one
-// pass per group of 4 adjoint rows: per token (last first) Mbar += (p /
-// alpha^) g~, dv~ += w Mbar, <v~, Mbar>, Mbar *= c; rows and dv~ loaded and
-// stored once per block. The 16 dots of a pass stay in registers and are
+// Causal, in chunks of backward_chunk_tokens (16) tokens whose rows are
+// prefetched into L2 a chunk ahead (a head's rows are H * width elements
+// apart, where the hardware prefetchers stop): pass 1 runs the forward's key
+// stage (absorb_keys: c_t, w_t, with the forward's headroom references) per
+// token and the query softmax of the chunk's rows together, then the memory
+// passes, backward_tokens (4) tokens at a time and one call over all rows in
+// groups of 4 latent rows, M^ = c M^ + w v~ and <g~, M^> for each of the 4
+// tokens with each row loaded and stored once, then each token's L-wide read
+// backward. Pass 2 walks the chunks backwards with the adjoint passes, 4
+// tokens and groups of 4 adjoint rows at a time: per token (last first) Mbar
+// += (p / alpha^) g~, dv~ += w Mbar, <v~, Mbar>, Mbar *= c; rows and dv~
+// loaded and stored once per 4 tokens. Where no running maximum moved in the
+// 4 tokens (c = 1, nearly always once the maxima settle) both passes leave
+// the rescale out: one FMA for M^'s update, three for the adjoint's, as the
+// forward's passes. The 16 dots of a group stay in registers and are
 // reduced together (simd::reduce_add_each). VAPOR rotates rows with
 // PairRotation (a cos / sin per pair and token; the forward's steppers are
 // not used yet), and learned angles run pass 1 a token at a time. The sums
@@ -31,6 +37,7 @@
 #include "latte/backends/cpu/compensated_sums.hpp"
 #include "latte/backends/cpu/latte/forward.hpp"
 #include "latte/backends/cpu/parallel.hpp"
+#include "latte/backends/cpu/prefetch.hpp"
 #include "latte/backends/cpu/simd.hpp"
 #include "latte/backends/reference/latte.hpp"
 #include "latte/core/checked_size.hpp"
@@ -130,13 +137,17 @@ inline void compensated_normaliser_bar_step(T* hi, T* lo, const T* rdp, const T*
   }
 }
 
-/// Pass 1's memory pass for R tokens and G latent rows: for r = 0 .. R-1,
-/// M^ = c_r M^ + w_r v~_r, then dot[r][j] = <g~_r, M^> (the memory after token r).
-/// Each row is loaded and stored once for the R tokens. c, w: [R][L] (row
-/// stride L) from the block's first token and latent l0; rows: memory + l0 Dv.
-template <int R, int G, Real T>
-LATTE_FLATTEN void forward_rows(T* rows, index_t Dv, const T* c, const T* w, index_t L,
-                                const T* const* v, const T* const* g, T* dot /*[R][G]*/) noexcept {
+/// Pass 1's memory pass over one group of G latent rows for R tokens: for
+/// r = 0 .. R-1, M^ = c_r M^ + w_r v~_r, then dots[r][j] = <g~_r, M^> (the
+/// memory after token r). Each row is loaded and stored once for the R
+/// tokens. c, w and dots: [R][L] (row stride L) from the block's first token
+/// and latent l0; rows: memory + l0 Dv. Rescale false: every c_r is 1 (no
+/// running maximum moved in the block, the common case), so the update is one
+/// FMA, M^ + w_r v~_r, as in the forward.
+template <int R, int G, bool Rescale, Real T>
+[[gnu::always_inline]] inline void forward_group(T* rows, index_t Dv, const T* c, const T* w,
+                                                 index_t L, const T* const* v, const T* const* g,
+                                                 T* dots) noexcept {
   using B = simd::batch<T>;
   B acc[R * G];
   simd::unrolled<R * G>([&](auto i) { acc[i] = B(T(0)); });
@@ -153,22 +164,49 @@ LATTE_FLATTEN void forward_rows(T* rows, index_t Dv, const T* c, const T* w, ind
       T* row = rows + j * Dv + d;
       B m = simd::load_lanes<part>(row, count);
       simd::unrolled<R>([&](auto r) {
-        m = simd::fma(m, B(c[r * L + j]), B(w[r * L + j]) * value[r]);
+        if constexpr (Rescale) m = simd::fma(m, B(c[r * L + j]), B(w[r * L + j]) * value[r]);
+        else m = simd::fma(B(w[r * L + j]), value[r], m);
         acc[r * G + j] = simd::fma(m, read[r], acc[r * G + j]);
       });
       simd::store_lanes<part>(row, m, count);
     });
   });
-  reduce_each(acc, R * G, dot);
+  T sums[R * G];
+  reduce_each(acc, R * G, sums);
+  simd::unrolled<R>([&](auto r) {
+    simd::unrolled<G>([&](auto j) { dots[r * L + j] = sums[r * G + j]; });
+  });
 }
 
-/// Pass 2's adjoint pass for R tokens (r = R-1 down to 0) and G adjoint rows:
-/// Mbar += rw_r g~_r, dv~_r += w_r Mbar, dot[r][j] = <v~_r, Mbar>, Mbar *= c_r.
-/// Rows and dv~ are loaded and stored once per feature block.
-template <int R, int G, Real T>
-LATTE_FLATTEN void adjoint_rows(T* rows, index_t Dv, const T* rw, const T* w, const T* c, index_t L,
-                                const T* const* g, const T* const* v, T* const* dv,
-                                T* dot /*[R][G]*/) noexcept {
+/// Pass 1's memory pass for R tokens over all L rows (groups of
+/// backward_latents, the last L mod backward_latents one at a time), one call
+/// a block so that the pointers and the loop stay in registers.
+template <int R, bool Rescale, Real T>
+LATTE_FLATTEN void forward_block(T* memory, index_t Dv, const T* c, const T* w, index_t L,
+                                 const T* const* v, const T* const* g, T* dots) noexcept {
+  constexpr int G = backward_latents;
+  const T* value_row[R];
+  const T* read_row[R];
+  simd::unrolled<R>([&](auto r) {
+    value_row[r] = v[r];
+    read_row[r] = g[r];
+  });
+  index_t l = 0;
+  for (; l + G <= L; l += G)
+    forward_group<R, G, Rescale>(memory + l * Dv, Dv, c + l, w + l, L, value_row, read_row, dots + l);
+  for (; l < L; ++l)
+    forward_group<R, 1, Rescale>(memory + l * Dv, Dv, c + l, w + l, L, value_row, read_row, dots + l);
+}
+
+/// Pass 2's adjoint pass over one group of G adjoint rows for R tokens
+/// (r = R-1 down to 0): Mbar += rw_r g~_r, dv~_r += w_r Mbar, dots[r][j] =
+/// <v~_r, Mbar>, Mbar *= c_r. Rows and dv~ are loaded and stored once per
+/// feature block. Rescale false: every c_r is 1 and the product is left out.
+template <int R, int G, bool Rescale, Real T>
+[[gnu::always_inline]] inline void adjoint_group(T* rows, index_t Dv, const T* rw, const T* w,
+                                                 const T* c, index_t L, const T* const* g,
+                                                 const T* const* v, T* const* dv,
+                                                 T* dots) noexcept {
   using B = simd::batch<T>;
   B acc[R * G];
   simd::unrolled<R * G>([&](auto i) { acc[i] = B(T(0)); });
@@ -189,27 +227,54 @@ LATTE_FLATTEN void adjoint_rows(T* rows, index_t Dv, const T* rw, const T* w, co
         bar = simd::fma(B(rw[r * L + j]), read[r], bar);
         dv_block[r] = simd::fma(B(w[r * L + j]), bar, dv_block[r]);
         acc[r * G + j] = simd::fma(bar, value[r], acc[r * G + j]);
-        bar = bar * B(c[r * L + j]);
+        if constexpr (Rescale) bar = bar * B(c[r * L + j]);
       });
       simd::store_lanes<part>(row, bar, count);
     });
     simd::unrolled<R>([&](auto r) { simd::store_lanes<part>(dv[r] + d, dv_block[r], count); });
   });
-  reduce_each(acc, R * G, dot);
+  T sums[R * G];
+  reduce_each(acc, R * G, sums);
+  simd::unrolled<R>([&](auto r) {
+    simd::unrolled<G>([&](auto j) { dots[r * L + j] = sums[r * G + j]; });
+  });
 }
 
-/// Runs a row pass over all L latents in groups of backward_latents (the
-/// last L mod G one at a time): pass(rows_group<G>, l0, dots of the group).
-template <int R, class Pass>
-inline void over_latent_groups(index_t L, Pass&& pass) {
+/// Pass 2's adjoint pass for R tokens over all L rows, one call a block (as
+/// forward_block).
+template <int R, bool Rescale, Real T>
+LATTE_FLATTEN void adjoint_block(T* memory_bar, index_t Dv, const T* rw, const T* w, const T* c,
+                                 index_t L, const T* const* g, const T* const* v, T* const* dv,
+                                 T* dots) noexcept {
   constexpr int G = backward_latents;
+  const T* read_row[R];
+  const T* value_row[R];
+  T* dv_row[R];
+  simd::unrolled<R>([&](auto r) {
+    read_row[r] = g[r];
+    value_row[r] = v[r];
+    dv_row[r] = dv[r];
+  });
   index_t l = 0;
-  for (; l + G <= L; l += G) pass(std::integral_constant<int, G>{}, l);
-  for (; l < L; ++l) pass(std::integral_constant<int, 1>{}, l);
+  for (; l + G <= L; l += G)
+    adjoint_group<R, G, Rescale>(memory_bar + l * Dv, Dv, rw + l, w + l, c + l, L, read_row,
+                                 value_row, dv_row, dots + l);
+  for (; l < L; ++l)
+    adjoint_group<R, 1, Rescale>(memory_bar + l * Dv, Dv, rw + l, w + l, c + l, L, read_row,
+                                 value_row, dv_row, dots + l);
 }
+
+/// Tokens of a chunk: the backward's L-wide stages run for a chunk at a time
+/// (the query softmax of its rows together), its rows are prefetched a chunk
+/// ahead, and its row passes go backward_tokens at a time. (Tried: a chunk in
+/// which no maximum moved as Eigen matrix products, the chunked form of
+/// flash-linear-attention; at 16 to 64 tokens Eigen's packing made the
+/// backward 25-50 % slower than the row passes.)
+inline constexpr index_t backward_chunk_tokens = 16;
 
 /// Per-worker scratch of the causal backward: per token c, w, p / alpha^,
-/// p dp / alpha^ (4 T L), the carry and its adjoints, a block's rows, and
+/// p dp / alpha^ (4 T L), whether each token moved a running maximum, the
+/// carry and its adjoints, a block's rows, and
 /// (compensated sums) the window of terms since the last fold, the low parts
 /// of the normaliser's adjoint and a token's weights.
 template <Real T>
@@ -219,9 +284,11 @@ struct LatteBackwardScratch {
             latte::detail::checked_count<T>("query_logits", {4, Tn, L}))),
         carry(static_cast<std::size_t>(2 * L + L * Dv)),
         memory_bar(static_cast<std::size_t>(L * Dv)),
-        latent(static_cast<std::size_t>((4 * backward_tokens + 3) * L)),
-        rows(static_cast<std::size_t>(4 * backward_tokens * Dv)), window(L, Dv) {}
+        latent(static_cast<std::size_t>((3 * backward_chunk_tokens + 3) * L + backward_chunk_tokens)),
+        rows(static_cast<std::size_t>(4 * backward_chunk_tokens * Dv)),
+        token_rescaled(static_cast<std::size_t>(Tn)), window(L, Dv) {}
   AlignedVector<T> per_token, carry, memory_bar, latent, rows;
+  std::vector<unsigned char> token_rescaled;  // per token: did a running maximum move (a c != 1)
   ScaledTermWindow<T> window;
 };
 
@@ -253,15 +320,16 @@ void latte_causal_backward_head(TensorView<const T, 4> q, TensorView<const T, 4>
   T* const read_weight = weight + Tn * L;
   T* const read_dp = read_weight + Tn * L;
   T* const memory_bar = scratch.memory_bar.data();
-  T* const p = scratch.latent.data();        // [R][L] e, then p
-  T* const alpha = p + R * L;                // [R][L] alpha^ after each token
-  T* const dots = alpha + R * L;             // [R][L]
-  T* const beta = dots + R * L;              // [R]
-  T* const normaliser_bar = beta + R * L;    // [L]
+  constexpr index_t C = backward_chunk_tokens;
+  T* const p = scratch.latent.data();        // [C][L] e, then p
+  T* const alpha = p + C * L;                // [C][L] alpha^ after each token
+  T* const dots = alpha + C * L;             // [C][L]
+  T* const normaliser_bar = dots + C * L;    // [L]
   T* const normaliser_bar_low = normaliser_bar + L;  // [L] (compensated sums)
   T* const term_weight = normaliser_bar_low + L;     // [L] (compensated sums)
+  T* const beta = term_weight + L;                   // [C]
   ScaledTermWindow<T>& window = scratch.window;
-  T* const row_buffer = scratch.rows.data(); // [4][R][Dv]: v~, g~, dv~, y
+  T* const row_buffer = scratch.rows.data(); // [4][C][Dv]: v~, g~, dv~, y
   const LatteCarry<T> carry{scratch.carry.data(), scratch.carry.data() + L,
                             scratch.carry.data() + 2 * L};
   initial_of(carry);
@@ -275,7 +343,7 @@ void latte_causal_backward_head(TensorView<const T, 4> q, TensorView<const T, 4>
     } else {
       const std::int64_t position = first_position + t;
       T* vr = row_buffer + r * Dv;
-      T* gr = row_buffer + (R + r) * Dv;
+      T* gr = row_buffer + (C + r) * Dv;
       std::copy(v.row(0, t, 0), v.row(0, t, 0) + Dv, vr);
       std::copy(g.row(0, t, 0), g.row(0, t, 0) + Dv, gr);
       Pos::rotate(vr, Dv, theta, -position);
@@ -284,40 +352,53 @@ void latte_causal_backward_head(TensorView<const T, 4> q, TensorView<const T, 4>
       gt = gr;
     }
   };
-  // Pass 1, forward, R tokens at a time: the key and query stages, the memory
+  // Whether a running maximum moved at any of tokens [t, t + count) (a c != 1).
+  auto any_rescaled = [&](index_t t, index_t count) {
+    const auto first = scratch.token_rescaled.begin() + t;
+    return std::find(first, first + count, static_cast<unsigned char>(1)) != first + count;
+  };
+  // Pass 1, forward, C tokens at a time: the key and query stages, the memory
   // pass (M^ updates and <g~, M^>), then each token's read backward.
   // With learned VAPOR angles each token's read y_t = sum_l rw_l M^_{t,l}
-  // needs the memory after that token: blocks of one token then.
-  const index_t block_tokens = d_theta ? 1 : R;
-  T* const y = row_buffer + 3 * R * Dv;
+  // needs the memory after that token: chunks of one token then.
+  const index_t block_tokens = d_theta ? 1 : C;
+  T* const y = row_buffer + 3 * C * Dv;
   for (index_t t0 = 0; t0 < Tn; t0 += block_tokens) {
     const int n = static_cast<int>(std::min<index_t>(block_tokens, Tn - t0));
-    const T* vt[R];
-    const T* gt[R];
+    // The next chunk's rows into L2 while this one computes: a head's rows are
+    // H * width elements apart, a new page every token or two, where the
+    // hardware prefetchers stop (prefetch.hpp).
+    for (index_t s = t0 + block_tokens; s < std::min(Tn, t0 + 2 * block_tokens); ++s)
+      prefetch_token_rows<CacheLevel::l2>(0, s, 0, k, q, v, g, dq);
+    const T* vt[C];
+    const T* gt[C];
     for (int r = 0; r < n; ++r) {
       const index_t t = t0 + r;
-      absorb_keys<Stab>(k.row(0, t, 0), carry, carry_scale + t * L, weight + t * L, L);
+      scratch.token_rescaled[static_cast<std::size_t>(t)] =
+          absorb_keys<Stab>(k.row(0, t, 0), carry, carry_scale + t * L, weight + t * L, L);
       std::copy(carry.normaliser, carry.normaliser + L, alpha + r * L);
-      latent_softmax_exps(q.row(0, t, 0), 0, 1, L, p + r * L, beta + r);
       rows_of(t, r, vt[r], gt[r]);
     }
+    latent_softmax_exps(q.row(0, t0, 0), q.stride(1), n, L, p, beta);  // the block's rows together
     const T* c = carry_scale + t0 * L;
     const T* w = weight + t0 * L;
-    over_latent_groups<R>(L, [&](auto group, index_t l0) {
-      constexpr int G = decltype(group)::value;
-      T block[R * G];
-      if (n == R)
-        forward_rows<R, G>(carry.memory + l0 * Dv, Dv, c + l0, w + l0, L, vt, gt, block);
+    // The memory pass, R tokens at a time (the last n mod R one at a time);
+    // R tokens in which no running maximum moved take the one-FMA update.
+    int r = 0;
+    for (; r + R <= n; r += R)
+      if (any_rescaled(t0 + r, R))
+        forward_block<R, true>(carry.memory, Dv, c + r * L, w + r * L, L, vt + r, gt + r, dots + r * L);
       else
-        for (int r = 0; r < n; ++r)
-          forward_rows<1, G>(carry.memory + l0 * Dv, Dv, c + r * L + l0, w + r * L + l0, L,
-                             vt + r, gt + r, block + r * G);
-      for (int r = 0; r < n; ++r)
-        for (int j = 0; j < G; ++j) dots[r * L + l0 + j] = block[r * G + j];
-    });
+        forward_block<R, false>(carry.memory, Dv, c + r * L, w + r * L, L, vt + r, gt + r, dots + r * L);
+    for (; r < n; ++r)
+      forward_block<1, true>(carry.memory, Dv, c + r * L, w + r * L, L, vt + r, gt + r, dots + r * L);
     if constexpr (Sum::compensated) {
-      for (int r = 0; r < n; ++r) window.append(c + r * L, w + r * L, vt[r]);
-      if (!window.has_room(R) || t0 + n == Tn) window.fold(carry.memory, carry.normaliser);
+      for (int r = 0; r < n; ++r)
+        if (scratch.token_rescaled[static_cast<std::size_t>(t0 + r)])
+          window.append(c + r * L, w + r * L, vt[r]);
+        else
+          window.append(w + r * L, vt[r]);  // c = 1: nothing to rescale
+      if (!window.has_room(C) || t0 + n == Tn) window.fold(carry.memory, carry.normaliser);
     }
     for (int r = 0; r < n; ++r) {
       const index_t t = t0 + r;
@@ -332,10 +413,11 @@ void latte_causal_backward_head(TensorView<const T, 4> q, TensorView<const T, 4>
       for (; l + W <= L; l += W) {
         const B al = simd::load(a + l), zero(T(0));
         const B pl = simd::load(pr + l) * B(inverse_beta);
-        // An empty latent (alpha^ = 0) is divided by 1 and then zeroed.
-        const B safe = simd::replace_where_equal(al, T(0), B(T(1)), al);
-        const B dpl = simd::replace_where_equal(al, T(0), zero, simd::load(dp + l) / safe);
-        const B read = simd::replace_where_equal(al, T(0), zero, pl / safe);
+        // One division a latent: 1 / alpha^, 0 for an empty latent (alpha^ = 0).
+        const B inverse_alpha = simd::replace_where_equal(
+            al, T(0), zero, B(T(1)) / simd::replace_where_equal(al, T(0), B(T(1)), al));
+        const B dpl = simd::load(dp + l) * inverse_alpha;
+        const B read = pl * inverse_alpha;
         simd::store(pr + l, pl);
         simd::store(dp + l, dpl);
         simd::store(rw + l, read);
@@ -374,41 +456,53 @@ void latte_causal_backward_head(TensorView<const T, 4> q, TensorView<const T, 4>
     for (index_t l = 0; l < L; ++l)
       reference::accumulate_angle_gradient(d_theta, Dv, final_bar.memory + l * Dv,
                                            carry.memory + l * Dv, -first_position);
-  const index_t last_block = (Tn - 1) / R * R;
-  for (index_t t0 = last_block; t0 >= 0; t0 -= R) {
-    const int n = static_cast<int>(std::min<index_t>(R, Tn - t0));
-    const T* vt[R];
-    const T* gt[R];
-    T* dvt[R];
+  const index_t last_block = (Tn - 1) / C * C;
+  for (index_t t0 = last_block; t0 >= 0; t0 -= C) {
+    const int n = static_cast<int>(std::min<index_t>(C, Tn - t0));
+    // The previous chunk's rows and per-token stages into L2 (as pass 1).
+    for (index_t s = std::max<index_t>(0, t0 - C); s < t0; ++s) {
+      prefetch_token_rows<CacheLevel::l2>(0, s, 0, v, g, dk, dv);
+      for (const T* stage : {carry_scale, weight, read_weight, read_dp})
+        prefetch_row<CacheLevel::l2>(stage + s * L, sizeof(T) * static_cast<std::size_t>(L));
+    }
+    const T* vt[C];
+    const T* gt[C];
+    T* dvt[C];
     for (int r = 0; r < n; ++r) {
       rows_of(t0 + r, r, vt[r], gt[r]);
-      dvt[r] = row_buffer + (2 * R + r) * Dv;
-      std::fill(dvt[r], dvt[r] + Dv, T(0));
+      // dv~ in dv's row itself unless VAPOR rotates it after.
+      dvt[r] = Pos::rotates_values ? row_buffer + (2 * C + r) * Dv : dv.row(0, t0 + r, 0);
     }
     const T* c = carry_scale + t0 * L;
     const T* w = weight + t0 * L;
     const T* rw = read_weight + t0 * L;
-    over_latent_groups<R>(L, [&](auto group, index_t l0) {
-      constexpr int G = decltype(group)::value;
-      T block[R * G];
-      if (n == R)
-        adjoint_rows<R, G>(memory_bar + l0 * Dv, Dv, rw + l0, w + l0, c + l0, L, gt, vt, dvt, block);
+    // The adjoint pass, last tokens first: R a pass, then the first n mod R
+    // one at a time. It accumulates dv~.
+    for (int r = 0; r < n; ++r) std::fill(dvt[r], dvt[r] + Dv, T(0));
+    int r = n;
+    for (; r - R >= n % R; r -= R)
+      if (any_rescaled(t0 + r - R, R))
+        adjoint_block<R, true>(memory_bar, Dv, rw + (r - R) * L, w + (r - R) * L, c + (r - R) * L, L,
+                               gt + r - R, vt + r - R, dvt + r - R, dots + (r - R) * L);
       else
-        for (int r = n - 1; r >= 0; --r)
-          adjoint_rows<1, G>(memory_bar + l0 * Dv, Dv, rw + r * L + l0, w + r * L + l0,
-                             c + r * L + l0, L, gt + r, vt + r, dvt + r, block + r * G);
-      for (int r = 0; r < n; ++r)
-        for (int j = 0; j < G; ++j) dots[r * L + l0 + j] = block[r * G + j];
-    });
+        adjoint_block<R, false>(memory_bar, Dv, rw + (r - R) * L, w + (r - R) * L, c + (r - R) * L, L,
+                                gt + r - R, vt + r - R, dvt + r - R, dots + (r - R) * L);
+    for (--r; r >= 0; --r)
+      adjoint_block<1, true>(memory_bar, Dv, rw + r * L, w + r * L, c + r * L, L, gt + r, vt + r,
+                             dvt + r, dots + r * L);
     if constexpr (Sum::compensated) {
       // Token t adds rw_t g~_t and then scales by c_t: a term c_t rw_t g~_t
       // after a rescale c_t, latest token first as the pass went.
       for (int r = n - 1; r >= 0; --r) {
+        if (!scratch.token_rescaled[static_cast<std::size_t>(t0 + r)]) {
+          window.append(rw + r * L, gt[r]);  // c = 1: the term is rw_t g~_t
+          continue;
+        }
         for (index_t l = 0; l < L; ++l)
           term_weight[l] = latte::detail::rounded_product(c[r * L + l], rw[r * L + l]);
         window.append(c + r * L, term_weight, gt[r]);
       }
-      if (!window.has_room(R) || t0 == 0) window.fold(memory_bar, nullptr);
+      if (!window.has_room(C) || t0 == 0) window.fold(memory_bar, nullptr);
     }
     for (int r = n - 1; r >= 0; --r) {
       const index_t t = t0 + r;
@@ -428,10 +522,13 @@ void latte_causal_backward_head(TensorView<const T, 4> q, TensorView<const T, 4>
         }
       }
       if (d_theta) reference::accumulate_angle_gradient(d_theta, Dv, dvt[r], vt[r], -t);
-      T* out = dv.row(0, t, 0);
-      std::copy(dvt[r], dvt[r] + Dv, out);
-      if constexpr (Pos::rotates_values) Pos::rotate(out, Dv, theta, position);  // dv = R^t dv~
-      else (void)position;
+      if constexpr (Pos::rotates_values) {
+        T* out = dv.row(0, t, 0);
+        std::copy(dvt[r], dvt[r] + Dv, out);
+        Pos::rotate(out, Dv, theta, position);  // dv = R^t dv~
+      } else {
+        (void)position;
+      }
     }
   }
   if (d_theta && first_position != 0) {

@@ -32,6 +32,7 @@
 #include "latte/backends/cpu/linear/forward.hpp"
 #include "latte/backends/cpu/memory_pass.hpp"
 #include "latte/backends/cpu/parallel.hpp"
+#include "latte/backends/cpu/prefetch.hpp"
 #include "latte/backends/cpu/simd.hpp"
 #include "latte/backends/reference/linear.hpp"
 #include "latte/core/huge_page_allocator.hpp"
@@ -289,6 +290,10 @@ void linear_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
     }
     for (index_t c0 = 0; c0 < Tn; c0 += linear_backward_block) {  // forward sweep
       const index_t n = std::min(linear_backward_block, Tn - c0);
+      // The next block's rows into L2 while this one computes: a head's rows
+      // are H * width elements apart, where the hardware prefetchers stop.
+      for (index_t s = c0 + n; s < std::min(Tn, c0 + n + linear_backward_block); ++s)
+        prefetch_token_rows<CacheLevel::l2>(b, s, h, q, k, v, d_out, d_q);
       features(c0, n);
       const T* kn = fs.key_numerator.data();
       const T* qn = fs.query_numerator.data();
@@ -371,6 +376,11 @@ void linear_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
     const index_t last = (Tn - 1) / linear_backward_block * linear_backward_block;
     for (index_t c0 = last;; c0 -= linear_backward_block) {  // reverse sweep
       const index_t n = std::min(linear_backward_block, Tn - c0);
+      for (index_t s = std::max<index_t>(0, c0 - linear_backward_block); s < c0; ++s) {
+        prefetch_token_rows<CacheLevel::l2>(b, s, h, q, k, v, d_out, d_k, d_v);
+        for (int side = 0; side < (separate ? 4 : 2); ++side)
+          prefetch_row<CacheLevel::l2>(cached(side) + s * E, sizeof(T) * static_cast<std::size_t>(E));
+      }
       const T* qn = cached(0) + c0 * E;
       const T* kn = cached(1) + c0 * E;
       const T* qd = separate ? cached(2) + c0 * E : qn;
