@@ -38,6 +38,8 @@
 #include "latte/backends/cpu/latte/forward.hpp"
 #include "latte/backends/cpu/parallel.hpp"
 #include "latte/backends/cpu/prefetch.hpp"
+#include "latte/backends/cpu/rotation.hpp"
+#include "latte/backends/cpu/run_rotations.hpp"
 #include "latte/backends/cpu/simd.hpp"
 #include "latte/backends/reference/latte.hpp"
 #include "latte/core/checked_size.hpp"
@@ -274,7 +276,7 @@ inline constexpr index_t backward_chunk_tokens = 16;
 
 /// Per-worker scratch of the causal backward: per token c, w, p / alpha^,
 /// p dp / alpha^ (4 T L), whether each token moved a running maximum, the
-/// carry and its adjoints, a block's rows, and
+/// carry and its adjoints, a chunk's rows and (VAPOR) rotations, and
 /// (compensated sums) the window of terms since the last fold, the low parts
 /// of the normaliser's adjoint and a token's weights.
 template <Real T>
@@ -286,10 +288,14 @@ struct LatteBackwardScratch {
         memory_bar(static_cast<std::size_t>(L * Dv)),
         latent(static_cast<std::size_t>((3 * backward_chunk_tokens + 3) * L + backward_chunk_tokens)),
         rows(static_cast<std::size_t>(4 * backward_chunk_tokens * Dv)),
-        token_rescaled(static_cast<std::size_t>(Tn)), window(L, Dv) {}
+        token_rescaled(static_cast<std::size_t>(Tn)), window(L, Dv),
+        rotation(Dv / 2, backward_chunk_tokens),
+        rotation_rows(static_cast<std::size_t>(2 * backward_chunk_tokens * Dv)) {}
   AlignedVector<T> per_token, carry, memory_bar, latent, rows;
   std::vector<unsigned char> token_rescaled;  // per token: did a running maximum move (a c != 1)
   ScaledTermWindow<T> window;
+  RunRotations<T> rotation;      // VAPOR: a chunk's rotations (run_rotations.hpp),
+  AlignedVector<T> rotation_rows;  // as [C][Dv] cos rows, then [C][Dv] sin rows
 };
 
 /// One (batch, head) of the causal backward: views of [1, T, 1, *].
@@ -334,20 +340,31 @@ void latte_causal_backward_head(TensorView<const T, 4> q, TensorView<const T, 4>
                             scratch.carry.data() + 2 * L};
   initial_of(carry);
   if constexpr (Sum::compensated) window.start(carry.memory, carry.normaliser);
-  // v~_t = R^{-t} v_t and g~_t (VAPOR) or the rows themselves.
+  // VAPOR (eq. 22): the rotations R^p of the chunk's n positions from token
+  // t0, row r for token t0 + r, as the forward's scan makes them
+  // (run_rotations.hpp: products of one exact rotation per chunk).
+  const T* const rotation_cos = scratch.rotation_rows.data();
+  const T* const rotation_sin = rotation_cos + C * Dv;
+  auto chunk_rotations = [&](index_t t0, index_t n) {
+    if constexpr (Pos::rotates_values) {
+      scratch.rotation.seek(theta, first_position + t0);
+      scratch.rotation.fill(n, scratch.rotation_rows.data(), scratch.rotation_rows.data() + C * Dv, Dv);
+    } else {
+      (void)t0, (void)n;
+    }
+  };
+  // v~_t = R^{-t} v_t and g~_t (VAPOR) or the rows themselves; r: the token's
+  // row in its chunk.
   auto rows_of = [&](index_t t, int r, const T*& vt, const T*& gt) {
     if constexpr (!Pos::rotates_values) {
       vt = v.row(0, t, 0);
       gt = g.row(0, t, 0);
       (void)r;
     } else {
-      const std::int64_t position = first_position + t;
       T* vr = row_buffer + r * Dv;
       T* gr = row_buffer + (C + r) * Dv;
-      std::copy(v.row(0, t, 0), v.row(0, t, 0) + Dv, vr);
-      std::copy(g.row(0, t, 0), g.row(0, t, 0) + Dv, gr);
-      Pos::rotate(vr, Dv, theta, -position);
-      Pos::rotate(gr, Dv, theta, -position);
+      rotate_pairs<false>(v.row(0, t, 0), vr, rotation_cos + r * Dv, rotation_sin + r * Dv, Dv);
+      rotate_pairs<false>(g.row(0, t, 0), gr, rotation_cos + r * Dv, rotation_sin + r * Dv, Dv);
       vt = vr;
       gt = gr;
     }
@@ -370,6 +387,7 @@ void latte_causal_backward_head(TensorView<const T, 4> q, TensorView<const T, 4>
     // hardware prefetchers stop (prefetch.hpp).
     for (index_t s = t0 + block_tokens; s < std::min(Tn, t0 + 2 * block_tokens); ++s)
       prefetch_token_rows<CacheLevel::l2>(0, s, 0, k, q, v, g, dq);
+    chunk_rotations(t0, n);
     const T* vt[C];
     const T* gt[C];
     for (int r = 0; r < n; ++r) {
@@ -465,6 +483,7 @@ void latte_causal_backward_head(TensorView<const T, 4> q, TensorView<const T, 4>
       for (const T* stage : {carry_scale, weight, read_weight, read_dp})
         prefetch_row<CacheLevel::l2>(stage + s * L, sizeof(T) * static_cast<std::size_t>(L));
     }
+    chunk_rotations(t0, n);
     const T* vt[C];
     const T* gt[C];
     T* dvt[C];
@@ -506,7 +525,6 @@ void latte_causal_backward_head(TensorView<const T, 4> q, TensorView<const T, 4>
     }
     for (int r = n - 1; r >= 0; --r) {
       const index_t t = t0 + r;
-      const std::int64_t position = first_position + t;
       const T* cr = c + r * L;
       const T* wr = w + r * L;
       const T* rdp = read_dp + t * L;
@@ -522,13 +540,8 @@ void latte_causal_backward_head(TensorView<const T, 4> q, TensorView<const T, 4>
         }
       }
       if (d_theta) reference::accumulate_angle_gradient(d_theta, Dv, dvt[r], vt[r], -t);
-      if constexpr (Pos::rotates_values) {
-        T* out = dv.row(0, t, 0);
-        std::copy(dvt[r], dvt[r] + Dv, out);
-        Pos::rotate(out, Dv, theta, position);  // dv = R^t dv~
-      } else {
-        (void)position;
-      }
+      if constexpr (Pos::rotates_values)  // dv = R^t dv~
+        rotate_pairs<true>(dvt[r], dv.row(0, t, 0), rotation_cos + r * Dv, rotation_sin + r * Dv, Dv);
     }
   }
   if (d_theta && first_position != 0) {
