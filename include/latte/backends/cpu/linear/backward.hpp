@@ -290,10 +290,6 @@ void linear_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
     }
     for (index_t c0 = 0; c0 < Tn; c0 += linear_backward_block) {  // forward sweep
       const index_t n = std::min(linear_backward_block, Tn - c0);
-      // The next block's rows into L2 while this one computes: a head's rows
-      // are H * width elements apart, where the hardware prefetchers stop.
-      for (index_t s = c0 + n; s < std::min(Tn, c0 + n + linear_backward_block); ++s)
-        prefetch_token_rows<CacheLevel::l2>(b, s, h, q, k, v, d_out, d_q);
       features(c0, n);
       const T* kn = fs.key_numerator.data();
       const T* qn = fs.query_numerator.data();
@@ -308,6 +304,10 @@ void linear_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
       reference::ReadGradient<T>* reads = ws.reads.data() + c0;
       std::vector<T>& D = ws.denominators;
       for (index_t r = 0; r < n; ++r) {  // z_t (after key t), D_t, 1 / n_t; z_t kept for dE'_Q
+        // The next block's rows into L2, a token's with each token: a head's rows
+        // are H * width elements apart, where the hardware prefetchers stop.
+        if (const index_t s = c0 + r + linear_backward_block; s < Tn)
+          prefetch_token_rows<CacheLevel::l2>(b, s, h, q, k, v, d_out, d_q);
         T denominator;
         if constexpr (Sum::compensated) {
           add_to_pairs(z, z_low, kd + r * E, E);
@@ -376,11 +376,6 @@ void linear_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
     const index_t last = (Tn - 1) / linear_backward_block * linear_backward_block;
     for (index_t c0 = last;; c0 -= linear_backward_block) {  // reverse sweep
       const index_t n = std::min(linear_backward_block, Tn - c0);
-      for (index_t s = std::max<index_t>(0, c0 - linear_backward_block); s < c0; ++s) {
-        prefetch_token_rows<CacheLevel::l2>(b, s, h, q, k, v, d_out, d_k, d_v);
-        for (int side = 0; side < (separate ? 4 : 2); ++side)
-          prefetch_row<CacheLevel::l2>(cached(side) + s * E, sizeof(T) * static_cast<std::size_t>(E));
-      }
       const T* qn = cached(0) + c0 * E;
       const T* kn = cached(1) + c0 * E;
       const T* qd = separate ? cached(2) + c0 * E : qn;
@@ -388,6 +383,11 @@ void linear_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
       auto d_kd = ws.d_key_denominator.topRows(n);
       const reference::ReadGradient<T>* reads = ws.reads.data() + c0;
       for (index_t r = n; r-- > 0;) {  // u_t = u_{t+1} + dD_t e'(q_t)
+        if (const index_t s = c0 + r - linear_backward_block; s >= 0) {  // the previous block's rows
+          prefetch_token_rows<CacheLevel::l2>(b, s, h, q, k, v, d_out, d_k, d_v);
+          for (int side = 0; side < (separate ? 4 : 2); ++side)
+            prefetch_row<CacheLevel::l2>(cached(side) + s * E, sizeof(T) * static_cast<std::size_t>(E));
+        }
         if constexpr (Sum::compensated)
           add_scaled_to_pairs(u, u_low, reads[r].d_denominator, qd + r * E, E);
         else
