@@ -4,8 +4,8 @@
 // task per (batch, head) over OpenMP threads.
 //
 // Causal, in chunks of backward_chunk_tokens (16) tokens whose rows are
-// prefetched into L2 a chunk ahead (a head's rows are H * width elements
-// apart, where the hardware prefetchers stop): pass 1 runs the forward's key
+// prefetched into L2 a chunk ahead, a token's with each token (a head's rows
+// are H * width elements apart, where the hardware prefetchers stop): pass 1 runs the forward's key
 // stage (absorb_keys: c_t, w_t, with the forward's headroom references) per
 // token and the query softmax of the chunk's rows together, then the memory
 // passes, backward_tokens (4) tokens at a time and one call over all rows in
@@ -18,9 +18,9 @@
 // 4 tokens (c = 1, nearly always once the maxima settle) both passes leave
 // the rescale out: one FMA for M^'s update, three for the adjoint's, as the
 // forward's passes. The 16 dots of a group stay in registers and are
-// reduced together (simd::reduce_add_each). VAPOR rotates rows with
-// PairRotation (a cos / sin per pair and token; the forward's steppers are
-// not used yet), and learned angles run pass 1 a token at a time. The sums
+// reduced together (simd::reduce_add_each). VAPOR rotates rows with the
+// forward's RunRotations (one exact rotation per chunk, products after it),
+// and learned angles run pass 1 a token at a time. The sums
 // over the whole past (pass 1) and future (pass 2) are compensated
 // (compensated_sums.hpp's ScaledTermWindow; latte_causal_backward_head).
 //
