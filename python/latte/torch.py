@@ -135,10 +135,23 @@ def _state_from(attention, names, tensors, like, position):
                                        position=position)
 
 
+# The compensated low part of a state's sum field, where it is not named <field>_low.
+_LOW_PARTS = {"memory_sum": "memory_compensation"}
+
+
 def _fields_of(state, names):
     """Fields `names` of a latte state as tensors, each with its low part folded in."""
     fields = state.fields()
-    return [_tensor(fields[n] + fields[n + "_low"] if n + "_low" in fields else fields[n]) for n in names]
+    low = {n: _LOW_PARTS.get(n, n + "_low") for n in names}
+    return [_tensor(fields[n] + fields[low[n]] if low[n] in fields else fields[n]) for n in names]
+
+
+def _state_forward(attention, inputs, fields, initial, position):
+    """attention.forward over `inputs` continued from the state whose `fields` are `initial`:
+    (out, *the final state's fields)."""
+    state = _state_from(attention, fields, initial, inputs[0], position)
+    out = attention.forward(*map(_array, inputs), state=state)
+    return (_tensor(out), *_fields_of(state, fields))
 
 
 @torch.library.custom_op("latte::latte_attention_state", mutates_args=(), device_types="cpu")
@@ -148,9 +161,8 @@ def _latte_state_op(query_logits: torch.Tensor, key_logits: torch.Tensor, values
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal Latte from a state (fresh when its tensors are None): out and the final state's fields."""
     attention = _latte_for(query_logits, values, True, angles)
-    state = _state_from(attention, _LATTE_STATE, (running_max, normaliser, memory), query_logits, position)
-    out = attention.forward(_array(query_logits), _array(key_logits), _array(values), state=state)
-    return (_tensor(out), *_fields_of(state, _LATTE_STATE))
+    return _state_forward(attention, (query_logits, key_logits, values), _LATTE_STATE,
+                          (running_max, normaliser, memory), position)
 
 
 @_latte_state_op.register_fake
@@ -305,9 +317,7 @@ def _linear_state_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Te
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal linear attention from a state (fresh when its tensors are None): out and the final (S, z)."""
     attention = _linear_for(queries, values, True, feature_map, rope)
-    state = _state_from(attention, _LINEAR_STATE, (memory, normaliser), queries, position)
-    out = attention.forward(_array(queries), _array(keys), _array(values), state=state)
-    return (_tensor(out), *_fields_of(state, _LINEAR_STATE))
+    return _state_forward(attention, (queries, keys, values), _LINEAR_STATE, (memory, normaliser), position)
 
 
 @_linear_state_op.register_fake
@@ -410,7 +420,12 @@ def _backward(attention, inputs, d_out: torch.Tensor, tensors) -> list[torch.Ten
     """attention.backward(*inputs, d_out) as one gradient per tensor input of the op (`tensors`), with
     that input's dtype and shape (nested tuples, a LeaP module's (d_w1, d_b1, d_w2, d_b2), flattened in
     order); an empty tensor for an input given as None."""
-    result = attention.backward(*map(_array, inputs), _array(d_out))
+    return _flat_gradients(attention.backward(*map(_array, inputs), _array(d_out)), tensors, d_out)
+
+
+def _flat_gradients(result, tensors, d_out: torch.Tensor) -> list[torch.Tensor]:
+    """A backward's result, nested tuples flattened in order, as one gradient per tensor input
+    (`tensors`), with that input's dtype and shape; an empty tensor for an input given as None."""
     flat = [g for item in result for g in (item if isinstance(item, tuple) else (item,))]
     return [d_out.new_empty(0) if t is None else torch.as_tensor(flat[i]).to(t.dtype).reshape(t.shape)
             for i, t in enumerate(tensors)]
@@ -432,6 +447,73 @@ def _register(op, backward_op, tensors: int, values: int = 2) -> None:
         saved = ctx.saved_tensors
         gradients = backward_op(*saved, d_out, *ctx.options)
         return tuple(None if t is None else g for t, g in zip(saved, gradients)) + (None,) * len(ctx.options)
+
+    op.register_autograd(backward, setup_context=setup_context)
+
+
+# Training in chunks for the other causal mechanisms (Latte Macchiato, LAVO), with the contract of
+# latte_attention's: an op `*_state` takes the plain op's tensor inputs, then the initial state's
+# fields (all None: a fresh state at `position`), then the options, `position` last, and returns
+# the output and the final state's fields (compensated pairs folded). Fields named `fixed` (Latte
+# Macchiato's running_max, held fixed as Latte's, and its ring's fill count) carry no gradient.
+# Its backward op takes (*tensor inputs, *initial fields, d_out, *the final state's fixed fields,
+# *the gradients of its other fields, *options) and returns one gradient per tensor input, then
+# one per initial field that is not fixed (empty tensors for inputs given as None).
+
+
+def _state_backward(attention, inputs, tensors, fields, fixed, initial, d_out, final_fixed, d_final, position):
+    """The state op's backward: `_backward`'s gradients of `tensors`, then the initial state's
+    gradient in its fields that are not `fixed`. The final state's gradient is a state at the
+    sequence's end whose fixed fields are the final state's and the others `d_final`."""
+    start = _state_from(attention, fields, initial, inputs[0], position)
+    fixed_values, free_values = iter(final_fixed), iter(d_final)
+    d_fields = [next(fixed_values) if n in fixed else next(free_values) for n in fields]
+    end = attention.state_from_fields({n: _array(t) for n, t in zip(fields, d_fields)},
+                                      position=position + inputs[0].shape[1])
+    *result, d_initial = attention.backward(*map(_array, inputs), _array(d_out), initial_state=start,
+                                            d_final_state=end)
+    d_start = d_initial.fields()  # a gradient state's low parts: 0 or their sum's gradient, not added
+    return _flat_gradients(result, tensors, d_out) + [_tensor(d_start[n]) for n in fields if n not in fixed]
+
+
+def _register_state(op, backward_op, tensors: int, fields, fixed, field_shapes, values: int = 2) -> None:
+    """The fakes and autograd of a state op and its backward op (the layout above); `tensors`: how
+    many leading arguments are tensor inputs; `field_shapes(*op arguments)`: the state's field shapes."""
+    S = len(fields)
+    free = [i for i, n in enumerate(fields) if n not in fixed]
+    kept = [i for i, n in enumerate(fields) if n in fixed]
+
+    def fake(*args):
+        like = args[values]
+        return (like.new_empty(like.shape), *(like.new_empty(shape) for shape in field_shapes(*args)))
+
+    def backward_fake(*args):
+        like = args[tensors + S]  # d_out
+        given = list(args[:tensors]) + [args[tensors + i] for i in free]
+        return [like.new_empty(0) if t is None else t.new_empty(t.shape) for t in given]
+
+    op.register_fake(fake)
+    backward_op.register_fake(backward_fake)
+
+    def setup_context(ctx, inputs, output):
+        final_fixed = [output[1 + i] for i in kept]
+        ctx.save_for_backward(*inputs[:tensors + S], *final_fixed)
+        ctx.options = inputs[tensors + S:]
+        ctx.shapes = [o.shape for o in output]
+        ctx.mark_non_differentiable(*final_fixed)
+
+    def backward(ctx, d_out, *d_final):
+        saved = ctx.saved_tensors
+        given, final_fixed = saved[:tensors + S], saved[tensors + S:]
+        zeros = functools.partial(given[values].new_zeros)
+        d_out = zeros(ctx.shapes[0]) if d_out is None else d_out
+        d_free = [zeros(ctx.shapes[1 + i]) if d_final[i] is None else d_final[i] for i in free]
+        gradients = backward_op(*given, d_out, *final_fixed, *d_free, *ctx.options)
+        d_fields = [None] * S
+        for j, i in enumerate(free):
+            d_fields[i] = None if given[tensors + i] is None else gradients[tensors + j]
+        d_tensors = [None if t is None else g for t, g in zip(given[:tensors], gradients)]
+        return (*d_tensors, *d_fields) + (None,) * len(ctx.options)
 
     op.register_autograd(backward, setup_context=setup_context)
 
@@ -589,20 +671,91 @@ def _latte_macchiato_backward_op(query_logits: torch.Tensor, key_logits: torch.T
 
 _register(_latte_macchiato_op, _latte_macchiato_backward_op, tensors=6, values=4)
 
+_MACCHIATO_STATE = ("running_max", "normaliser", "memory", "window_keys", "window_values", "window_fill")
+_MACCHIATO_FIXED = ("running_max", "window_fill")
+
+
+@torch.library.custom_op("latte::latte_macchiato_state", mutates_args=(), device_types="cpu")
+def _macchiato_state_op(query_logits: torch.Tensor, key_logits: torch.Tensor, window_queries: torch.Tensor,
+                        window_keys: torch.Tensor, values: torch.Tensor, angles: Optional[torch.Tensor],
+                        running_max: Optional[torch.Tensor], normaliser: Optional[torch.Tensor],
+                        memory: Optional[torch.Tensor], ring_keys: Optional[torch.Tensor],
+                        ring_values: Optional[torch.Tensor], window_fill: Optional[torch.Tensor], window: int,
+                        vapor: bool, rope: bool, vapor_scope: str, scale: Optional[float], position: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                   torch.Tensor]:
+    """Causal Latte Macchiato from a state (fresh when its tensors are None): out and the final state's fields."""
+    attention = _macchiato_for(key_logits, window_queries, values, angles, window, True, vapor, rope, vapor_scope,
+                               scale)
+    return _state_forward(attention, (query_logits, key_logits, window_queries, window_keys, values),
+                          _MACCHIATO_STATE, (running_max, normaliser, memory, ring_keys, ring_values, window_fill),
+                          position)
+
+
+@torch.library.custom_op("latte::latte_macchiato_state_backward", mutates_args=(), device_types="cpu")
+def _macchiato_state_backward_op(query_logits: torch.Tensor, key_logits: torch.Tensor, window_queries: torch.Tensor,
+                                 window_keys: torch.Tensor, values: torch.Tensor, angles: Optional[torch.Tensor],
+                                 running_max: Optional[torch.Tensor], normaliser: Optional[torch.Tensor],
+                                 memory: Optional[torch.Tensor], ring_keys: Optional[torch.Tensor],
+                                 ring_values: Optional[torch.Tensor], window_fill: Optional[torch.Tensor],
+                                 d_out: torch.Tensor, final_running_max: torch.Tensor, final_window_fill: torch.Tensor,
+                                 d_normaliser: torch.Tensor, d_memory: torch.Tensor, d_ring_keys: torch.Tensor,
+                                 d_ring_values: torch.Tensor, window: int, vapor: bool, rope: bool, vapor_scope: str,
+                                 scale: Optional[float], position: int) -> list[torch.Tensor]:
+    attention = _macchiato_for(key_logits, window_queries, values, angles, window, True, vapor, rope, vapor_scope,
+                               scale)
+    inputs = (query_logits, key_logits, window_queries, window_keys, values)
+    return _state_backward(attention, inputs, inputs + (angles,), _MACCHIATO_STATE, _MACCHIATO_FIXED,
+                           (running_max, normaliser, memory, ring_keys, ring_values, window_fill), d_out,
+                           (final_running_max, final_window_fill), (d_normaliser, d_memory, d_ring_keys, d_ring_values),
+                           position)
+
+
+def _macchiato_state_shapes(query_logits, key_logits, window_queries, window_keys, values, angles, *fields_options):
+    B, _, H, L = key_logits.shape
+    ring = fields_options[6] + 1  # window + 1 slots
+    return ((B, H, L), (B, H, L), (B, H, L, values.shape[3]), (B, H, ring, window_queries.shape[3]),
+            (B, H, ring, values.shape[3]), (1,))
+
+
+_register_state(_macchiato_state_op, _macchiato_state_backward_op, tensors=6, fields=_MACCHIATO_STATE,
+                fixed=_MACCHIATO_FIXED, field_shapes=_macchiato_state_shapes, values=4)
+
 
 def latte_macchiato(query_logits: torch.Tensor, key_logits: torch.Tensor, window_queries: torch.Tensor,
                     window_keys: torch.Tensor, values: torch.Tensor, *, window: int, causal: bool = True,
                     vapor: bool = False, rope: bool = False, vapor_scope: str = "latent_states",
-                    scale: Optional[float] = None, angles: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    scale: Optional[float] = None, angles: Optional[torch.Tensor] = None,
+                    initial_state: Optional[tuple[torch.Tensor, ...]] = None, output_final_state: bool = False,
+                    position: int = 0):
     """Latte Macchiato (``torch.ops.latte.latte_macchiato``): one softmax over L + 1 states per query,
     state 0 a sliding-window softmax (``window`` w tokens each side allowed) over ``window_queries`` /
     ``window_keys`` ``[B, T, H, Dk]`` (``rope`` rotates them; ``scale`` defaults to ``1 / sqrt(Dk)``),
     states 1..L Latte's latent states; ``query_logits`` ``[B, T, H, L + 1]``, ``key_logits``
     ``[B, T, H, L]``, ``values`` ``[B, T, H, Dv]`` -> ``[B, T, H, Dv]``. ``vapor`` rotates the latent
     states' values (``vapor_scope="all_states"``: the window's too) by the RoPE schedule, or by
-    ``angles`` ``[H, Dv/2]`` (which turn VAPOR on and receive a gradient when they require one)."""
-    return _latte_macchiato_op(query_logits, key_logits, window_queries, window_keys, values, angles, window, causal,
-                               vapor or angles is not None, rope, vapor_scope, None if scale is None else float(scale))
+    ``angles`` ``[H, Dv/2]`` (which turn VAPOR on and receive a gradient when they require one).
+
+    Training in chunks (causal; ``torch.ops.latte.latte_macchiato_state``), as ``latte_attention``
+    describes: a state is the tuple ``(running_max [B, H, L], normaliser [B, H, L], memory
+    [B, H, L, Dv], window_keys [B, H, w + 1, Dk], window_values [B, H, w + 1, Dv], window_fill [1])``
+    of ``latte.MacchiatoState.fields()``: Latte's carry (sums stored scaled by exp(-running_max),
+    compensated pairs folded), the ring of the window's last w + 1 keys and values (token s in slot
+    s % (w + 1), as the window reads them: rotated under RoPE) and how many slots hold tokens. The
+    sequence continues from ``initial_state`` (None: a fresh state) at absolute position ``position``;
+    ``output_final_state=True`` returns ``(out, final_state)``. Gradients flow into the initial
+    normaliser, memory and ring and from the final state's; running_max is held fixed and
+    window_fill is a count: neither gets a gradient nor is the final one differentiable."""
+    scale = None if scale is None else float(scale)
+    vapor = vapor or angles is not None
+    if initial_state is None and not output_final_state:
+        return _latte_macchiato_op(query_logits, key_logits, window_queries, window_keys, values, angles, window,
+                                   causal, vapor, rope, vapor_scope, scale)
+    _require_state(causal, initial_state, _MACCHIATO_STATE)
+    out, *final = _macchiato_state_op(query_logits, key_logits, window_queries, window_keys, values, angles,
+                                      *(initial_state or (None,) * len(_MACCHIATO_STATE)), window, vapor, rope,
+                                      vapor_scope, scale, position)
+    return (out, tuple(final)) if output_final_state else out
 
 
 # --- LAVO --------------------------------------------------------------------
@@ -635,17 +788,75 @@ def _lavo_backward_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.T
 
 _register(_lavo_op, _lavo_backward_op, tensors=5)
 
+_LAVO_STATE = ("keys", "values", "window_sum", "memory_sum")
+
+
+@torch.library.custom_op("latte::lavo_state", mutates_args=(), device_types="cpu")
+def _lavo_state_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   relative_bias: Optional[torch.Tensor], basis: Optional[torch.Tensor],
+                   ring_keys: Optional[torch.Tensor], ring_values: Optional[torch.Tensor],
+                   window_sum: Optional[torch.Tensor], memory_sum: Optional[torch.Tensor], bases: int, window: int,
+                   basis_seed: int, scale: Optional[float], empty_memory: str, position: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Causal LAVO from a state (fresh when its tensors are None): out and the final state's fields."""
+    attention = _lavo_for(queries, relative_bias, basis, bases, window, True, basis_seed, scale, empty_memory)
+    return _state_forward(attention, (queries, keys, values), _LAVO_STATE,
+                          (ring_keys, ring_values, window_sum, memory_sum), position)
+
+
+@torch.library.custom_op("latte::lavo_state_backward", mutates_args=(), device_types="cpu")
+def _lavo_state_backward_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                            relative_bias: Optional[torch.Tensor], basis: Optional[torch.Tensor],
+                            ring_keys: Optional[torch.Tensor], ring_values: Optional[torch.Tensor],
+                            window_sum: Optional[torch.Tensor], memory_sum: Optional[torch.Tensor],
+                            d_out: torch.Tensor, d_ring_keys: torch.Tensor, d_ring_values: torch.Tensor,
+                            d_window_sum: torch.Tensor, d_memory_sum: torch.Tensor, bases: int, window: int,
+                            basis_seed: int, scale: Optional[float], empty_memory: str,
+                            position: int) -> list[torch.Tensor]:
+    attention = _lavo_for(queries, relative_bias, basis, bases, window, True, basis_seed, scale, empty_memory)
+    return _state_backward(attention, (queries, keys, values), (queries, keys, values, relative_bias, basis),
+                           _LAVO_STATE, (), (ring_keys, ring_values, window_sum, memory_sum), d_out, (),
+                           (d_ring_keys, d_ring_values, d_window_sum, d_memory_sum), position)
+
+
+def _lavo_state_shapes(queries, keys, values, relative_bias, basis, *fields_options):
+    B, _, H, d = queries.shape
+    bases, window = fields_options[4], fields_options[5]
+    return (B, H, window, d), (B, H, window, d), (B, H, bases), (B, H, bases)
+
+
+_register_state(_lavo_state_op, _lavo_state_backward_op, tensors=5, fields=_LAVO_STATE, fixed=(),
+                field_shapes=_lavo_state_shapes)
+
 
 def lavo(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, bases: int, window: int,
          relative_bias: Optional[torch.Tensor] = None, basis: Optional[torch.Tensor] = None, basis_seed: int = 0,
-         causal: bool = True, scale: Optional[float] = None, empty_memory: str = "zero") -> torch.Tensor:
+         causal: bool = True, scale: Optional[float] = None, empty_memory: str = "zero",
+         initial_state: Optional[tuple[torch.Tensor, ...]] = None, output_final_state: bool = False,
+         position: int = 0):
     """LAVO (``torch.ops.latte.lavo``): a local softmax over the last ``window`` w tokens with a relative
     bias P ``[H, 2w - 1]`` (zeros when None), and an orthogonal memory of the older ones read through
     ``bases`` r bases B ``[H, r, d]`` per head (``basis``; when None, orthonormal from ``basis_seed``);
     queries, keys, values ``[B, T, H, d]`` -> ``[B, T, H, d]``. P and B given receive gradients when
-    they require them. ``empty_memory``: "zero" or "local_only"."""
-    return _lavo_op(queries, keys, values, relative_bias, basis, bases, window, causal, basis_seed,
-                    None if scale is None else float(scale), empty_memory)
+    they require them. ``empty_memory``: "zero" or "local_only".
+
+    Training in chunks (causal; ``torch.ops.latte.lavo_state``), as ``latte_attention`` describes: a
+    state is the tuple ``(keys [B, H, w, d], values [B, H, w, d], window_sum [B, H, r], memory_sum
+    [B, H, r])`` of ``latte.LavoState.fields()``: the ring of the last w keys and values (token s in
+    slot s % w), the bases' projections summed over the current, incomplete window and over all
+    complete ones (memory_compensation folded into memory_sum). The sequence continues from
+    ``initial_state`` (None: a fresh state) at absolute position ``position`` (window borders are
+    counted from 0); ``output_final_state=True`` returns ``(out, final_state)``; gradients flow into
+    every field of the initial state and from the final state's."""
+    scale = None if scale is None else float(scale)
+    if initial_state is None and not output_final_state:
+        return _lavo_op(queries, keys, values, relative_bias, basis, bases, window, causal, basis_seed, scale,
+                        empty_memory)
+    _require_state(causal, initial_state, _LAVO_STATE)
+    out, *final = _lavo_state_op(queries, keys, values, relative_bias, basis,
+                                 *(initial_state or (None,) * len(_LAVO_STATE)), bases, window, basis_seed, scale,
+                                 empty_memory, position)
+    return (out, tuple(final)) if output_final_state else out
 
 
 # --- convolutional compression -----------------------------------------------
@@ -895,10 +1106,15 @@ class LatteMacchiato(torch.nn.Module):
             self.register_parameter("angles", None)
 
     def forward(self, query_logits: torch.Tensor, key_logits: torch.Tensor, window_queries: torch.Tensor,
-                window_keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+                window_keys: torch.Tensor, values: torch.Tensor, *,
+                initial_state: Optional[tuple[torch.Tensor, ...]] = None, output_final_state: bool = False,
+                position: int = 0):
+        """``[B, T, H, Dv]``, or ``(out, final_state)`` with ``output_final_state``: training in
+        chunks as ``latte_macchiato`` describes."""
         return latte_macchiato(query_logits, key_logits, window_queries, window_keys, values, window=self.window,
                                causal=self.causal, vapor=self.vapor, rope=self.rope, vapor_scope=self.vapor_scope,
-                               scale=self.scale, angles=self.angles)
+                               scale=self.scale, angles=self.angles, initial_state=initial_state,
+                               output_final_state=output_final_state, position=position)
 
 
 class Lavo(torch.nn.Module):
@@ -919,10 +1135,15 @@ class Lavo(torch.nn.Module):
         else:
             self.register_parameter("basis", None)
 
-    def forward(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def forward(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
+                initial_state: Optional[tuple[torch.Tensor, ...]] = None, output_final_state: bool = False,
+                position: int = 0):
+        """``[B, T, H, d]``, or ``(out, final_state)`` with ``output_final_state``: training in
+        chunks as ``lavo`` describes."""
         return lavo(queries, keys, values, bases=self.bases, window=self.window, relative_bias=self.relative_bias,
                     basis=self.basis, basis_seed=self.basis_seed, causal=self.causal, scale=self.scale,
-                    empty_memory=self.empty_memory)
+                    empty_memory=self.empty_memory, initial_state=initial_state,
+                    output_final_state=output_final_state, position=position)
 
 
 class ConvCompressedAttention(torch.nn.Module):

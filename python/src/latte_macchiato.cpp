@@ -96,6 +96,10 @@ struct MacchiatoTraits {
   static MacchiatoStateGradients<T> state_gradients(const MacchiatoState<T>* initial) {
     return {.initial = initial};
   }
+  template <Real T, class A>
+  static MacchiatoState<T> blank_state(const A& attention, index_t batch, std::int64_t position) {
+    return attention.template make_state<T>(batch, position);
+  }
 
   static nb::tuple to_tuple(const Config& c) {
     return nb::make_tuple(c.heads, c.latents, c.key_dim, c.value_dim, c.window, c.causal, c.vapor, c.rope,
@@ -115,9 +119,15 @@ using PyMacchiato = PyMechanism<MacchiatoTraits>;
 
 void bind_latte_macchiato(nb::module_& m) {
   bind_state<MacchiatoTraits>(m, "MacchiatoState",
-                              "A causal LatteMacchiato's decode state: Latte's carry and a ring of the last "
-                              "w + 1 window keys / values per (sequence, head), and the next position. "
-                              "Picklable; save() gives latte's checksummed bytes.");
+                              "A causal LatteMacchiato's decode state (make_state / load_state / "
+                              "state_from_fields): Latte's carry and a ring of the last w + 1 window keys / "
+                              "values per (sequence, head), and the next position. fields() gives running_max "
+                              "[B, H, L], normaliser [B, H, L], memory [B, H, L, Dv] (the sums stored scaled by "
+                              "exp(-running_max)), normaliser_low, memory_low (their compensated low parts), "
+                              "window_keys [B, H, w + 1, Dk], window_values [B, H, w + 1, Dv] (token s in slot "
+                              "s % (w + 1), stored as the window reads them: R^s k_s under RoPE, R^-s v_s when "
+                              "VAPOR acts on the window) and window_fill [1] (ring slots holding tokens, at "
+                              "most min(w + 1, position)). Picklable; save() gives latte's checksummed bytes.");
   nb::class_<PyMacchiato> cls(m, "LatteMacchiato",
                               "Latte Macchiato (paper 000 §2.3, paper 001 §4.1): one softmax over L + 1 "
                               "states per query, state 0 a sliding-window softmax over its own window "

@@ -86,6 +86,10 @@ struct LavoTraits {
   static LavoStateGradients<T> state_gradients(const LavoState<T>* initial) {
     return {.initial = initial};
   }
+  template <Real T, class A>
+  static LavoState<T> blank_state(const A& attention, index_t batch, std::int64_t position) {
+    return attention.template make_state<T>(batch, position);
+  }
 
   static nb::tuple to_tuple(const Config& c) {
     return nb::make_tuple(c.heads, c.dim, c.bases, c.window, c.causal, c.basis, c.basis_seed, c.relative_bias,
@@ -201,8 +205,12 @@ struct LavoCross {
 
 void bind_lavo(nb::module_& m) {
   bind_state<LavoTraits>(m, "LavoState",
-                         "A causal Lavo's decode state: the last w keys / values and the memory's 3r sums "
-                         "per (sequence, head), and the next position. Picklable.");
+                         "A causal Lavo's decode state (make_state / load_state / state_from_fields): the "
+                         "last w keys / values and the memory's 3r sums per (sequence, head), and the next "
+                         "position. fields() gives keys [B, H, w, d] and values [B, H, w, d] (token s in slot "
+                         "s % w), window_sum [B, H, r] (the bases' projections summed over the current, "
+                         "incomplete window), memory_sum [B, H, r] (over all complete windows) and "
+                         "memory_compensation [B, H, r] (memory_sum's compensated low part). Picklable.");
   nb::class_<PyLavo> cls(m, "Lavo",
                          "LAVO (paper 002): a local softmax over the last w tokens with a relative bias, and "
                          "an orthogonal memory of the older ones read through r orthonormal bases per head. "
@@ -235,13 +243,15 @@ void bind_lavo(nb::module_& m) {
           "The relative bias P [H, 2w - 1] in use (float64; index (s - t) + w - 1).")
       .def(
           "make_state",
-          [](const PyLavo& a, index_t batch, const std::string& dtype) {
+          [](const PyLavo& a, index_t batch, std::int64_t first_position, const std::string& dtype) {
             return a.new_state("make_state", dtype, [&]<Real T>(const auto& attention) {
-              return attention.template make_state<T>(batch);
+              return attention.template make_state<T>(batch, first_position);
             });
           },
-          nb::arg("batch"), nb::kw_only(), nb::arg("dtype") = "float32",
-          "A fresh decode state for `batch` sequences (causal only).");
+          nb::arg("batch"), nb::kw_only(), nb::arg("first_position") = 0, nb::arg("dtype") = "float32",
+          "A fresh decode state for `batch` sequences whose first token sits at `first_position` (causal "
+          "only; window borders are counted from position 0, so a state started later is a slice's, whose "
+          "ring and sums state_from_fields fills).");
   bind_calls<LavoTraits>(cls);
   cls.def("cross_forward", &LavoCross::forward, nb::arg("queries"), nb::arg("source"), nb::arg("out") = nb::none(),
           nb::kw_only(), nb::arg("exec") = "cpu",

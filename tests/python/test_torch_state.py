@@ -1,5 +1,5 @@
 """latte.torch's training in chunks (flash-linear-attention's initial_state / output_final_state)
-for the Latte and linear-attention ops: torch.autograd.gradcheck in float64 with respect to the
+for the Latte, linear-attention, Latte Macchiato and LAVO ops: torch.autograd.gradcheck in float64 with respect to the
 inputs and the initial state's tensors under a loss that uses the final state (dh0 and dht),
 the outputs against the NumPy definitions continued from a state, chunks chained under
 autograd against the whole sequence, torch.compile(fullgraph=True) and the fake impls
@@ -13,6 +13,8 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed: the torch
 import latte  # noqa: E402
 import latte.torch as lt  # noqa: E402
 from latte_reference import latte as latte_definition  # noqa: E402
+from test_latte_macchiato import macchiato_definition  # noqa: E402
+from test_lavo import lavo_definition  # noqa: E402
 from test_state_gradients import EPS, latte_from_state, linear_from_state  # noqa: E402
 
 
@@ -214,3 +216,146 @@ def test_bad_states_raise_latte_error():
     with pytest.raises(latte.Error) as error:
         lt.linear_attention(q, k, v, initial_state=(normaliser, memory))  # (z, S) for (S, z)
     assert error.value.argument == "fields.memory"
+
+
+# --- Latte Macchiato and LAVO -------------------------------------------------
+
+
+def macchiato_case(dtype, rich, seed, B=2, T=23, H=2, L=3, Dk=4, Dv=4, w=3):
+    """(op, inputs, options, parameters, the definition's output): Macchiato with a window of w,
+    and with `rich` RoPE on the window and VAPOR by learned angles on every state."""
+    inputs = tensors((B, T, H, L + 1), (B, T, H, L), (B, T, H, Dk), (B, T, H, Dk), (B, T, H, Dv), dtype=dtype,
+                     seed=seed)
+    angles = tensors((H, Dv // 2), dtype=dtype, seed=seed + 1)[0] if rich else None
+    options = dict(window=w, rope=rich, vapor_scope="all_states" if rich else "latent_states", angles=angles)
+
+    def definition():
+        return macchiato_definition(*numpy(*inputs), w, vapor=rich, rope=rich, all_states=rich,
+                                    angles=angles.detach().numpy() if rich else None)
+    return lt.latte_macchiato, inputs, options, [angles] if rich else [], definition
+
+
+def lavo_case(dtype, seed, B=2, T=23, H=2, d=4, r=3, w=4):
+    """The same for LAVO with a learned relative bias and learned bases."""
+    inputs = tensors((B, T, H, d), (B, T, H, d), (B, T, H, d), dtype=dtype, seed=seed)
+    bias = tensors((H, 2 * w - 1), dtype=dtype, seed=seed + 1)[0]
+    basis = torch.from_numpy(latte.Lavo(H, d, r, w).basis).to(dtype).requires_grad_()
+    options = dict(bases=r, window=w, relative_bias=bias, basis=basis)
+
+    def definition():
+        return lavo_definition(*numpy(*inputs), basis.detach().numpy(), bias.detach().numpy(), w)
+    return lt.lavo, inputs, options, [bias, basis], definition
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mechanism", ["macchiato", "macchiato_rope_vapor", "lavo"])
+def test_macchiato_and_lavo_chunks_under_autograd_equal_the_whole_sequence(mechanism, dtype):
+    case = (lavo_case(dtype, seed=30) if mechanism == "lavo"
+            else macchiato_case(dtype, mechanism != "macchiato", seed=31))
+    op, inputs, options, parameters, definition = case
+    T = inputs[0].shape[1]
+    weight = tensors(tuple(op(*inputs, **options).shape), dtype=dtype, seed=32, grad=False)[0]
+    leaves = [*inputs, *parameters]
+    whole = op(*inputs, **options)
+    expected = torch.autograd.grad((whole * weight).sum(), leaves)
+    # chunks of 1, 2, 5 and 9 tokens: shorter and longer than the window and the ring
+    out, final = chained(op, inputs, (5, 6, 8, 13), **options)
+    got = torch.autograd.grad((out * weight).sum(), leaves)
+    tolerance = {"rtol": 0, "atol": 2e-5 if dtype == torch.float32 else 1e-12}
+    torch.testing.assert_close(out, whole, **tolerance)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g / e.abs().max(), e / e.abs().max(), **tolerance)
+    reference = definition()  # and the chunks against the definition, not latte itself
+    assert np.abs(out.detach().numpy() - reference).max() <= 2 * tolerance["atol"] * np.abs(reference).max()
+    if mechanism == "lavo":
+        assert len(final) == 4 and all(f.requires_grad for f in final)
+    else:  # running_max and window_fill held fixed; the ring full after T > w + 1 tokens
+        assert len(final) == 6 and not final[0].requires_grad and not final[5].requires_grad
+        assert final[5].item() == options["window"] + 1 and final[3].shape[2] == options["window"] + 1
+    assert T == 23
+
+
+def test_macchiato_state_op_gradcheck_with_the_final_state_in_the_loss():
+    B, T, H, L, Dk, Dv, w, position = 1, 5, 1, 2, 2, 2, 2, 4
+    _, inputs, options, parameters, _ = macchiato_case(torch.float64, True, seed=33, B=B, T=T, H=H, L=L, Dk=Dk,
+                                                       Dv=Dv, w=w)
+    generator = torch.Generator().manual_seed(34)
+    running_max = torch.randn(B, H, L, dtype=torch.float64, generator=generator)
+    normaliser = (torch.rand(B, H, L, dtype=torch.float64, generator=generator) + 0.5).requires_grad_()
+    memory, ring_keys, ring_values = (torch.randn(*shape, dtype=torch.float64, generator=generator).requires_grad_()
+                                      for shape in ((B, H, L, Dv), (B, H, w + 1, Dk), (B, H, w + 1, Dv)))
+    fill = torch.tensor([float(min(w + 1, position))], dtype=torch.float64)  # every slot holds a token
+
+    def f(q, k, wq, wk, v, normaliser, memory, ring_keys, ring_values, angles):
+        out, (m, a, M, K, V, n) = lt.latte_macchiato(
+            q, k, wq, wk, v, **{**options, "angles": angles},
+            initial_state=(running_max, normaliser, memory, ring_keys, ring_values, fill), output_final_state=True,
+            position=position)
+        scale = torch.exp(m)  # the final carry's meaning: its sums times exp(running_max)
+        return out, a * scale, M * scale[..., None], K, V
+
+    assert torch.autograd.gradcheck(f, (*inputs, normaliser, memory, ring_keys, ring_values, *parameters))
+
+
+def test_lavo_state_op_gradcheck_with_the_final_state_in_the_loss():
+    B, T, H, d, r, w, position = 1, 7, 1, 2, 2, 3, 4
+    _, inputs, options, parameters, _ = lavo_case(torch.float64, seed=35, B=B, T=T, H=H, d=d, r=r, w=w)
+    state = tensors((B, H, w, d), (B, H, w, d), (B, H, r), (B, H, r), seed=36)
+
+    def f(q, k, v, bias, basis, *state):
+        out, final = lt.lavo(q, k, v, **{**options, "relative_bias": bias, "basis": basis}, initial_state=state,
+                             output_final_state=True, position=position)
+        return out, *final
+
+    assert torch.autograd.gradcheck(f, (*inputs, *parameters, *state))
+
+
+def test_macchiato_and_lavo_state_ops_compile_and_match_their_fakes():
+    _, (q, k, wq, wk, v), options, _, _ = macchiato_case(torch.float32, False, seed=37, B=1, T=9)
+    _, (lq, lk, lv), lavo_options, (bias, basis), _ = lavo_case(torch.float32, seed=38, B=1, T=9)
+
+    def loss(q, k, wq, wk, v, lq, lk, lv, bias):
+        out, (m, a, M, K, V, n) = lt.latte_macchiato(q, k, wq, wk, v, **options, output_final_state=True,
+                                                     position=3)
+        out2, (K2, V2, s, S) = lt.lavo(lq, lk, lv, **{**lavo_options, "relative_bias": bias},
+                                       output_final_state=True, position=2)
+        return out.square().sum() + M.sum() + K.square().sum() + out2.square().sum() + s.sum() + S.square().sum()
+
+    leaves = (q, k, wq, wk, v, lq, lk, lv, bias)
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(compiled(*leaves), leaves)
+    expected = torch.autograd.grad(loss(*leaves), leaves)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
+    _, final = lt.latte_macchiato(q, k, wq, wk, v, **options, output_final_state=True)
+    _, lavo_final = lt.lavo(lq, lk, lv, **lavo_options, output_final_state=True)
+    macchiato_options = (options["window"], False, False, "latent_states", None)
+    for op, args in [
+            (torch.ops.latte.latte_macchiato_state, (q, k, wq, wk, v, None, *(None,) * 6, *macchiato_options, 0)),
+            (torch.ops.latte.latte_macchiato_state, (q, k, wq, wk, v, None, *final, *macchiato_options, 9)),
+            (torch.ops.latte.lavo_state, (lq, lk, lv, bias, basis, *(None,) * 4, 3, 4, 0, None, "zero", 0)),
+            (torch.ops.latte.lavo_state, (lq, lk, lv, None, None, *lavo_final, 3, 4, 0, None, "zero", 9))]:
+        torch.library.opcheck(op, args)
+
+
+def test_bad_macchiato_and_lavo_states_raise_latte_error():
+    _, (q, k, wq, wk, v), options, _, _ = macchiato_case(torch.float64, False, seed=39, B=1, T=4)
+    _, final = lt.latte_macchiato(q, k, wq, wk, v, **options, output_final_state=True)
+    with pytest.raises(latte.Error) as error:
+        lt.latte_macchiato(q, k, wq, wk, v, **options, causal=False, output_final_state=True)
+    assert error.value.argument == "initial_state"
+    with pytest.raises(latte.Error) as error:
+        lt.latte_macchiato(q, k, wq, wk, v, **options, initial_state=final[:5])
+    assert error.value.argument == "initial_state"
+    with pytest.raises(latte.Error) as error:  # 4 ring slots hold tokens at position 4, not 5
+        lt.latte_macchiato(q, k, wq, wk, v, **options, initial_state=(*final[:5], final[5] + 1), position=4)
+    assert error.value.argument.startswith("fields")
+    with pytest.raises(latte.Error) as error:
+        lt.latte_macchiato(q, k, wq, wk, v, **options, initial_state=(*final[:3], final[3][:, :, :2], *final[4:]),
+                           position=4)
+    assert error.value.argument == "fields.window_keys"
+    _, (lq, lk, lv), lavo_options, _, _ = lavo_case(torch.float64, seed=40, B=1, T=4)
+    _, lavo_final = lt.lavo(lq, lk, lv, **lavo_options, output_final_state=True)
+    with pytest.raises(latte.Error) as error:
+        lt.lavo(lq, lk, lv, **lavo_options, initial_state=lavo_final[::-1], position=4)  # reversed: shapes differ
+    assert error.value.argument.startswith("fields.")
