@@ -19,6 +19,7 @@
 
 #include <Eigen/Core>
 
+#include "latte/backends/cpu/band_products.hpp"
 #include "latte/backends/cpu/parallel.hpp"
 #include "latte/backends/cpu/simd.hpp"
 #include "latte/backends/cpu/softmax_row.hpp"
@@ -53,6 +54,49 @@ struct KeyValueRows {
   const T* values;
   index_t value_stride;
 };
+
+/// The smallest t in [0, Tn) with pred(t) (pred monotone: false, then true); Tn if none.
+template <class Pred>
+index_t first_where(index_t Tn, Pred&& pred) {
+  index_t lo = 0, hi = Tn;
+  while (lo < hi) {
+    const index_t mid = lo + (hi - lo) / 2;
+    if (pred(mid))
+      hi = mid;
+    else
+      lo = mid + 1;
+  }
+  return lo;
+}
+
+/// The band of the tile of query rows i0 .. i0 + nq - 1 and keys j0 .. j0 + nk - 1
+/// (row t sees keys lowest(t) .. highest(t), both non-decreasing in t) in tile
+/// coordinates, as cpu::band_product takes it: row r sees key columns
+/// keys_first(r) .. keys_last(r); key column c is seen by rows rows_first(c) ..
+/// rows_last(c). All four are non-decreasing; a range is empty when first > last.
+template <class Lowest, class Highest>
+struct TileBand {
+  index_t i0, j0, nq, nk;
+  const Lowest& lowest;
+  const Highest& highest;
+  [[nodiscard]] auto keys_first() const {
+    return [this](index_t r) { return std::max<index_t>(lowest(i0 + r) - j0, 0); };
+  }
+  [[nodiscard]] auto keys_last() const {
+    return [this](index_t r) { return std::min<index_t>(highest(i0 + r) - j0, nk - 1); };
+  }
+  [[nodiscard]] auto rows_first() const {
+    return [this](index_t c) { return first_where(nq, [&](index_t r) { return highest(i0 + r) >= j0 + c; }); };
+  }
+  [[nodiscard]] auto rows_last() const {
+    return [this](index_t c) { return first_where(nq, [&](index_t r) { return lowest(i0 + r) > j0 + c; }) - 1; };
+  }
+};
+template <class Lowest, class Highest>
+TileBand<Lowest, Highest> tile_band(index_t i0, index_t j0, index_t nq, index_t nk, const Lowest& lowest,
+                                    const Highest& highest) {
+  return {i0, j0, nq, nk, lowest, highest};
+}
 
 /// The flash step for query rows i0 .. i0 + nq - 1 (q rows `q_stride` apart,
 /// nq <= the scratch's block_q): row t sees keys lowest(t) .. highest(t), both
@@ -115,15 +159,11 @@ void attend_query_block(const T* q, index_t q_stride, index_t i0, index_t nq, in
     for (index_t r = 0; r < nq; ++r) acc.row(r) *= s.correction[r];
     if (lowest(i0 + nq - 1) <= j_first && highest(i0) >= j_first + nk - 1) {
       acc.noalias() += S * V;
-    } else {
-      for (index_t r = 0; r < nq; ++r) {
-        const index_t t = i0 + r;
-        const index_t c_lo = std::max(lowest(t), j_first) - j_first;
-        const index_t c_hi = std::min(highest(t), j_first + nk - 1) - j_first;
-        if (c_hi >= c_lo)
-          acc.row(r).noalias() +=
-              S.row(r).segment(c_lo, c_hi - c_lo + 1) * V.middleRows(c_lo, c_hi - c_lo + 1);
-      }
+    } else {  // the band's edge: each row's visible keys only (band_products.hpp)
+      const auto band = tile_band(i0, j_first, nq, nk, lowest, highest);
+      band_product(nq, BandTile<T>{S.data(), s.scores.cols(), 1},
+                   StridedRows<const T>{V.data(), kv.value_stride}, Dv,
+                   StridedRows<T>{acc.data(), s.acc.cols()}, band.keys_first(), band.keys_last());
     }
   }
   Map O(out, nq, Dv, Eigen::OuterStride<>(out_stride));
@@ -179,13 +219,13 @@ void softmax_forward(TensorView<const T, 4> q, TensorView<const T, 4> k, TensorV
 template <Real T>
 struct SoftmaxBackwardScratch {
   using Matrix = typename OnlineSoftmaxScratch<T>::Matrix;
-  Matrix probabilities, d_scores, d_keys, d_values, out_rows;
+  Matrix probabilities, d_scores, d_keys, d_values, out_rows, query_rows;
   OnlineSoftmaxScratch<T> flash;
 
   SoftmaxBackwardScratch(index_t block_q, index_t block_k, index_t Dk, index_t Dv)
       : probabilities(block_q, block_k), d_scores(block_q, block_k),
         d_keys(std::max(block_q, block_k), Dk), d_values(block_k, Dv), out_rows(block_q, Dv),
-        flash(block_q, block_k, Dv) {}
+        query_rows(block_q, Dk), flash(block_q, block_k, Dv) {}
 };
 
 /// `count` rows of D elements from `first`, `stride` apart, as a row-major matrix.
@@ -253,20 +293,6 @@ void backward_tile(const QRows& Q, const KRows& K, const VRows& V, const GRows& 
       ds[c] = p[c] * (ds[c] - row_dot);
     }
   }
-}
-
-/// The smallest t in [0, Tn) with pred(t) (pred monotone: false, then true); Tn if none.
-template <class Pred>
-index_t first_where(index_t Tn, Pred&& pred) {
-  index_t lo = 0, hi = Tn;
-  while (lo < hi) {
-    const index_t mid = lo + (hi - lo) / 2;
-    if (pred(mid))
-      hi = mid;
-    else
-      lo = mid + 1;
-  }
-  return lo;
 }
 
 /// The backward's schedule: one head per task when there are heads enough to
@@ -349,17 +375,19 @@ void softmax_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
         dK.noalias() += dS.transpose() * Q;
         if (add_d_queries) dQ.noalias() += scale * (dS * K);
       } else {  // only the keys each row sees, so a row's NaN reaches no other key
-        for (index_t r = 0; r < nq; ++r) {
-          const VisibleColumns seen = visible_columns(i0 + r, j0, nk, lowest, highest);
-          const index_t n = seen.count();
-          if (n == 0) continue;
-          dV.middleRows(seen.first, n).noalias() +=
-              P.row(r).segment(seen.first, n).transpose() * G.row(r);
-          dK.middleRows(seen.first, n).noalias() +=
-              dS.row(r).segment(seen.first, n).transpose() * Q.row(r);
-          if (add_d_queries)
-            dQ.row(r).noalias() +=
-                scale * (dS.row(r).segment(seen.first, n) * K.middleRows(seen.first, n));
+        const auto band = tile_band(i0, j0, nq, nk, lowest, highest);
+        const index_t ld = s.probabilities.cols();  // P and dS: rows ld apart
+        band_product(nk, BandTile<T>{P.data(), 1, ld}, StridedRows<const T>{G.data(), d_out.stride(1)}, Dv,
+                     StridedRows<T>{dV.data(), s.d_values.cols()}, band.rows_first(), band.rows_last());
+        band_product(nk, BandTile<T>{dS.data(), 1, ld}, StridedRows<const T>{Q.data(), q.stride(1)}, Dk,
+                     StridedRows<T>{dK.data(), s.d_keys.cols()}, band.rows_first(), band.rows_last());
+        if (add_d_queries) {
+          auto dQ_tile = s.query_rows.topRows(nq);
+          dQ_tile.setZero();
+          band_product(nq, BandTile<T>{dS.data(), ld, 1}, StridedRows<const T>{K.data(), k.stride(1)}, Dk,
+                       StridedRows<T>{dQ_tile.data(), s.query_rows.cols()}, band.keys_first(),
+                       band.keys_last());
+          dQ.noalias() += scale * dQ_tile;
         }
       }
     }
@@ -388,12 +416,10 @@ void softmax_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
       if (lowest(i0 + nq - 1) <= j_first && highest(i0) >= j_first + nk - 1) {
         dQ.noalias() += dS * K;
       } else {
-        for (index_t r = 0; r < nq; ++r) {
-          const VisibleColumns seen = visible_columns(i0 + r, j_first, nk, lowest, highest);
-          const index_t n = seen.count();
-          if (n == 0) continue;
-          dQ.row(r).noalias() += dS.row(r).segment(seen.first, n) * K.middleRows(seen.first, n);
-        }
+        const auto band = tile_band(i0, j_first, nq, nk, lowest, highest);
+        band_product(nq, BandTile<T>{dS.data(), s.d_scores.cols(), 1},
+                     StridedRows<const T>{K.data(), k.stride(1)}, Dk,
+                     StridedRows<T>{dQ.data(), s.d_keys.cols()}, band.keys_first(), band.keys_last());
       }
     }
     rows(d_q, b, i0, h, nq) = dQ * scale;
