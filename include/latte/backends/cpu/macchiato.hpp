@@ -22,7 +22,9 @@
 // kernel with a {w, w} window over RoPE-rotated copies of q / k (and rotated
 // values under VAPOR on the window), O(T * H * (2 Dk + Dv)) extra.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -291,9 +293,73 @@ void macchiato_bidirectional_forward(TensorView<const T, 4> q, TensorView<const 
   });
 }
 
+/// A token's mixture (paper 000 eq. 9 over the states 0..L), from its query
+/// logits q_0..q_L: the shares, and the latent logits' exponentials
+/// e_l = exp(q_l - latent_max) (into `exps`, L of them) with their sum.
+template <Real T>
+struct TokenMixture {
+  reference::MixtureShares<T> shares{T(0), T(0)};
+  T latent_max = -std::numeric_limits<T>::infinity();
+  T latent_sum = 0;
+  bool reads = false;  ///< false: every logit is -inf, the token reads zero
+};
+
+/// reference::macchiato_shares, vectorised: the latent exponentials in one
+/// pass, shifted by the latent maximum (so p(l | latent) underflows no sooner
+/// than in the reference), their sum scaled by exp(latent max - overall max).
+template <Real T>
+[[nodiscard]] TokenMixture<T> token_mixture(const T* q, index_t L, T* exps) noexcept {
+  constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+  TokenMixture<T> mixture;
+  mixture.latent_max = simd::max_of(q + 1, L);
+  const T all_max = std::max(q[0], mixture.latent_max);
+  if (all_max == minus_inf) return mixture;
+  mixture.reads = true;
+  const T local = std::exp(q[0] - all_max);
+  T latent = 0;
+  if (mixture.latent_max != minus_inf) {
+    mixture.latent_sum = simd::exp_shifted_sum(q + 1, L, mixture.latent_max, exps);
+    latent = mixture.latent_sum * std::exp(mixture.latent_max - all_max);
+  }
+  const T beta = local + latent;
+  mixture.shares = {local / beta, latent / beta};
+  return mixture;
+}
+
+/// reference::macchiato_query_gradient, vectorised on token_mixture's
+/// exponentials: dq_0 = Y - p(0|t) (X + Y) and, for l >= 1,
+/// dq_l += p(l | latent) X - p(l|t) (X + Y) = e_l (X - share_latent (X + Y)) / latent_sum.
+template <Real T>
+void macchiato_query_gradient(const T* q, index_t L, T X, T Y, T* dq, T* exps) noexcept {
+  const TokenMixture<T> mixture = token_mixture(q, L, exps);
+  if (!mixture.reads) {  // no gradient
+    std::fill(dq, dq + L + 1, T(0));
+    return;
+  }
+  const T total = X + Y;  // <g, o>
+  dq[0] = Y - mixture.shares.local * total;
+  if (mixture.latent_max == -std::numeric_limits<T>::infinity()) return;  // Latte wrote zeros, p(l|t) = 0
+  const simd::batch<T> factor((X - mixture.shares.latent * total) / mixture.latent_sum);
+  simd::for_each_vector<T>(L, [&](index_t i, index_t count, auto tail) {
+    T* row = dq + 1 + i;
+    simd::store_lanes<tail.value>(
+        row, simd::fma(simd::load_lanes<tail.value>(exps + i, count), factor, simd::load_lanes<tail.value>(row, count)),
+        count);
+  });
+}
+
 /// The cpu kernels as reference::macchiato_backward's parts: Latte's and
 /// softmax attention's cpu backwards, the per-token work parallel over heads.
 struct MacchiatoParts {
+  /// The mixture's shares of a token, and its query logits' gradient (above).
+  template <Real T>
+  static reference::MixtureShares<T> shares(const T* q, index_t L, T* exps) noexcept {
+    return token_mixture(q, L, exps).shares;
+  }
+  template <Real T>
+  static void query_gradient(const T* q, index_t L, T X, T Y, T* dq, T* exps) noexcept {
+    cpu::macchiato_query_gradient(q, L, X, Y, dq, exps);
+  }
   template <class Body>
   static void for_heads(index_t count, Body&& body) {
     parallel_for(count, thread_count(), [&](index_t i, int) { body(i); });
