@@ -378,17 +378,20 @@ void macchiato_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
   // The window part: softmax over W(t) with d_out a_t g_t, over Tx rows (the
   // ring's last `pre` tokens, which take no query, then the sequence), on
   // copies where the window rotates (R^t q'_t, R^s k'_s; R^{-s} v_s and R^{-t} g_t)
-  // or a ring comes first; else on the inputs and into the gradients themselves.
+  // or a ring comes first; else on the inputs. The key gradients go into the
+  // gradients themselves (rotated back there under RoPE) unless a ring's rows
+  // come first.
   const bool copy_keys = rope || pre > 0, copy_values = vapor_window || pre > 0;
+  const bool key_gradient_rows = pre > 0;
   const index_t key_rows = detail::checked_count<T>("window_keys", {rows, Dk});
-  AlignedVector<T> key_buffers(copy_keys ? size(4 * key_rows) : 0);
+  AlignedVector<T> key_buffers(size((copy_keys ? 2 : 0) * key_rows + (key_gradient_rows ? 2 : 0) * key_rows));
   AlignedVector<T> value_buffer(copy_values ? size(value_rows) : 0);
   const TensorView<T, 4> Xq = copy_keys ? dense(key_buffers.data(), Tx, Dk) : TensorView<T, 4>{};
   const TensorView<T, 4> Xk = copy_keys ? dense(key_buffers.data() + key_rows, Tx, Dk) : TensorView<T, 4>{};
-  const TensorView<T, 4> dXq = copy_keys ? dense(key_buffers.data() + 2 * key_rows, Tx, Dk)
-                                         : gradients.d_window_queries;
-  const TensorView<T, 4> dXk = copy_keys ? dense(key_buffers.data() + 3 * key_rows, Tx, Dk)
-                                         : gradients.d_window_keys;
+  const TensorView<T, 4> dXq = key_gradient_rows ? dense(key_buffers.data() + 2 * key_rows, Tx, Dk)
+                                                 : gradients.d_window_queries;
+  const TensorView<T, 4> dXk = key_gradient_rows ? dense(key_buffers.data() + 3 * key_rows, Tx, Dk)
+                                                 : gradients.d_window_keys;
   const TensorView<T, 4> Xv = copy_values ? dense(value_buffer.data(), Tx, Dv) : TensorView<T, 4>{};
   const TensorView<T, 4> Xg = dense(upstream.data(), Tx, Dv);
   const TensorView<T, 4> dXv = dense(window_d_values.data(), Tx, Dv);
@@ -503,7 +506,7 @@ void macchiato_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
           std::copy_n(dXv.row(b, j, h), Dv, d_ring.values + slot * Dv);
         }
     }
-    if (copy_keys)
+    if (key_gradient_rows)
       for (index_t t = 0; t < Tn; ++t) {
         std::copy_n(dXq.row(b, pre + t, h), Dk, gradients.d_window_queries.row(b, t, h));
         std::copy_n(dXk.row(b, pre + t, h), Dk, gradients.d_window_keys.row(b, t, h));
