@@ -72,6 +72,15 @@ LATTE_FLATTEN void band_product_columns(index_t n, const BandTile<T>& A, Strided
       simd::store_lanes<part>(C.data + i * C.stride + d0 + c * W, acc[0][c], last);
     });
   };
+  // Row i alone over columns [lo1, hi1], then [lo2, hi2] (either may be empty).
+  auto row_terms = [&](index_t i, index_t lo1, index_t hi1, index_t lo2, index_t hi2) {
+    B row[1][CV];
+    load_row(row, i);
+    band_row_terms<T, CV, Tail>(row, A, i, lo1, hi1, X, d0, last);
+    band_row_terms<T, CV, Tail>(row, A, i, lo2, hi2, X, d0, last);
+    store_row(row, i);
+  };
+  auto whole_row = [&](index_t i) { row_terms(i, first(i), last_of(i), 1, 0); };
   index_t i0 = 0;
   for (; i0 + 4 <= n; i0 += 4) {
     const index_t common_lo = first(i0 + 3), common_hi = last_of(i0);
@@ -91,27 +100,13 @@ LATTE_FLATTEN void band_product_columns(index_t n, const BandTile<T>& A, Strided
       for (index_t i = i0; i < i0 + 4; ++i) {  // the ragged ends: [first(i), common_lo), (common_hi, last(i)]
         const index_t lo = first(i), hi = last_of(i);
         if (lo >= common_lo && hi <= common_hi) continue;
-        B row[1][CV];
-        load_row(row, i);
-        band_row_terms<T, CV, Tail>(row, A, i, lo, std::min(hi, common_lo - 1), X, d0, last);
-        band_row_terms<T, CV, Tail>(row, A, i, std::max(lo, common_hi + 1), hi, X, d0, last);
-        store_row(row, i);
+        row_terms(i, lo, std::min(hi, common_lo - 1), std::max(lo, common_hi + 1), hi);
       }
     } else {
-      for (index_t i = i0; i < i0 + 4; ++i) {
-        B row[1][CV];
-        load_row(row, i);
-        band_row_terms<T, CV, Tail>(row, A, i, first(i), last_of(i), X, d0, last);
-        store_row(row, i);
-      }
+      for (index_t i = i0; i < i0 + 4; ++i) whole_row(i);
     }
   }
-  for (index_t i = i0; i < n; ++i) {
-    B row[1][CV];
-    load_row(row, i);
-    band_row_terms<T, CV, Tail>(row, A, i, first(i), last_of(i), X, d0, last);
-    store_row(row, i);
-  }
+  for (index_t i = i0; i < n; ++i) whole_row(i);
 }
 
 }  // namespace detail

@@ -214,8 +214,9 @@ void softmax_forward(TensorView<const T, 4> q, TensorView<const T, 4> k, TensorV
 // Workspace: the row statistics and per worker a few block-sized tiles.
 
 /// One worker's tiles for the backward: P and dS of a block_q x block_k tile,
-/// the rows of dK and dV (or dQ) a block accumulates, and the flash step's
-/// workspace and output rows (pass 1).
+/// the rows of dK and dV (or dQ) a block accumulates, a band-edge tile's dQ
+/// rows before they are scaled into d_queries (query_rows), and the flash
+/// step's workspace and output rows (pass 1).
 template <Real T>
 struct SoftmaxBackwardScratch {
   using Matrix = typename OnlineSoftmaxScratch<T>::Matrix;

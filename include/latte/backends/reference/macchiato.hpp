@@ -384,7 +384,7 @@ void macchiato_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
   const bool copy_keys = rope || pre > 0, copy_values = vapor_window || pre > 0;
   const bool key_gradient_rows = pre > 0;
   const index_t key_rows = detail::checked_count<T>("window_keys", {rows, Dk});
-  AlignedVector<T> key_buffers(size((copy_keys ? 2 : 0) * key_rows + (key_gradient_rows ? 2 : 0) * key_rows));
+  AlignedVector<T> key_buffers(size(((copy_keys ? 2 : 0) + (key_gradient_rows ? 2 : 0)) * key_rows));
   AlignedVector<T> value_buffer(copy_values ? size(value_rows) : 0);
   const TensorView<T, 4> Xq = copy_keys ? dense(key_buffers.data(), Tx, Dk) : TensorView<T, 4>{};
   const TensorView<T, 4> Xk = copy_keys ? dense(key_buffers.data() + key_rows, Tx, Dk) : TensorView<T, 4>{};
