@@ -29,7 +29,8 @@ def main(path, out):
     with open(path) as f:
         for row in csv.DictReader(f):
             panel = panel_of(row["mechanism"])
-            if panel is None or row["backend"] == "latte-cpu-ref":  # latte_torch.py's copy of latte-cpu rows
+            # latte_torch.py's copy of the latte-cpu rows, and the C++ time inside its Python calls
+            if panel is None or row["backend"] == "latte-cpu-ref" or row["backend"].endswith("-kernel"):
                 continue
             name = row["mechanism"].removesuffix("_forward_backward")
             label = f'{name} ({row["direction"]}, {row["backend"]})'

@@ -6,6 +6,8 @@ nothing is copied, and the GIL is released while a kernel runs. Bad input
 raises latte.Error, a ValueError whose ``argument`` names the argument at fault.
 New outputs of 4 MiB or more reuse freed outputs' memory (at most 1 GiB held:
 ``set_array_cache_limit``, ``empty_array_cache``, ``array_cache_info``).
+``kernel_seconds()`` totals the time spent inside the C++ kernels, so that a
+call's wall time minus its growth is what the Python side added.
 
     import numpy as np, latte
     attention = latte.LatteAttention(heads=4, latents=16, value_dim=32)
@@ -18,9 +20,10 @@ New outputs of 4 MiB or more reuse freed outputs' memory (at most 1 GiB held:
 from ._latte import (ConvCompressedAttention, ConvCompressedState, CosFormer, CosFormerState, Error,
                      KVCache, LatteAttention, LatteMacchiato, LatteState, Lavo, LavoState, LeaPformer,
                      LeaPformerState, LinearAttention, LinearState, MacchiatoState, SoftmaxAttention,
-                     __version__, array_cache_info, build_info, empty_array_cache, set_array_cache_limit)
+                     __version__, array_cache_info, build_info, empty_array_cache, kernel_seconds,
+                     set_array_cache_limit)
 
 __all__ = ["ConvCompressedAttention", "ConvCompressedState", "CosFormer", "CosFormerState", "Error",
            "KVCache", "LatteAttention", "LatteMacchiato", "LatteState", "Lavo", "LavoState", "LeaPformer",
            "LeaPformerState", "LinearAttention", "LinearState", "MacchiatoState", "SoftmaxAttention",
-           "__version__", "array_cache_info", "build_info", "empty_array_cache", "set_array_cache_limit"]
+           "__version__", "array_cache_info", "build_info", "empty_array_cache", "kernel_seconds", "set_array_cache_limit"]

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "arrays.hpp"
+#include "kernel_call.hpp"
 #include "bindings.hpp"
 #include "latte/mechanisms/lavo.hpp"
 #include "mechanism.hpp"
@@ -169,7 +170,7 @@ struct LavoCross {
     const TensorView<T, 4> out = output.second;
     std::visit(
         [&](const auto& lavo) {
-          nb::gil_scoped_release released;
+          KernelCall kernel_call;
           with_backend(backend, [&](auto e) { lavo.cross_forward(e, q, source, out); });
         },
         a.attention());
@@ -193,7 +194,7 @@ struct LavoCross {
                                           .d_bases = view_of_new<T, 3>(d_bases)};
     std::visit(
         [&](const auto& lavo) {
-          nb::gil_scoped_release released;
+          KernelCall kernel_call;
           with_backend(backend, [&](auto e) { lavo.cross_backward(e, q, source, d_out, gradients); });
         },
         a.attention());

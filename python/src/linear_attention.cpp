@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "arrays.hpp"
+#include "kernel_call.hpp"
 #include "bindings.hpp"
 #include "latte/mechanisms/cosformer.hpp"
 #include "latte/mechanisms/leapformer.hpp"
@@ -329,7 +330,7 @@ struct LinearCalls {
     std::visit(
         [&](const auto& attention) {
           using A = std::decay_t<decltype(attention)>;
-          nb::gil_scoped_release released;
+          KernelCall kernel_call;
           with_backend(backend, [&](auto e) {
             if constexpr (!A::direction::is_causal) {
               if (cross) {
@@ -374,7 +375,7 @@ struct LinearCalls {
         [&](const auto& attention) {
           using A = std::decay_t<decltype(attention)>;
           if constexpr (A::direction::is_causal) {
-            nb::gil_scoped_release released;
+            KernelCall kernel_call;
             with_backend(backend, [&](auto e) { attention.step(e, native_state, q, k, v, proportions, out); });
           }
         },
@@ -424,7 +425,7 @@ struct LinearCalls {
             gradients.d_query_proportions = view_of_new<T, 3>(d[3]);
             gradients.d_key_proportions = view_of_new<T, 3>(d[4]);
           }
-          nb::gil_scoped_release released;
+          KernelCall kernel_call;
           with_backend(backend, [&](auto e) {
             if constexpr (!A::direction::is_causal) {
               if (cross) {

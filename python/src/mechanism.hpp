@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "arrays.hpp"
+#include "kernel_call.hpp"
 #include "bindings.hpp"
 
 namespace latte::python {
@@ -339,7 +340,7 @@ class PyMechanism {
     std::visit(
         [&](const auto& attention) {
           using A = std::decay_t<decltype(attention)>;
-          nb::gil_scoped_release released;
+          KernelCall kernel_call;
           with_backend(backend, [&](auto e) {
             std::apply(
                 [&](const auto&... x) {
@@ -370,7 +371,7 @@ class PyMechanism {
         [&](const auto& attention) {
           using A = std::decay_t<decltype(attention)>;
           if constexpr (A::direction::is_causal) {
-            nb::gil_scoped_release released;
+            KernelCall kernel_call;
             with_backend(backend, [&](auto e) {
               std::apply([&](const auto&... x) { attention.step(e, native_state, x..., out); }, in);
             });
@@ -414,7 +415,7 @@ class PyMechanism {
           [&](const auto& attention) {
             using A = std::decay_t<decltype(attention)>;
             const auto gradients = Traits::template gradients<T, A>(d_views, parameters);
-            nb::gil_scoped_release released;
+            KernelCall kernel_call;
             with_backend(backend, [&](auto e) {
               std::apply(
                   [&](const auto&... x) {

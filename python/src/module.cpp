@@ -5,11 +5,13 @@
 
 #include <Python.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
 #include "array_memory.hpp"
 #include "bindings.hpp"
+#include "kernel_call.hpp"
 #include "latte/build_info.hpp"
 #include "latte/core/error.hpp"
 #include "latte/version.hpp"
@@ -69,6 +71,13 @@ NB_MODULE(_latte, m) {
         return info;
       },
       "{'cached_bytes': bytes held now, 'limit': the most it holds}.");
+  m.def(
+      "kernel_seconds",
+      [] { return 1e-9 * static_cast<double>(latte::python::kernel_nanoseconds().load(std::memory_order_relaxed)); },
+      "Seconds spent inside latte's C++ kernels called from Python since the module loaded, all threads\n"
+      "(each call's wall time with the GIL released). The difference between a Python call's own wall\n"
+      "time and this total's growth over it is what the Python side added: argument checks, output\n"
+      "arrays, torch's dispatch and autograd.");
   latte::python::bind_latte_attention(m);
   latte::python::bind_softmax_attention(m);
   latte::python::bind_linear_attention(m);

@@ -212,6 +212,18 @@ def test_the_gil_is_released_while_a_kernel_runs():
     assert ticks >= 0.25 * elapsed / 0.001 and elapsed > 0.05, (ticks, elapsed)
 
 
+def test_kernel_seconds_counts_the_kernels_time_inside_each_call():
+    # The C++ time of a call (latte.kernel_seconds()'s growth) is most of a long call's wall time
+    # and never more than it.
+    attention = latte.LatteAttention(8, 64, 64)
+    q, k, v = inputs(1, 2048, 8, 64, 64, np.float32)
+    for _ in range(2):
+        before, started = latte.kernel_seconds(), time.perf_counter()
+        attention.forward(q, k, v, exec="reference")
+        wall, kernel = time.perf_counter() - started, latte.kernel_seconds() - before
+        assert 0.5 * wall < kernel <= wall, (kernel, wall)
+
+
 def error_of(call):
     with pytest.raises(latte.Error) as error:
         call()
