@@ -41,6 +41,9 @@
 //                                  1000 decode steps, latte_step_*; linear
 //                                  elu+1 likewise, linear_*): the mechanisms'
 //                                  formulas (the backward 2x); T >= 16K up to 64K
+//   latte_unaligned, linear_elu_unaligned: causal Latte and elu+1 with q, k, v
+//                                  and out 16 bytes past a cache line (NumPy's and
+//                                  malloc's large arrays); their mechanisms' formulas
 //   macchiato (L latents, window 128 with RoPE), LAVO (r = 64 bases in the L
 //   column, window 64), conv-compression (levels 2, group M = 64 in the L
 //   column): the models of bench/flop_models.hpp.
@@ -371,6 +374,28 @@ int main(int argc, char** argv) {
         timed(name, "causal", E, double(B) * T * H * (4.0 * E * D + 3.0 * E), f, 1, 1000);
       };
       linear_run("linear_elu", L, [&] { linear_causal.forward(latte::exec::cpu, q, k, v, out.view()); });
+      // The same two with q, k, v and out starting 16 bytes past a cache line, as NumPy's and
+      // malloc's (std::vector's) large arrays do: every row straddles one line more.
+      if (options.wanted("latte_unaligned") || options.wanted("linear_elu_unaligned")) {
+        const index_t qk = B * T * H * L, vo = B * T * H * D, shift = 16 / sizeof(float);
+        latte::Tensor<float, 1> shifted({2 * qk + 2 * vo + 4 * 16});
+        float* base = shifted.data();
+        auto place = [&](const float* from, index_t n, index_t& at) {
+          float* row = base + at + shift;
+          std::copy(from, from + n, row);
+          at += (n + shift + 15) / 16 * 16;  // the next array on a line again, then shifted
+          return row;
+        };
+        index_t at = 0;
+        const latte::TensorView<const float, 4> q16(place(q.data(), qk, at), {B, T, H, L});
+        const latte::TensorView<const float, 4> k16(place(k.data(), qk, at), {B, T, H, L});
+        const latte::TensorView<const float, 4> v16(place(v.data(), vo, at), {B, T, H, D});
+        const latte::TensorView<float, 4> out16(place(out.data(), vo, at), {B, T, H, D});
+        run("latte_unaligned", "causal", latte_flops,
+            [&] { latte_causal.forward(latte::exec::cpu, q16, k16, v16, out16); });
+        linear_run("linear_elu_unaligned", L,
+                   [&] { linear_causal.forward(latte::exec::cpu, q16, k16, v16, out16); });
+      }
       if (memory_allows("linear_elu_backward", T, 4 * tensor_bytes)) {
         // backward: 2x the forward's FLOPs, forward + backward 3x (as Latte's rows)
         const double linear_flops = double(B) * T * H * (4.0 * L * D + 3.0 * L);

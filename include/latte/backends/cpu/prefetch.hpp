@@ -8,6 +8,7 @@
 // rows a few tokens ahead hides that latency. Prefetches are hints: they never
 // fault and change no result.
 #include <cstddef>
+#include <cstdint>
 
 #include "latte/core/types.hpp"
 
@@ -35,12 +36,19 @@ inline void prefetch_line(const char* p) noexcept {
 #endif
 }
 
-/// Hints that the `bytes` bytes from `row` will be used soon (read or written).
+/// Hints that the `bytes` bytes from `row` will be used soon (read or written):
+/// every cache line they touch, from the first byte's to the last byte's. A row
+/// that does not start on a line (NumPy's and malloc's large arrays start 16
+/// bytes past one) touches one line more than bytes / 64; left unrequested, that
+/// line was a demand miss per row and token: causal Latte and linear attention
+/// ran 1.2-1.3x slower on such arrays (T = 16K, fp32).
 template <CacheLevel Level = CacheLevel::l1>
 inline void prefetch_row(const void* row, std::size_t bytes) noexcept {
-  const char* p = static_cast<const char*>(row);
-  for (std::size_t offset = 0; offset < bytes; offset += cache_line_bytes)
-    prefetch_line<Level>(p + offset);
+  if (bytes == 0) return;
+  const auto first = reinterpret_cast<std::uintptr_t>(row) & ~std::uintptr_t{cache_line_bytes - 1};
+  const auto last = reinterpret_cast<std::uintptr_t>(row) + (bytes - 1);
+  for (std::uintptr_t line = first; line <= last; line += cache_line_bytes)
+    prefetch_line<Level>(reinterpret_cast<const char*>(line));
 }
 
 /// Hints the row of token t of (b, h) in each [B, T, H, *] view.
