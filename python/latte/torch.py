@@ -684,12 +684,18 @@ def _macchiato_state_op(query_logits: torch.Tensor, key_logits: torch.Tensor, wi
                         vapor: bool, rope: bool, vapor_scope: str, scale: Optional[float], position: int
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                    torch.Tensor]:
-    """Causal Latte Macchiato from a state (fresh when its tensors are None): out and the final state's fields."""
+    """Causal Latte Macchiato from a state (fresh when its tensors are None): out and the final state's fields,
+    the ring's slots that hold no token (past window_fill) set to 0: latte reads none of them and its backward
+    gives them no gradient, so the state returned is a function of its tokens alone."""
     attention = _macchiato_for(key_logits, window_queries, values, angles, window, True, vapor, rope, vapor_scope,
                                scale)
-    return _state_forward(attention, (query_logits, key_logits, window_queries, window_keys, values),
-                          _MACCHIATO_STATE, (running_max, normaliser, memory, ring_keys, ring_values, window_fill),
-                          position)
+    out, *final = _state_forward(attention, (query_logits, key_logits, window_queries, window_keys, values),
+                                 _MACCHIATO_STATE, (running_max, normaliser, memory, ring_keys, ring_values,
+                                                    window_fill), position)
+    fill = int(final[5].item())
+    final[3][:, :, fill:] = 0
+    final[4][:, :, fill:] = 0
+    return (out, *final)
 
 
 @torch.library.custom_op("latte::latte_macchiato_state_backward", mutates_args=(), device_types="cpu")
@@ -931,21 +937,166 @@ def _conv_compressed_setup(ctx, inputs, output):
     ctx.options = inputs[11:]
 
 
+def _conv_lists(flat, lengths):
+    """[q, k, v, *the lists' entries, *rest] -> [q, k, v, list, ..., list, *rest], the lists `lengths` long."""
+    items, at = list(flat[:3]), 3
+    for length in lengths:
+        items.append(list(flat[at:at + length]))
+        at += length
+    return items + list(flat[at:])
+
+
 def _conv_compressed_backward(ctx, d_out):
-    saved = ctx.saved_tensors
-
-    def split(flat):  # [q, k, v, *lists' entries, *cross] -> (q, k, v, list, ..., list, *cross)
-        items, at = list(flat[:3]), 3
-        for length in ctx.lengths:
-            items.append(list(flat[at:at + length]))
-            at += length
-        return items + list(flat[at:])
-
-    gradients = split(_conv_compressed_backward_op(*split(saved), d_out, *ctx.options))
+    gradients = _conv_lists(
+        _conv_compressed_backward_op(*_conv_lists(ctx.saved_tensors, ctx.lengths), d_out, *ctx.options), ctx.lengths)
     return (*gradients, *(None,) * len(ctx.options))
 
 
 _conv_compressed_op.register_autograd(_conv_compressed_backward, setup_context=_conv_compressed_setup)
+
+
+# Training in chunks (causal), with latte_attention's contract: the state crosses the op boundary
+# as its five fields (every level's window ring, the open groups' partial sums, the compressed
+# store), all differentiable. Their shapes follow from the state's context capacity (the tokens it
+# can hold), an option of the op: the compressed store has room for capacity // M^levels tokens.
+
+_CONV_STATE = ("window_keys", "window_values", "group_sums", "compressed_keys", "compressed_values")
+
+
+def _conv_state_shapes(queries, values, group_size, levels, window_left, context_capacity):
+    """The five fields' shapes (latte.ConvCompressedState.fields())."""
+    B, _, H, Dk = queries.shape
+    Dv = values.shape[3]
+    ring = levels * min((group_size - 1 if window_left is None else window_left) + 1, context_capacity)
+    stored = context_capacity // group_size ** levels
+    return (B, H, ring, Dk), (B, H, ring, Dv), (B, H, levels, Dv), (B, H, stored, Dk), (B, H, stored, Dv)
+
+
+def _conv_slots_cleared(fields, group_size, levels, position):
+    """A state's fields at `position` with every slot that holds no token set to 0: a ring's slots
+    past the tokens its level has, the sum of a level's group that has no token yet, the compressed
+    store past its tokens. latte reads none of them (what they hold depends on the calls that made
+    the state); cleared, the state is a function of its tokens alone, whose gradient latte's
+    backward gives (0 for those slots)."""
+    window_keys, window_values, group_sums, compressed_keys, compressed_values = fields
+    R = window_keys.shape[2] // levels
+    for level in range(levels):
+        tokens = position // group_size ** level  # level `level`'s tokens so far
+        if tokens < R:
+            window_keys[:, :, level * R + tokens:(level + 1) * R] = 0
+            window_values[:, :, level * R + tokens:(level + 1) * R] = 0
+        if tokens % group_size == 0:  # the open group of this level's tokens is empty
+            group_sums[:, :, level] = 0
+    stored = position // group_size ** levels
+    compressed_keys[:, :, stored:] = 0
+    compressed_values[:, :, stored:] = 0
+    return fields
+
+
+def _conv_state_from(attention, initial, like, position, context_capacity):
+    """The state at `position` whose fields are `initial` (a fresh one, at position 0, when all are None)."""
+    if all(t is None for t in initial):
+        if position != 0:
+            raise _error("position", f"a fresh convolutional-compression state starts at 0, given {position} "
+                                     "(pass the previous chunk's final state as initial_state)")
+        return attention.make_state(like.shape[0], context_capacity, dtype=str(like.dtype).removeprefix("torch."))
+    return attention.state_from_fields({n: _array(t) for n, t in zip(_CONV_STATE, initial) if t is not None},
+                                       position=position, context_capacity=context_capacity)
+
+
+@torch.library.custom_op("latte::conv_compressed_attention_state", mutates_args=(), device_types="cpu")
+def _conv_compressed_state_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                              conv_weight: list[torch.Tensor], conv_bias: list[torch.Tensor],
+                              level_query: list[torch.Tensor], level_key: list[torch.Tensor],
+                              level_value: list[torch.Tensor], cross_query: torch.Tensor, cross_key: torch.Tensor,
+                              cross_value: torch.Tensor, window_keys: Optional[torch.Tensor],
+                              window_values: Optional[torch.Tensor], group_sums: Optional[torch.Tensor],
+                              compressed_keys: Optional[torch.Tensor], compressed_values: Optional[torch.Tensor],
+                              group_size: int, levels: int, window_left: Optional[int], scale: Optional[float],
+                              context_capacity: int, position: int
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                         torch.Tensor]:
+    """Causal convolutional compression from a state (fresh when its tensors are None): out and the
+    final state's fields."""
+    lists, cross = (conv_weight, conv_bias, level_query, level_key, level_value), (cross_query, cross_key, cross_value)
+    attention = _conv_compressed_for(queries, values, lists, cross, group_size, levels, True, window_left, None, scale)
+    state = _conv_state_from(attention, (window_keys, window_values, group_sums, compressed_keys, compressed_values),
+                             queries, position, context_capacity)
+    out = attention.forward(_array(queries), _array(keys), _array(values), state=state)
+    return (_tensor(out), *_conv_slots_cleared(_fields_of(state, _CONV_STATE), group_size, levels,
+                                               position + queries.shape[1]))
+
+
+@_conv_compressed_state_op.register_fake
+def _(queries, keys, values, conv_weight, conv_bias, level_query, level_key, level_value, cross_query, cross_key,
+      cross_value, window_keys, window_values, group_sums, compressed_keys, compressed_values, group_size, levels,
+      window_left, scale, context_capacity, position):
+    shapes = _conv_state_shapes(queries, values, group_size, levels, window_left, context_capacity)
+    return (values.new_empty(values.shape), *(values.new_empty(shape) for shape in shapes))
+
+
+@torch.library.custom_op("latte::conv_compressed_attention_state_backward", mutates_args=(), device_types="cpu")
+def _conv_compressed_state_backward_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                                       conv_weight: list[torch.Tensor], conv_bias: list[torch.Tensor],
+                                       level_query: list[torch.Tensor], level_key: list[torch.Tensor],
+                                       level_value: list[torch.Tensor], cross_query: torch.Tensor,
+                                       cross_key: torch.Tensor, cross_value: torch.Tensor,
+                                       window_keys: Optional[torch.Tensor], window_values: Optional[torch.Tensor],
+                                       group_sums: Optional[torch.Tensor], compressed_keys: Optional[torch.Tensor],
+                                       compressed_values: Optional[torch.Tensor], d_out: torch.Tensor,
+                                       d_window_keys: torch.Tensor, d_window_values: torch.Tensor,
+                                       d_group_sums: torch.Tensor, d_compressed_keys: torch.Tensor,
+                                       d_compressed_values: torch.Tensor, group_size: int, levels: int,
+                                       window_left: Optional[int], scale: Optional[float], context_capacity: int,
+                                       position: int) -> list[torch.Tensor]:
+    """[d_queries, d_keys, d_values, every weight's gradient (as the plain backward op), then the
+    initial state's five fields' (an empty tensor for a field given as None)]."""
+    lists, cross = (conv_weight, conv_bias, level_query, level_key, level_value), (cross_query, cross_key, cross_value)
+    attention = _conv_compressed_for(queries, values, lists, cross, group_size, levels, True, window_left, None, scale)
+    initial = (window_keys, window_values, group_sums, compressed_keys, compressed_values)
+    start = _conv_state_from(attention, initial, queries, position, context_capacity)
+    d_final = (d_window_keys, d_window_values, d_group_sums, d_compressed_keys, d_compressed_values)
+    end = attention.state_from_fields({n: _array(t) for n, t in zip(_CONV_STATE, d_final)},
+                                      position=position + queries.shape[1], context_capacity=context_capacity)
+    *d_inputs, d_params, d_initial = attention.backward(_array(queries), _array(keys), _array(values), _array(d_out),
+                                                        initial_state=start, d_final_state=end)
+    weights = [w for tensors in lists for w in tensors] + list(cross)
+    d_weights = [g for name in _CONV_LISTS for g in d_params[name]] + [d_params[name] for name in _CONV_CROSS]
+    d_start = d_initial.fields()
+    return ([_tensor(g) for g in d_inputs] + [_tensor(g).to(w.dtype) for g, w in zip(d_weights, weights)] +
+            [d_out.new_empty(0) if t is None else _tensor(d_start[n]) for n, t in zip(_CONV_STATE, initial)])
+
+
+@_conv_compressed_state_backward_op.register_fake
+def _(queries, keys, values, conv_weight, conv_bias, level_query, level_key, level_value, cross_query, cross_key,
+      cross_value, window_keys, window_values, group_sums, compressed_keys, compressed_values, d_out, *rest):
+    weights = [*conv_weight, *conv_bias, *level_query, *level_key, *level_value, cross_query, cross_key, cross_value]
+    initial = (window_keys, window_values, group_sums, compressed_keys, compressed_values)
+    return ([t.new_empty(t.shape) for t in (queries, keys, values, *weights)] +
+            [d_out.new_empty(0) if t is None else t.new_empty(t.shape) for t in initial])
+
+
+def _conv_compressed_state_setup(ctx, inputs, output):
+    queries, keys, values, *lists = inputs[:8]
+    ctx.lengths = [len(tensors) for tensors in lists]
+    ctx.save_for_backward(queries, keys, values, *(w for tensors in lists for w in tensors), *inputs[8:16])
+    ctx.options = inputs[16:]
+    ctx.shapes = [o.shape for o in output]
+
+
+def _conv_compressed_state_backward(ctx, d_out, *d_final):
+    saved = ctx.saved_tensors
+    given, initial = saved[:-5], saved[-5:]
+    zeros = given[2].new_zeros
+    d_out = zeros(ctx.shapes[0]) if d_out is None else d_out
+    d_final = [zeros(shape) if d is None else d for d, shape in zip(d_final, ctx.shapes[1:])]
+    gradients = _conv_lists(_conv_compressed_state_backward_op(*_conv_lists(given, ctx.lengths), *initial, d_out,
+                                                               *d_final, *ctx.options), ctx.lengths)
+    d_initial = [None if t is None else g for t, g in zip(initial, gradients[-5:])]
+    return (*gradients[:-5], *d_initial, *(None,) * len(ctx.options))
+
+
+_conv_compressed_state_op.register_autograd(_conv_compressed_state_backward, setup_context=_conv_compressed_state_setup)
 
 
 def conv_compressed_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
@@ -955,7 +1106,10 @@ def conv_compressed_attention(queries: torch.Tensor, keys: torch.Tensor, values:
                               level_key: Optional[list[torch.Tensor]] = None,
                               level_value: Optional[list[torch.Tensor]] = None, group_size: int,
                               levels: Optional[int] = None, causal: bool = True, window_left: Optional[int] = None,
-                              window_right: Optional[int] = None, scale: Optional[float] = None) -> torch.Tensor:
+                              window_right: Optional[int] = None, scale: Optional[float] = None,
+                              initial_state: Optional[tuple[torch.Tensor, ...]] = None,
+                              output_final_state: bool = False, position: int = 0,
+                              context_capacity: Optional[int] = None):
     """Convolutional compression (``torch.ops.latte.conv_compressed_attention``; paper 003, as
     ``latte.ConvCompressedAttention``): a sliding-window softmax y0 (``window_left`` /
     ``window_right`` tokens each side, defaults M - 1 and 0 causal / M - 1 bidirectional) plus a
@@ -965,7 +1119,20 @@ def conv_compressed_attention(queries: torch.Tensor, keys: torch.Tensor, values:
     ``conv_bias`` (L ``[H, Dv]``), ``level_query`` / ``level_key`` (L - 1 ``[H, Dk, Dv]``, None: no
     tensors) and ``level_value`` (L - 1 ``[H, Dv, Dv]``), ``cross_query`` / ``cross_key``
     ``[H, Dk, Dv]`` and ``cross_value`` ``[H, Dv, Dv]``. ``levels`` defaults to len(conv_weight);
-    ``scale`` to ``1 / sqrt(Dk)``. Gradients come back in each weight's dtype."""
+    ``scale`` to ``1 / sqrt(Dk)``. Gradients come back in each weight's dtype.
+
+    Training in chunks (causal; ``torch.ops.latte.conv_compressed_attention_state``), as
+    ``latte_attention`` describes: a state is the tuple ``(window_keys [B, H, L*R, Dk], window_values
+    [B, H, L*R, Dv], group_sums [B, H, L, Dv], compressed_keys [B, H, S, Dk], compressed_values
+    [B, H, S, Dv])`` of ``latte.ConvCompressedState.fields()``: every level's ring of its last R =
+    min(window_left + 1, context_capacity) keys and values, the open groups' partial convolution
+    sums and the store of the top-level compressed tokens' keys and values, room for S =
+    context_capacity // M^L of them. ``context_capacity`` (default: position + T, this chunk's end)
+    is the tokens the state can hold and fixes those shapes: training in chunks, give it the whole
+    sequence's length on every chunk. The sequence continues from ``initial_state`` (None: a fresh
+    state, at position 0) at absolute position ``position``; ``output_final_state=True`` returns
+    ``(out, final_state)``. Gradients flow into every field of the initial state and from every
+    field of the final one; the final state's slots that hold no token are 0."""
     lists = {"conv_weight": conv_weight, "conv_bias": conv_bias,
              **{name: [] if given is None else given for name, given in
                 (("level_query", level_query), ("level_key", level_key), ("level_value", level_value))}}
@@ -979,9 +1146,17 @@ def conv_compressed_attention(queries: torch.Tensor, keys: torch.Tensor, values:
     for name, tensor in (("queries", queries), ("values", values)):
         if tensor.dim() != 4:
             raise _error(name, f"expected a [B, T, H, D] tensor, given {tensor.dim()} dimensions")
-    return _conv_compressed_op(queries, keys, values, *map(list, lists.values()), *cross.values(), group_size,
-                               len(conv_weight) if levels is None else levels, causal, window_left, window_right,
-                               None if scale is None else float(scale))
+    levels = len(conv_weight) if levels is None else levels
+    scale = None if scale is None else float(scale)
+    if initial_state is None and not output_final_state:
+        return _conv_compressed_op(queries, keys, values, *map(list, lists.values()), *cross.values(), group_size,
+                                   levels, causal, window_left, window_right, scale)
+    _require_state(causal, initial_state, _CONV_STATE)
+    capacity = position + queries.shape[1] if context_capacity is None else int(context_capacity)
+    out, *final = _conv_compressed_state_op(queries, keys, values, *map(list, lists.values()), *cross.values(),
+                                            *(initial_state or (None,) * len(_CONV_STATE)), group_size, levels,
+                                            window_left, scale, capacity, position)
+    return (out, tuple(final)) if output_final_state else out
 
 
 # --- modules -----------------------------------------------------------------
@@ -1147,8 +1322,9 @@ class Lavo(torch.nn.Module):
 
 
 class ConvCompressedAttention(torch.nn.Module):
-    """Convolutional compression as a module: ``forward(queries, keys, values)`` -> ``[B, T, H, Dv]``,
-    every weight a parameter (the lists ``conv_weight``, ``conv_bias``, ``level_query``,
+    """Convolutional compression as a module: ``forward(queries, keys, values)`` -> ``[B, T, H, Dv]``
+    (training in chunks: ``initial_state``, ``output_final_state``, ``position``, ``context_capacity``
+    as ``conv_compressed_attention`` takes them), every weight a parameter (the lists ``conv_weight``, ``conv_bias``, ``level_query``,
     ``level_key``, ``level_value`` ParameterLists; ``cross_query``, ``cross_key``, ``cross_value``).
     latte starts them at zero (the global part then reads zero); here they start random, seeded by
     torch's RNG, as ``torch.nn.Linear`` initialises its weight and bias: uniform within
@@ -1184,7 +1360,12 @@ class ConvCompressedAttention(torch.nn.Module):
         return {**{name: list(getattr(self, name)) for name in _CONV_LISTS},
                 **{name: getattr(self, name) for name in _CONV_CROSS}}
 
-    def forward(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def forward(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
+                initial_state: Optional[tuple[torch.Tensor, ...]] = None, output_final_state: bool = False,
+                position: int = 0, context_capacity: Optional[int] = None):
+        """``conv_compressed_attention`` with this module's weights (its chunked-training arguments too)."""
         return conv_compressed_attention(queries, keys, values, **self.weights, group_size=self.group_size,
                                          levels=self.levels, causal=self.causal, window_left=self.window_left,
-                                         window_right=self.window_right, scale=self.scale)
+                                         window_right=self.window_right, scale=self.scale,
+                                         initial_state=initial_state, output_final_state=output_final_state,
+                                         position=position, context_capacity=context_capacity)

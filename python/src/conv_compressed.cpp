@@ -138,6 +138,21 @@ struct ConvCompressedTraits {
   static ConvCompressedStateGradients<T> state_gradients(const ConvCompressedState<T>* initial) {
     return {.initial = initial};
   }
+  /// A fresh state at `position` holding up to `context_capacity` tokens (state_from_fields fills it).
+  template <Real T, class A>
+  static ConvCompressedState<T> blank_state(const A& attention, index_t batch, std::int64_t position,
+                                            std::optional<index_t> context_capacity) {
+    if (!context_capacity)
+      throw Error("context_capacity",
+                  "expected the tokens the state can hold (they size its compressed store), given None");
+    if (position < 0 || position > *context_capacity)
+      throw Error("position", detail::expected_given("position", "0 .. context_capacity " +
+                                                                     std::to_string(*context_capacity),
+                                                     position));
+    ConvCompressedState<T> state = attention.template make_state<T>(batch, *context_capacity);
+    state.advance(position);
+    return state;
+  }
   static void append_parameter_gradients(nb::list& result, const ConvCompressedParams& p) {
     result.append(params_dict(p));
   }

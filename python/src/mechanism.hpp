@@ -23,7 +23,9 @@
 //                               backward from an initial state; a {initial, d_final, d_initial}
 //                               struct, whose d_final and d_initial backward fills in)
 //   template <Real T, class A> static State<T> blank_state(const A&, index_t batch, std::int64_t position)
-//                               (optional: a fresh state, which state_from_fields fills)
+//                               (optional: a fresh state, which state_from_fields fills), or
+//                               blank_state(const A&, index_t batch, std::int64_t position,
+//                               std::optional<index_t> context_capacity) for states sized by one
 //   static nb::tuple to_tuple(const Config&), static Config from_tuple(nb::tuple)
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -165,11 +167,18 @@ struct PyState {
   }
 };
 
+/// Whether a Traits' blank states are sized by a context capacity (its
+/// blank_state hook takes one: convolutional compression's compressed store).
+template <class Traits>
+constexpr bool states_have_capacity = requires(const std::variant_alternative_t<0, typename Traits::Any>& a) {
+  Traits::template blank_state<float>(a, index_t{}, std::int64_t{}, std::optional<index_t>{});
+};
 /// Whether state_from_fields can make a Traits' states (its blank_state hook).
 template <class Traits>
-constexpr bool builds_states = requires(const std::variant_alternative_t<0, typename Traits::Any>& a) {
-  Traits::template blank_state<float>(a, index_t{}, std::int64_t{});
-};
+constexpr bool builds_states =
+    states_have_capacity<Traits> || requires(const std::variant_alternative_t<0, typename Traits::Any>& a) {
+      Traits::template blank_state<float>(a, index_t{}, std::int64_t{});
+    };
 
 template <class Traits>
 class PyMechanism {
@@ -211,10 +220,16 @@ class PyMechanism {
   /// (blank_state) whose fields named in `fields` are overwritten by copies of
   /// them, each checked (name, dtype, shape: latte::Error "fields.<name>"), then
   /// its content checked as load_state checks saved bytes.
-  StateObject state_from_fields(const nb::dict& fields, std::int64_t position) const {
+  /// `context_capacity`: the tokens the state can hold, where its fields are sized by it
+  /// (states_have_capacity; the others' binding takes none).
+  StateObject state_from_fields(const nb::dict& fields, std::int64_t position,
+                                std::optional<index_t> context_capacity = std::nullopt) const {
     auto blank = [&](Dtype dtype, index_t batch) {
       return new_state("state_from_fields", dtype_name(dtype), [&]<Real T>(const auto& attention) {
-        return Traits::template blank_state<T>(attention, batch, position);
+        if constexpr (states_have_capacity<Traits>)
+          return Traits::template blank_state<T>(attention, batch, position, context_capacity);
+        else
+          return Traits::template blank_state<T>(attention, batch, position);
       });
     };
     const StateObject probe = blank(Dtype::float64, 1);
@@ -536,14 +551,26 @@ void bind_calls(Class& cls, std::index_sequence<I...>) {
 template <class Traits, class Class>
 void bind_calls(Class& cls) {
   bind_calls<Traits>(cls, std::make_index_sequence<Traits::inputs.size()>{});
-  if constexpr (builds_states<Traits>)
+#define LATTE_STATE_FROM_FIELDS_DOC                                                                  \
+  "A state built from arrays, the inverse of state.fields(): `fields` maps field names to arrays "   \
+  "of the shapes fields() gives (batch from the arrays), all float32 or all float64; a field "       \
+  "left out keeps a fresh state's value (a low part 0, Latte's running_max -inf). `position`: "      \
+  "that of the next token. Checked as load_state checks saved bytes; a wrong name, dtype or "        \
+  "shape raises latte.Error naming 'fields.<name>'."
+  constexpr const char* doc = LATTE_STATE_FROM_FIELDS_DOC;
+  if constexpr (states_have_capacity<Traits>)
     cls.def("state_from_fields", &PyMechanism<Traits>::state_from_fields, nb::arg("fields"), nb::kw_only(),
-            nb::arg("position") = 0,
-            "A state built from arrays, the inverse of state.fields(): `fields` maps field names to arrays "
-            "of the shapes fields() gives (batch from the arrays), all float32 or all float64; a field "
-            "left out keeps a fresh state's value (a low part 0, Latte's running_max -inf). `position`: "
-            "that of the next token. Checked as load_state checks saved bytes; a wrong name, dtype or "
-            "shape raises latte.Error naming 'fields.<name>'.");
+            nb::arg("position") = 0, nb::arg("context_capacity").none() = nb::none(),
+            LATTE_STATE_FROM_FIELDS_DOC " `context_capacity`: the tokens the state can hold (make_state's), "
+                                        "which sizes its fields; required.");
+  else if constexpr (builds_states<Traits>)
+    cls.def(
+        "state_from_fields",
+        [](const PyMechanism<Traits>& m, const nb::dict& fields, std::int64_t position) {
+          return m.state_from_fields(fields, position);
+        },
+        nb::arg("fields"), nb::kw_only(), nb::arg("position") = 0, doc);
+#undef LATTE_STATE_FROM_FIELDS_DOC
 }
 
 }  // namespace latte::python

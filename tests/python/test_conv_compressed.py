@@ -175,6 +175,32 @@ def test_decode_continues_the_sequence_and_pickles(exec_, levels):
     assert relative_error(restored.forward(*x), expected) <= 1e-12
 
 
+def test_state_from_fields_rebuilds_a_state_of_the_capacity_given():
+    B, T, H, Dk, Dv, M = 2, 13, 2, 3, 4, 2
+    params = random_params(H, Dk, Dv, M, 2)
+    attention = latte.ConvCompressedAttention(H, Dk, Dv, M, levels=2, window_left=3, **params)
+    x = inputs(B, T, H, Dk, Dv, np.float64)
+    expected, _ = conv_compressed_definition(*x, params, M, 2, True, (3, 0))
+    state = attention.make_state(B, T + 3, dtype="float64")
+    first = attention.forward(*(a[:, :7] for a in x), state=state)
+    rebuilt = attention.state_from_fields(state.fields(), position=7, context_capacity=T + 3)
+    assert rebuilt.position == 7 and rebuilt.save() == state.save()
+    rest = attention.forward(*(a[:, 7:] for a in x), state=rebuilt)
+    assert relative_error(np.concatenate([first, rest], axis=1), expected) <= 1e-12
+
+    def refused(argument, call):
+        with pytest.raises(latte.Error) as error:
+            call()
+        assert error.value.argument == argument, error.value
+
+    fields = state.fields()
+    refused("context_capacity", lambda: attention.state_from_fields(fields, position=7))
+    refused("position", lambda: attention.state_from_fields(fields, position=T + 4, context_capacity=T + 3))
+    refused("fields.compressed_keys", lambda: attention.state_from_fields(fields, position=7, context_capacity=40))
+    with pytest.raises(TypeError):  # a state with no capacity takes none
+        latte.Lavo(H, Dk, 2, 3).state_from_fields({}, position=0, context_capacity=8)
+
+
 def test_strided_inputs_are_read_in_place_and_out_is_written():
     H, Dk, Dv, M = 2, 4, 3, 3
     params = random_params(H, Dk, Dv, M, 1, np.float32)

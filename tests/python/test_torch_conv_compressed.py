@@ -179,3 +179,111 @@ def test_bad_input_raises_latte_error_naming_the_argument():
         with pytest.raises(latte.Error) as error:
             bad()
         assert error.value.argument == argument, error.value
+
+
+# --- training in chunks (initial_state / output_final_state) --------------------------------
+
+
+def chunked(q, k, v, w, cuts, capacity, **options):
+    """The op over the sequence in chunks, each continuing from the last's final state."""
+    bounds, state, outs = [0, *cuts, q.shape[1]], None, []
+    for lo, hi in zip(bounds, bounds[1:]):
+        out, state = lt.conv_compressed_attention(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], **w, initial_state=state,
+                                                  output_final_state=True, position=lo, context_capacity=capacity,
+                                                  **options)
+        outs.append(out)
+    return torch.cat(outs, dim=1), state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("levels,window_left", [(1, None), (2, 3)])
+def test_chunks_under_autograd_equal_the_whole_sequence_and_the_definition(levels, window_left, dtype):
+    H, Dk, Dv, M, T = 2, 2, 3, 2, 23
+    q, k, v = tensors((2, T, H, Dk), (2, T, H, Dk), (2, T, H, Dv), dtype=dtype, seed=11 + levels)
+    w = weights(H, Dk, Dv, M, levels, seed=13 + levels, dtype=dtype)
+    options = {"group_size": M, "levels": levels, "window_left": window_left}
+    leaves = [q, k, v, *flat(w)]
+    weight = tensors((2, T, H, Dv), dtype=dtype, seed=15)[0].detach()
+    whole = lt.conv_compressed_attention(q, k, v, **w, **options)
+    expected = torch.autograd.grad((whole * weight).sum(), leaves)
+    # chunks of 1, 2, 3, 5 and 12 tokens: inside a group, across groups and levels, past the window
+    out, final = chunked(q, k, v, w, (3, 4, 6, 11), T, **options)
+    got = torch.autograd.grad((out * weight).sum(), leaves)
+    tolerance = {"rtol": 0, "atol": 2e-5 if dtype == torch.float32 else 1e-12}
+    torch.testing.assert_close(out, whole, **tolerance)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g / e.abs().max(), e / e.abs().max(), **tolerance)
+    as_float64 = as_numpy({n: [t.double() for t in x] if n in LISTS else x.double() for n, x in w.items()})
+    reference, glob = conv_compressed_definition(*(x.detach().double().numpy() for x in (q, k, v)), as_float64, M,
+                                                 levels, True,
+                                                 resolved(None if window_left is None else (window_left, 0), M, True))
+    assert np.abs(glob).max() > 0.05 * np.abs(reference).max()  # the compressed path is exercised
+    assert np.abs(out.detach().double().numpy() - reference).max() <= 2 * tolerance["atol"] * np.abs(reference).max()
+    ring = min((M - 1 if window_left is None else window_left) + 1, T)
+    assert [tuple(f.shape) for f in final] == [(2, H, levels * ring, Dk), (2, H, levels * ring, Dv), (2, H, levels, Dv),
+                                               (2, H, T // M ** levels, Dk), (2, H, T // M ** levels, Dv)]
+    assert all(f.requires_grad for f in final)
+
+
+@pytest.mark.parametrize("levels", [1, 2])
+def test_state_op_gradcheck_with_the_final_state_in_the_loss(levels):
+    H, Dk, Dv, M, T, capacity = 1, 2, 2, 2, 5, 16
+    q, k, v = tensors((1, 4 + T, H, Dk), (1, 4 + T, H, Dk), (1, 4 + T, H, Dv), seed=17)
+    w = weights(H, Dk, Dv, M, levels, seed=18)
+    options = {"group_size": M, "levels": levels, "context_capacity": capacity}
+    with torch.no_grad():  # a state at position 4 with every slot a token's, as its fields are saved
+        _, start = lt.conv_compressed_attention(q[:, :4], k[:, :4], v[:, :4], **w, **options, output_final_state=True)
+    start = [s.clone().requires_grad_() for s in start]
+    q, k, v = (x[:, 4:].detach().clone().requires_grad_() for x in (q, k, v))
+
+    def f(q, k, v, *rest):
+        state, flat_weights = rest[:5], rest[5:]
+        out, final = lt.conv_compressed_attention(q, k, v, **unflat(flat_weights, w), **options, initial_state=state,
+                                                  output_final_state=True, position=4)
+        return out, *final
+
+    assert torch.autograd.gradcheck(f, (q, k, v, *start, *flat(w)), nondet_tol=1e-12)
+
+
+def test_state_op_compiles_and_matches_its_fakes():
+    H, Dk, Dv, M, T = 2, 2, 3, 2, 9
+    q, k, v = tensors((1, T, H, Dk), (1, T, H, Dk), (1, T, H, Dv), dtype=torch.float32, seed=19)
+    w = weights(H, Dk, Dv, M, 2, seed=20, dtype=torch.float32)
+
+    def loss(q, k, v):
+        out, (K, V, g, C, S) = lt.conv_compressed_attention(q, k, v, **w, group_size=M, levels=2,
+                                                            output_final_state=True, context_capacity=20)
+        return out.square().sum() + K.sum() + V.square().sum() + g.sum() + C.square().sum() + S.sum()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    expected = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
+    _, final = lt.conv_compressed_attention(q, k, v, **w, group_size=M, levels=2, output_final_state=True,
+                                            context_capacity=20)
+    weights_ = (*(w[name] for name in LISTS), *(w[name] for name in CROSS))
+    for args in [(q, k, v, *weights_, *(None,) * 5, M, 2, None, None, 20, 0),
+                 (q, k, v, *weights_, *(f.detach() for f in final), M, 2, None, None, 20, 9)]:
+        torch.library.opcheck(torch.ops.latte.conv_compressed_attention_state, args)
+
+
+def test_bad_states_raise_latte_error():
+    H, Dk, Dv, M, T = 2, 2, 3, 2, 6
+    q, k, v = tensors((1, T, H, Dk), (1, T, H, Dk), (1, T, H, Dv), seed=21)
+    w = weights(H, Dk, Dv, M, 1, seed=22)
+    _, final = lt.conv_compressed_attention(q, k, v, **w, group_size=M, output_final_state=True, context_capacity=12)
+
+    def error_of(**options):
+        with pytest.raises(latte.Error) as error:
+            lt.conv_compressed_attention(q, k, v, **w, group_size=M, **options)
+        return error.value.argument
+
+    assert error_of(causal=False, output_final_state=True) == "initial_state"
+    assert error_of(initial_state=final[:4], position=T, context_capacity=12) == "initial_state"
+    # a capacity other than the state's: its compressed store has another size
+    assert error_of(initial_state=final, position=T, context_capacity=20) == "fields.compressed_keys"
+    with pytest.raises(latte.Error):  # past the capacity: 6 + 7 tokens do not fit in 12
+        more = [torch.cat((x, x[:, :1]), dim=1) for x in (q, k, v)]
+        lt.conv_compressed_attention(*more, **w, group_size=M, initial_state=final, position=T, context_capacity=12)
+    assert error_of(position=3, output_final_state=True) == "position"  # a fresh state starts at 0

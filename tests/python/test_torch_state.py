@@ -275,8 +275,11 @@ def test_macchiato_and_lavo_chunks_under_autograd_equal_the_whole_sequence(mecha
     assert T == 23
 
 
-def test_macchiato_state_op_gradcheck_with_the_final_state_in_the_loss():
-    B, T, H, L, Dk, Dv, w, position = 1, 5, 1, 2, 2, 2, 2, 4
+# (position, window): a full ring, and one with slots that hold no token before and after the chunk
+# (the op returns them 0: the state is a function of its tokens, whose gradient latte's backward gives)
+@pytest.mark.parametrize("position,w", [(4, 2), (1, 7)])
+def test_macchiato_state_op_gradcheck_with_the_final_state_in_the_loss(position, w):
+    B, T, H, L, Dk, Dv = 1, 5, 1, 2, 2, 2
     _, inputs, options, parameters, _ = macchiato_case(torch.float64, True, seed=33, B=B, T=T, H=H, L=L, Dk=Dk,
                                                        Dv=Dv, w=w)
     generator = torch.Generator().manual_seed(34)
@@ -284,7 +287,7 @@ def test_macchiato_state_op_gradcheck_with_the_final_state_in_the_loss():
     normaliser = (torch.rand(B, H, L, dtype=torch.float64, generator=generator) + 0.5).requires_grad_()
     memory, ring_keys, ring_values = (torch.randn(*shape, dtype=torch.float64, generator=generator).requires_grad_()
                                       for shape in ((B, H, L, Dv), (B, H, w + 1, Dk), (B, H, w + 1, Dv)))
-    fill = torch.tensor([float(min(w + 1, position))], dtype=torch.float64)  # every slot holds a token
+    fill = torch.tensor([float(min(w + 1, position))], dtype=torch.float64)  # the slots that hold tokens
 
     def f(q, k, wq, wk, v, normaliser, memory, ring_keys, ring_values, angles):
         out, (m, a, M, K, V, n) = lt.latte_macchiato(
@@ -297,8 +300,9 @@ def test_macchiato_state_op_gradcheck_with_the_final_state_in_the_loss():
     assert torch.autograd.gradcheck(f, (*inputs, normaliser, memory, ring_keys, ring_values, *parameters))
 
 
-def test_lavo_state_op_gradcheck_with_the_final_state_in_the_loss():
-    B, T, H, d, r, w, position = 1, 7, 1, 2, 2, 3, 4
+@pytest.mark.parametrize("position,w", [(4, 3), (1, 9)])
+def test_lavo_state_op_gradcheck_with_the_final_state_in_the_loss(position, w):
+    B, T, H, d, r = 1, 7, 1, 2, 2
     _, inputs, options, parameters, _ = lavo_case(torch.float64, seed=35, B=B, T=T, H=H, d=d, r=r, w=w)
     state = tensors((B, H, w, d), (B, H, w, d), (B, H, r), (B, H, r), seed=36)
 
