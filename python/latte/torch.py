@@ -692,9 +692,12 @@ def _macchiato_state_op(query_logits: torch.Tensor, key_logits: torch.Tensor, wi
     out, *final = _state_forward(attention, (query_logits, key_logits, window_queries, window_keys, values),
                                  _MACCHIATO_STATE, (running_max, normaliser, memory, ring_keys, ring_values,
                                                     window_fill), position)
-    fill = int(final[5].item())
-    final[3][:, :, fill:] = 0
-    final[4][:, :, fill:] = 0
+    ring, fill, end = final[3].shape[2], int(final[5].item()), position + query_logits.shape[1]
+    if fill < ring:  # token s sits in slot s % ring: the last `fill` tokens' slots hold tokens
+        empty = torch.ones(ring, dtype=torch.bool)
+        empty[[(end - 1 - j) % ring for j in range(fill)]] = False
+        final[3][:, :, empty] = 0
+        final[4][:, :, empty] = 0
     return (out, *final)
 
 

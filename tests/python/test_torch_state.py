@@ -300,6 +300,18 @@ def test_macchiato_state_op_gradcheck_with_the_final_state_in_the_loss(position,
     assert torch.autograd.gradcheck(f, (*inputs, normaliser, memory, ring_keys, ring_values, *parameters))
 
 
+def test_macchiato_chunks_from_a_fresh_state_at_a_later_position():
+    # token s sits in ring slot s % (w + 1): from position 5 the first tokens fill slots 5, 6, ...,
+    # which the ring's clearing of slots that hold no token must leave alone
+    _, inputs, options, _, _ = macchiato_case(torch.float64, True, seed=41, B=1, T=6, H=1, L=2, Dk=2, Dv=2, w=7)
+    whole = lt.latte_macchiato(*inputs, **options, position=5)
+    first, state = lt.latte_macchiato(*(x[:, :2] for x in inputs), **options, output_final_state=True, position=5)
+    rest = lt.latte_macchiato(*(x[:, 2:] for x in inputs), **options, initial_state=state, position=7)
+    torch.testing.assert_close(torch.cat([first, rest], 1), whole, rtol=0, atol=1e-12)
+    held = state[3].abs().sum(dim=-1)[0, 0]  # slots 5 and 6 hold tokens 5 and 6, the others none
+    assert held[5] > 0 and held[6] > 0 and held.count_nonzero() == 2
+
+
 @pytest.mark.parametrize("position,w", [(4, 3), (1, 9)])
 def test_lavo_state_op_gradcheck_with_the_final_state_in_the_loss(position, w):
     B, T, H, d, r = 1, 7, 1, 2, 2
