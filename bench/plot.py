@@ -2,7 +2,7 @@
 backward rows on the right, each mechanism of latte and each peer one line (solid: latte's C++;
 dotted: latte's Python calls, bench/peers/latte_torch.py; dashed: the peers). Rows of one
 variant measured for another question (backward alone, bf16 / fp32 pairs, plain vs compensated
-sums, packed prefill, serving, decode) stay in the CSV and out of the plot."""
+sums, packed prefill, serving, decode, unaligned arrays) stay in the CSV and out of the plot."""
 import csv
 import sys
 from collections import defaultdict
@@ -12,7 +12,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-VARIANTS = ("decode", "bf16", "fp32", "_plain", "_compensated", "packed", "one_sequence", "serving", "pool_step")
+VARIANTS = ("decode", "bf16", "fp32", "_plain", "_compensated", "packed", "one_sequence", "serving", "pool_step",
+            "_unaligned")
 
 
 def panel_of(mechanism):

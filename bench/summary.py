@@ -106,6 +106,17 @@ def python_targets(seconds, lengths=(4096, 16384, 65536)):
                 print(f"  {what + (' fwd+bwd' if suffix else ' fwd'):<52} T={T:>6}: {text}")
 
 
+def unaligned_ratios(seconds):
+    """latte-compare's *_unaligned rows (q, k, v, out 16 bytes past a cache line, as NumPy's and
+    malloc's large arrays) over the aligned rows of the same run."""
+    for mechanism in ("latte", "linear_elu"):
+        aligned = seconds[(mechanism, "causal", "latte-cpu")]
+        shifted = seconds[(mechanism + "_unaligned", "causal", "latte-cpu")]
+        cells = [f"T={T}: {shifted[T] / aligned[T]:.3f}x" for T in sorted(shifted) if T in aligned]
+        if cells:
+            print(f"arrays 16 B past a line / aligned, {mechanism} causal: " + ", ".join(cells))
+
+
 def main(path):
     rows = list(csv.DictReader(open(path)))
     peak = next((float(r["gflops"]) for r in rows if r["mechanism"] == "fma_peak"), 0.0)
@@ -153,6 +164,7 @@ def main(path):
         cells = [gflops[key + ("latte-cpu",)].get(T) for key in kernels.values()]
         print(f"{T:>9}" + "".join(f"{100 * c / peak:>12.0f}%" if c else f"{'-':>13}"
                                   for c in cells))
+    unaligned_ratios(seconds)
     forward_backward_targets(seconds)
     python_targets(seconds)
     work = extra[("latte", "causal", "latte-cpu")]
