@@ -580,6 +580,17 @@ def _cosformer_backward_op(queries: torch.Tensor, keys: torch.Tensor, values: to
 _register(_cosformer_op, _cosformer_backward_op, tensors=3)
 
 
+# Training in chunks for LeaPformer: the linear family's state, (memory, normaliser), here with
+# both re-weighting streams (cos and sin) stacked along the feature axis: [B, H, 2 Dk, Dv] and
+# [B, H, 2 Dk]. cosFormer has the same state, but latte builds none at position M (the end of its
+# M tokens), where a chunk's final state gradient sits; its op takes no state yet.
+
+
+def _two_stream_state_shapes(queries, keys, values, *rest):
+    B, _, H, Dk = queries.shape
+    return (B, H, 2 * Dk, values.shape[3]), (B, H, 2 * Dk)
+
+
 def cosformer(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, causal: bool = True,
               length: Optional[int] = None) -> torch.Tensor:
     """cosFormer (``torch.ops.latte.cosformer``): linear attention with ReLU features re-weighted by
@@ -621,19 +632,59 @@ def _leapformer_backward_op(queries: torch.Tensor, keys: torch.Tensor, values: t
 _register(_leapformer_op, _leapformer_backward_op, tensors=11)
 
 
+@torch.library.custom_op("latte::leapformer_state", mutates_args=(), device_types="cpu")
+def _leapformer_state_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query_w1: torch.Tensor,
+                         query_b1: torch.Tensor, query_w2: torch.Tensor, query_b2: torch.Tensor,
+                         key_w1: torch.Tensor, key_b1: torch.Tensor, key_w2: torch.Tensor, key_b2: torch.Tensor,
+                         memory: Optional[torch.Tensor], normaliser: Optional[torch.Tensor], position: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Causal LeaPformer from a state (fresh when its tensors are None): out and the final state's fields."""
+    attention = _leapformer_for(queries, values, (query_w1, query_b1, query_w2, query_b2),
+                                (key_w1, key_b1, key_w2, key_b2), True)
+    return _state_forward(attention, (queries, keys, values), _LINEAR_STATE, (memory, normaliser), position)
+
+
+@torch.library.custom_op("latte::leapformer_state_backward", mutates_args=(), device_types="cpu")
+def _leapformer_state_backward_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                                  query_w1: torch.Tensor, query_b1: torch.Tensor, query_w2: torch.Tensor,
+                                  query_b2: torch.Tensor, key_w1: torch.Tensor, key_b1: torch.Tensor,
+                                  key_w2: torch.Tensor, key_b2: torch.Tensor, memory: Optional[torch.Tensor],
+                                  normaliser: Optional[torch.Tensor], d_out: torch.Tensor, d_memory: torch.Tensor,
+                                  d_normaliser: torch.Tensor, position: int) -> list[torch.Tensor]:
+    query_module, key_module = (query_w1, query_b1, query_w2, query_b2), (key_w1, key_b1, key_w2, key_b2)
+    attention = _leapformer_for(queries, values, query_module, key_module, True)
+    inputs = (queries, keys, values)
+    return _state_backward(attention, inputs, inputs + query_module + key_module, _LINEAR_STATE, (),
+                           (memory, normaliser), d_out, (), (d_memory, d_normaliser), position)
+
+
+_register_state(_leapformer_state_op, _leapformer_state_backward_op, tensors=11, fields=_LINEAR_STATE, fixed=(),
+                field_shapes=_two_stream_state_shapes)
+
+
 def leapformer(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query_module, key_module, *,
-               causal: bool = True) -> torch.Tensor:
+               causal: bool = True, initial_state: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+               output_final_state: bool = False, position: int = 0):
     """LeaPformer (``torch.ops.latte.leapformer``): cosFormer's re-weighting with proportions
     ``P = sigmoid(w2 . relu(w1 relu(x) + b1) + b2)`` from two LeaP modules, on the ReLU features of the
     queries and of the keys; ``[B, T, H, Dk]`` queries and keys, ``[B, T, H, Dv]`` values ->
     ``[B, T, H, Dv]``. Each module is ``(w1 [hidden, Dk], b1 [hidden], w2 [hidden], b2 [])`` of tensors
-    (hidden = Dk / leap_factor, a divisor of Dk), differentiable like the inputs."""
+    (hidden = Dk / leap_factor, a divisor of Dk), differentiable like the inputs.
+
+    Training in chunks (causal; ``torch.ops.latte.leapformer_state``), as ``linear_attention``: a
+    state is ``(memory [B, H, 2 Dk, Dv], normaliser [B, H, 2 Dk])`` of
+    ``latte.LeaPformerState.fields()``, the cos and sin streams stacked along the feature axis."""
     for name, module in (("query_module", query_module), ("key_module", key_module)):
         if len(module) != 4:
             raise _error(name, f"weights: expected (w1, b1, w2, b2), given {len(module)} items")
     query_module, key_module = ((*module[:3], torch.as_tensor(module[3], dtype=module[0].dtype))
                                 for module in (query_module, key_module))
-    return _leapformer_op(queries, keys, values, *query_module, *key_module, causal)
+    if initial_state is None and not output_final_state:
+        return _leapformer_op(queries, keys, values, *query_module, *key_module, causal)
+    _require_state(causal, initial_state, _LINEAR_STATE)
+    out, *final = _leapformer_state_op(queries, keys, values, *query_module, *key_module,
+                                       *(initial_state or (None, None)), position)
+    return (out, tuple(final)) if output_final_state else out
 
 
 # --- Latte Macchiato ---------------------------------------------------------
@@ -1263,9 +1314,13 @@ class LeaPformer(torch.nn.Module):
         self.query_module = LeaPModule(key_dim, key_dim // leap_factor, dtype=dtype)
         self.key_module = LeaPModule(key_dim, key_dim // leap_factor, dtype=dtype)
 
-    def forward(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def forward(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
+                initial_state: Optional[tuple[torch.Tensor, torch.Tensor]] = None, output_final_state: bool = False,
+                position: int = 0):
+        """``leapformer`` with this module's weights (its chunked-training arguments too)."""
         return leapformer(queries, keys, values, self.query_module.weights, self.key_module.weights,
-                          causal=self.causal)
+                          causal=self.causal, initial_state=initial_state, output_final_state=output_final_state,
+                          position=position)
 
 
 class LatteMacchiato(torch.nn.Module):

@@ -109,6 +109,59 @@ def test_leapformer_op_with_learned_modules_gradcheck(causal):
     assert gradcheck(op, (q, k, v, *query_module, *key_module))
 
 
+def leapformer_case(seed, T=13):
+    """(op(q, k, v, *weights, **state options), leaves q, k, v and the modules' weights, the NumPy
+    definition of the whole sequence)."""
+    q, k, v = tensors((2, T, 2, 4), (2, T, 2, 4), (2, T, 2, 3), seed=seed)
+    query_module, key_module = leap_module(2, 4, seed=seed + 1), leap_module(2, 4, seed=seed + 2)
+
+    def op(a, b, c, *weights, **options):
+        return lt.leapformer(a, b, c, weights[:4], weights[4:], **options)
+    return op, [q, k, v, *query_module, *key_module], \
+        lambda: leap_definition(*numpy(q, k, v), leap_numpy(query_module), leap_numpy(key_module), True)
+
+
+def test_leapformer_trains_in_chunks():
+    op, leaves, definition = leapformer_case(seed=20)
+    q, k, v, *weights = leaves
+    weight = tensors(tuple(v.shape), seed=23)[0].detach()
+    whole = op(q, k, v, *weights)
+    expected = torch.autograd.grad((whole * weight).sum(), leaves)
+    outs, state = [], None
+    for lo, hi in ((0, 1), (1, 5), (5, 13)):  # chunks of 1, 4 and 8 tokens
+        out, state = op(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], *weights, initial_state=state,
+                        output_final_state=True, position=lo)
+        outs.append(out)
+    out = torch.cat(outs, 1)
+    got = torch.autograd.grad((out * weight).sum(), leaves)
+    assert_matches(out, definition())
+    torch.testing.assert_close(out, whole, rtol=0, atol=1e-12)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-12 * e.abs().max().item())
+    assert [tuple(f.shape) for f in state] == [(2, 2, 8, 3), (2, 2, 8)]
+    with pytest.raises(latte.Error) as error:
+        op(q, k, v, *weights, causal=False, output_final_state=True)
+    assert error.value.argument == "initial_state"
+
+
+def test_leapformer_state_op_gradcheck_with_the_final_state_in_the_loss():
+    op, leaves, _ = leapformer_case(seed=30, T=9)
+    q, k, v, *weights = leaves
+    with torch.no_grad():
+        _, start = op(q[:, :4], k[:, :4], v[:, :4], *weights, output_final_state=True)
+    start = [s.clone().requires_grad_() for s in start]
+    q, k, v = (x[:, 4:].detach().clone().requires_grad_() for x in (q, k, v))
+
+    def f(q, k, v, memory, normaliser, *weights):
+        out, final = op(q, k, v, *weights, initial_state=(memory, normaliser), output_final_state=True, position=4)
+        return out, *final
+
+    assert gradcheck(f, (q, k, v, *start, *weights))
+    compiled = torch.compile(lambda *x: f(*x)[0].square().sum() + f(*x)[1].sum(), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k, v, *start, *weights), f(q, k, v, *start, *weights)[0].square().sum() +
+                               f(q, k, v, *start, *weights)[1].sum())
+
+
 def macchiato_inputs(seed, T=6, H=2, L=2, Dk=4, Dv=4):
     return scaled(1.5, (1, T, H, L + 1), (1, T, H, L), (1, T, H, Dk), (1, T, H, Dk), seed=seed) + \
         tensors((1, T, H, Dv), seed=seed + 1)
