@@ -478,7 +478,10 @@ TEST_CASE("cosFormer: decode needs the length M") {
   expect_error([&] { (void)unsized.make_state<float>(kB); }, "length", "given none");
   const CausalCos sized({kH, kDk, kDv}, {.reweight = {.length = kT}});
   CHECK_NOTHROW((void)sized.make_state<float>(kB, kT - 1));
-  expect_error([&] { (void)sized.make_state<float>(kB, kT); }, "first_position", "< 5");
+  // at M: the state after the last token, which takes no more
+  auto ended = sized.make_state<float>(kB, kT);
+  expect_error([&] { in.forward(sized, ended); }, "length", "positions used");
+  expect_error([&] { (void)sized.make_state<float>(kB, kT + 1); }, "first_position", "<= 5");
 }
 
 TEST_CASE("cosFormer: positions past M in decode") {

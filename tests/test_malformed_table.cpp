@@ -1388,8 +1388,8 @@ Registry build_registry() {
     add_call_row(rows, make, "no length M given (decode needs M)", "length", [] {
       (void)CosFormer<Causal>({kH, kDk, kDv}).make_state<float>(kB);
     });
-    add_call_row(rows, make, "first_position M", "first_position",
-                 [] { (void)CosFormerCausal::make().make_state<float>(kB, kCapacity); });
+    add_call_row(rows, make, "first_position M + 1 (M: the state after the last token)", "first_position",
+                 [] { (void)CosFormerCausal::make().make_state<float>(kB, kCapacity + 1); });
     add_call_row(rows, make, "batch 0", "batch",
                  [] { (void)CosFormerCausal::make().make_state<float>(0); });
     const std::string ctor = entry_name<CosFormerCausal>("CosFormer()", "-");

@@ -580,10 +580,9 @@ def _cosformer_backward_op(queries: torch.Tensor, keys: torch.Tensor, values: to
 _register(_cosformer_op, _cosformer_backward_op, tensors=3)
 
 
-# Training in chunks for LeaPformer: the linear family's state, (memory, normaliser), here with
-# both re-weighting streams (cos and sin) stacked along the feature axis: [B, H, 2 Dk, Dv] and
-# [B, H, 2 Dk]. cosFormer has the same state, but latte builds none at position M (the end of its
-# M tokens), where a chunk's final state gradient sits; its op takes no state yet.
+# Training in chunks for cosFormer and LeaPformer: the linear family's state, (memory, normaliser),
+# here with both re-weighting streams (cos and sin) stacked along the feature axis: [B, H, 2 Dk, Dv]
+# and [B, H, 2 Dk].
 
 
 def _two_stream_state_shapes(queries, keys, values, *rest):
@@ -591,12 +590,47 @@ def _two_stream_state_shapes(queries, keys, values, *rest):
     return (B, H, 2 * Dk, values.shape[3]), (B, H, 2 * Dk)
 
 
+@torch.library.custom_op("latte::cosformer_state", mutates_args=(), device_types="cpu")
+def _cosformer_state_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        memory: Optional[torch.Tensor], normaliser: Optional[torch.Tensor], length: int,
+                        position: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Causal cosFormer from a state (fresh when its tensors are None): out and the final state's fields."""
+    attention = _cosformer_for(queries, values, True, length)
+    return _state_forward(attention, (queries, keys, values), _LINEAR_STATE, (memory, normaliser), position)
+
+
+@torch.library.custom_op("latte::cosformer_state_backward", mutates_args=(), device_types="cpu")
+def _cosformer_state_backward_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                                 memory: Optional[torch.Tensor], normaliser: Optional[torch.Tensor],
+                                 d_out: torch.Tensor, d_memory: torch.Tensor, d_normaliser: torch.Tensor, length: int,
+                                 position: int) -> list[torch.Tensor]:
+    attention = _cosformer_for(queries, values, True, length)
+    inputs = (queries, keys, values)
+    return _state_backward(attention, inputs, inputs, _LINEAR_STATE, (), (memory, normaliser), d_out, (),
+                           (d_memory, d_normaliser), position)
+
+
+_register_state(_cosformer_state_op, _cosformer_state_backward_op, tensors=3, fields=_LINEAR_STATE, fixed=(),
+                field_shapes=_two_stream_state_shapes)
+
+
 def cosformer(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, causal: bool = True,
-              length: Optional[int] = None) -> torch.Tensor:
+              length: Optional[int] = None, initial_state: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+              output_final_state: bool = False, position: int = 0):
     """cosFormer (``torch.ops.latte.cosformer``): linear attention with ReLU features re-weighted by
     ``cos(pi/2 (P_q - P_k))``, ``P = (i + 1) / M``; ``[B, T, H, Dk]`` queries and keys, ``[B, T, H, Dv]``
-    values -> ``[B, T, H, Dv]``. ``length`` M defaults to T."""
-    return _cosformer_op(queries, keys, values, causal, length)
+    values -> ``[B, T, H, Dv]``. ``length`` M defaults to T.
+
+    Training in chunks (causal; ``torch.ops.latte.cosformer_state``), as ``linear_attention``: a state
+    is ``(memory [B, H, 2 Dk, Dv], normaliser [B, H, 2 Dk])`` of ``latte.CosFormerState.fields()``,
+    the cos and sin streams stacked. ``length`` M then belongs to the whole sequence: give it on
+    every chunk (its default there is this chunk's end, position + T)."""
+    if initial_state is None and not output_final_state:
+        return _cosformer_op(queries, keys, values, causal, length)
+    _require_state(causal, initial_state, _LINEAR_STATE)
+    out, *final = _cosformer_state_op(queries, keys, values, *(initial_state or (None, None)),
+                                      position + queries.shape[1] if length is None else length, position)
+    return (out, tuple(final)) if output_final_state else out
 
 
 # --- LeaPformer --------------------------------------------------------------
@@ -1279,8 +1313,12 @@ class CosFormer(torch.nn.Module):
         super().__init__()
         self.causal, self.length = causal, length
 
-    def forward(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        return cosformer(queries, keys, values, causal=self.causal, length=self.length)
+    def forward(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
+                initial_state: Optional[tuple[torch.Tensor, torch.Tensor]] = None, output_final_state: bool = False,
+                position: int = 0):
+        """``cosformer`` with this module's options (its chunked-training arguments too)."""
+        return cosformer(queries, keys, values, causal=self.causal, length=self.length, initial_state=initial_state,
+                         output_final_state=output_final_state, position=position)
 
 
 class LeaPModule(torch.nn.Module):

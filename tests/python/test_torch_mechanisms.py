@@ -109,10 +109,15 @@ def test_leapformer_op_with_learned_modules_gradcheck(causal):
     assert gradcheck(op, (q, k, v, *query_module, *key_module))
 
 
-def leapformer_case(seed, T=13):
-    """(op(q, k, v, *weights, **state options), leaves q, k, v and the modules' weights, the NumPy
-    definition of the whole sequence)."""
+def two_stream_case(mechanism, seed, T=13):
+    """(op(q, k, v, *weights, **state options), leaves q, k, v (and LeaPformer's modules' weights),
+    the NumPy definition of the whole sequence)."""
     q, k, v = tensors((2, T, 2, 4), (2, T, 2, 4), (2, T, 2, 3), seed=seed)
+    if mechanism == "cosformer":  # M = T: the last chunk's final state sits at position M
+        def op(a, b, c, **options):
+            return lt.cosformer(a, b, c, length=T, **options)
+        return op, [q, k, v], lambda: linear_definition(*numpy(q, k, v), True, "relu", ("clamp_min", 1e-6),
+                                                       cosformer_length=T)
     query_module, key_module = leap_module(2, 4, seed=seed + 1), leap_module(2, 4, seed=seed + 2)
 
     def op(a, b, c, *weights, **options):
@@ -121,8 +126,9 @@ def leapformer_case(seed, T=13):
         lambda: leap_definition(*numpy(q, k, v), leap_numpy(query_module), leap_numpy(key_module), True)
 
 
-def test_leapformer_trains_in_chunks():
-    op, leaves, definition = leapformer_case(seed=20)
+@pytest.mark.parametrize("mechanism", ["cosformer", "leapformer"])
+def test_cosformer_and_leapformer_train_in_chunks(mechanism):
+    op, leaves, definition = two_stream_case(mechanism, seed=20)
     q, k, v, *weights = leaves
     weight = tensors(tuple(v.shape), seed=23)[0].detach()
     whole = op(q, k, v, *weights)
@@ -144,8 +150,9 @@ def test_leapformer_trains_in_chunks():
     assert error.value.argument == "initial_state"
 
 
-def test_leapformer_state_op_gradcheck_with_the_final_state_in_the_loss():
-    op, leaves, _ = leapformer_case(seed=30, T=9)
+@pytest.mark.parametrize("mechanism", ["cosformer", "leapformer"])
+def test_cosformer_and_leapformer_state_ops_gradcheck_with_the_final_state_in_the_loss(mechanism):
+    op, leaves, _ = two_stream_case(mechanism, seed=30, T=9)
     q, k, v, *weights = leaves
     with torch.no_grad():
         _, start = op(q[:, :4], k[:, :4], v[:, :4], *weights, output_final_state=True)

@@ -213,10 +213,12 @@ class LinearAttention {
       detail::require(options_.reweight.length.has_value(), "length",
                       "cosFormer decode needs the length M (Options::reweight.length): expected "
                       "M >= every position + 1 the state will reach, given none");
-      detail::require(first_position < *options_.reweight.length, "first_position",
+      // M itself: the state after the M-th token, which takes no more (a backward's final
+      // state gradient sits there); each call then checks position + tokens <= M.
+      detail::require(first_position <= *options_.reweight.length, "first_position",
                       detail::expected_given("first position for cosFormer length M = " +
                                                  std::to_string(*options_.reweight.length),
-                                             "< " + std::to_string(*options_.reweight.length),
+                                             "<= " + std::to_string(*options_.reweight.length),
                                              first_position));
     }
     return State<T>(kind<T>(), sizes_for(batch), first_position);
