@@ -1021,11 +1021,17 @@ def _(queries, keys, values, conv_weight, conv_bias, level_query, level_key, lev
     return [t.new_empty(t.shape) for t in (queries, keys, values, *weights)]
 
 
-def _conv_compressed_setup(ctx, inputs, output):
+def _conv_save(ctx, inputs, end):
+    """Saves q, k, v, the five lists' entries (flattened; their lengths in ctx.lengths) and the
+    tensors that follow them up to input `end`; the rest are ctx.options."""
     queries, keys, values, *lists = inputs[:8]
     ctx.lengths = [len(tensors) for tensors in lists]
-    ctx.save_for_backward(queries, keys, values, *(w for tensors in lists for w in tensors), *inputs[8:11])
-    ctx.options = inputs[11:]
+    ctx.save_for_backward(queries, keys, values, *(w for tensors in lists for w in tensors), *inputs[8:end])
+    ctx.options = inputs[end:]
+
+
+def _conv_compressed_setup(ctx, inputs, output):
+    _conv_save(ctx, inputs, 11)  # then the three cross projections
 
 
 def _conv_lists(flat, lengths):
@@ -1168,10 +1174,7 @@ def _(queries, keys, values, conv_weight, conv_bias, level_query, level_key, lev
 
 
 def _conv_compressed_state_setup(ctx, inputs, output):
-    queries, keys, values, *lists = inputs[:8]
-    ctx.lengths = [len(tensors) for tensors in lists]
-    ctx.save_for_backward(queries, keys, values, *(w for tensors in lists for w in tensors), *inputs[8:16])
-    ctx.options = inputs[16:]
+    _conv_save(ctx, inputs, 16)  # then the cross projections and the initial state's five fields
     ctx.shapes = [o.shape for o in output]
 
 
