@@ -19,6 +19,7 @@
 //   std::vector<float, latte::HugePageAllocator<float>> keys(T * H * L);
 #include <cstddef>
 #include <new>
+#include <type_traits>
 #include <vector>
 
 #if defined(__linux__)
@@ -74,5 +75,29 @@ struct HugePageAllocator {
 /// 2.0 us for every state once aligned.
 template <class T>
 using AlignedVector = std::vector<T, HugePageAllocator<T>>;
+
+/// `count` elements on HugePageAllocator, left uninitialised: a workspace whose
+/// every element is written before it is read, where AlignedVector's zeroing
+/// would be a pass over memory that nothing needs (tens of MB per call for the
+/// [B, T, H, D] workspaces of a backward).
+template <class T>
+class UninitializedBuffer {
+  static_assert(std::is_trivially_default_constructible_v<T> && std::is_trivially_destructible_v<T>);
+
+ public:
+  explicit UninitializedBuffer(std::size_t count)
+      : data_(count > 0 ? HugePageAllocator<T>().allocate(count) : nullptr), count_(count) {}
+  UninitializedBuffer(const UninitializedBuffer&) = delete;
+  UninitializedBuffer& operator=(const UninitializedBuffer&) = delete;
+  ~UninitializedBuffer() {
+    if (data_ != nullptr) HugePageAllocator<T>().deallocate(data_, count_);
+  }
+  [[nodiscard]] T* data() noexcept { return data_; }
+  [[nodiscard]] std::size_t size() const noexcept { return count_; }
+
+ private:
+  T* data_;
+  std::size_t count_;
+};
 
 }  // namespace latte

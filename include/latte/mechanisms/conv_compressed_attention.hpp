@@ -462,10 +462,7 @@ class ConvCompressedAttention {
       }
     }
     std::optional<reference::ConvCompressedWeightGradients> flat;
-    if (gradients.d_params) {  // zeros in the flat layout of the weights
-      flat.emplace();
-      fill_weights(ConvCompressedParams::zeros(dims_), *flat);
-    }
+    if (gradients.d_params) flat.emplace(zero_weight_gradients());
     using Parts = std::conditional_t<std::is_same_v<E, exec::cpu_t>, cpu::ConvCompressedParts,
                                      reference::ReferenceConvCompressedParts>;
     if (Tn > 0 && B > 0) {
@@ -638,6 +635,30 @@ class ConvCompressedAttention {
     add(flat.cross_key, into.cross_key);
     i = 0;
     add(flat.cross_value, into.cross_value);
+  }
+
+  /// Zeros in the flat layout fill_weights gives (reference::ConvCompressedWeights'
+  /// field comments), sized once: the backward's accumulator of the weights' gradients.
+  [[nodiscard]] reference::ConvCompressedWeightGradients zero_weight_gradients() const {
+    reference::ConvCompressedWeightGradients w;
+    w.heads = dims_.heads;
+    w.key_dim = dims_.key_dim;
+    w.value_dim = dims_.value_dim;
+    w.group_size = dims_.group_size;
+    w.levels = dims_.levels;
+    const index_t H = w.heads, Dk = w.key_dim, Dv = w.value_dim, L = w.levels;
+    auto zeros = [](std::vector<double>& field, index_t count) {
+      field.assign(static_cast<std::size_t>(count), 0.0);
+    };
+    zeros(w.conv_weight, L * H * w.group_size * Dv * Dv);
+    zeros(w.conv_bias, L * H * Dv);
+    zeros(w.level_query, (L - 1) * H * Dk * Dv);
+    zeros(w.level_key, (L - 1) * H * Dk * Dv);
+    zeros(w.level_value, (L - 1) * H * Dv * Dv);
+    zeros(w.cross_query, H * Dk * Dv);
+    zeros(w.cross_key, H * Dk * Dv);
+    zeros(w.cross_value, H * Dv * Dv);
+    return w;
   }
 
   template <Real T>

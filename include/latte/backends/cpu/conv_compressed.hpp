@@ -63,7 +63,7 @@ inline constexpr index_t block_keys = 128;  // compressed tokens per score block
 template <Real T>
 struct BlockScratch {
   BlockScratch(index_t Dk, index_t Dv)
-      : query(block_rows, Dk), scores(block_rows, block_keys), acc(block_rows, Dv),
+      : query(block_rows, std::max(Dk, Dv)), scores(block_rows, block_keys), acc(block_rows, Dv),
         acc_low(block_rows, Dv), block_acc(block_rows, Dv), row_max(block_rows),
         row_sum(block_rows), row_sum_low(block_rows), correction(block_rows) {}
   // acc / row_sum with their low parts: compensated sums across key blocks.
@@ -74,7 +74,8 @@ struct BlockScratch {
 /// The compressed sequences of one head (reused from head to head).
 template <Real T>
 struct HeadWorkspace {
-  Matrix<T> compressed, previous, level_q, level_k, level_v, level_y, cross_k, cross_v;
+  Matrix<T> compressed, previous, level_q, level_k, level_v, level_y, cross_k, cross_v,
+      cross_kw;  // K_x Wq_x (scores_through_keys)
 };
 
 /// C = b + sum_i Y_i W_i^T over the `groups` complete groups of a sequence whose
@@ -115,9 +116,20 @@ void window_attend(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v, M
                           TensorView<T, 4>(y.data(), {1, n, 1, y.cols()}), scale, window);
 }
 
+/// Whether the cross read's scores are cheaper as y^(0)_t . (K_x Wq_x)_j than
+/// as (Wq_x y^(0)_t) . k_j: per query row, n Dv multiplications against
+/// Dk Dv + n Dk for n compressed tokens (always, when Dk = Dv). The product
+/// K_x Wq_x (n x Dv) is formed once per head; the backward then needs no
+/// query projection either (its gradient goes through the same product).
+[[nodiscard]] inline bool scores_through_keys(index_t n, index_t Dk, index_t Dv) noexcept {
+  return n * (Dv - Dk) <= Dk * Dv;
+}
+
 /// Steps 3-4 for the query rows [i0, i0 + nq) of one head: out += softmax(scale
 /// Q_x K_x^T) V_x over the compressed tokens each row sees (`visible(t)`, a
-/// count non-decreasing in t). `out` rows hold y^(0) on entry. A row's read
+/// count non-decreasing in t). `out` rows hold y^(0) on entry. With a null
+/// `query_weight`, `keys` are K_x Wq_x (n x Dv, scores_through_keys) and the
+/// rows of y^(0) are the queries. A row's read
 /// spans the whole past (T / M^L tokens): its sums across key blocks (the
 /// softmax normaliser and the weighted values) are compensated, each block's
 /// GEMM result added by TwoSum (core/compensated_sum.hpp).
@@ -130,9 +142,13 @@ void cross_block(T* out_rows, index_t out_stride, index_t i0, index_t nq, const 
   const index_t reach = visible(i0 + nq - 1);
   if (reach == 0) return;  // no row of the block sees a compressed token
   Map<T> Y(out_rows, nq, Dv, Eigen::OuterStride<>(out_stride));
-  const ConstMap<T> Wq(query_weight, Dk, Dv, Eigen::OuterStride<>(Dv));
-  auto Q = s.query.topRows(nq);
-  Q.noalias() = Y * Wq.transpose();  // Wq_x y^(0)_t
+  if (query_weight != nullptr) {
+    const ConstMap<T> Wq(query_weight, Dk, Dv, Eigen::OuterStride<>(Dv));
+    s.query.topRows(nq).noalias() = Y * Wq.transpose();  // Wq_x y^(0)_t
+  } else {
+    s.query.topLeftCorner(nq, Dv) = Y;  // y^(0)_t against K_x Wq_x (Y is updated below)
+  }
+  const auto Q = s.query.topLeftCorner(nq, Dk);
   auto acc = s.acc.topRows(nq);
   auto acc_low = s.acc_low.topRows(nq);
   auto block_acc = s.block_acc.topRows(nq);
@@ -248,11 +264,16 @@ void compress_and_read(TensorView<T, 4> out, index_t b, index_t h,
     if constexpr (Causal) return static_cast<index_t>(std::min<std::int64_t>(t / span, n));
     else return n;
   };
+  const bool through_keys = scores_through_keys(n, Dk, Dv);
+  if (through_keys)
+    ws.cross_kw.noalias() =
+        ws.cross_k * ConstMap<T>(w.cross_query_projection(h), Dk, Dv, Eigen::OuterStride<>(Dv));
   const index_t blocks = (Tn + block_rows - 1) / block_rows;
   parallel_for(blocks, inner_workers, [&](index_t block, int worker) {
     const index_t i0 = block * block_rows, nq = std::min(block_rows, Tn - i0);
-    cross_block(out.row(b, i0, h), out.stride(1), i0, nq, w.cross_query_projection(h), ws.cross_k,
-                ws.cross_v, scale, visible, scratch[worker]);
+    cross_block(out.row(b, i0, h), out.stride(1), i0, nq,
+                through_keys ? nullptr : w.cross_query_projection(h),
+                through_keys ? ws.cross_kw : ws.cross_k, ws.cross_v, scale, visible, scratch[worker]);
   });
 }
 
@@ -534,19 +555,31 @@ void convolve(const T* source, index_t stride, index_t n, index_t r, const T* in
 /// window attention on the blocked softmax kernels (FlashAttention-2's
 /// backward), heads in parallel over OpenMP threads, and each head's levels
 /// and cross read as GEMMs (the convolution as M GEMMs, projections, the
-/// block-causal cross read's backward per 64-query block); the levels' own
-/// window attentions (T / M tokens and fewer) on the reference kernels. A
+/// block-causal cross read's backward per 64-query block, from the first query
+/// that sees a compressed token); the levels' own window attentions (T / M
+/// tokens and fewer) on the same blocked kernels, one head per thread, each
+/// backward reusing its forward's row statistics. A
 /// state continued (reference::ConvCompressedHeadStates) puts each level's
 /// ring rows ahead of its new tokens and the stored compressed tokens ahead
 /// of the new ones, as the reference does.
 struct ConvCompressedParts {
-  template <bool Causal, class... Args>
-  static void window_forward(Args&&... args) {
-    softmax_forward<Causal>(std::forward<Args>(args)...);
+  /// Level 0's window forward keeps each row's softmax statistics, so that its
+  /// backward skips the flash step it would otherwise run again (pass 1).
+  template <bool Causal, Real T>
+  static SoftmaxRowStatistics<T> window_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
+                                                TensorView<const T, 4> v, TensorView<T, 4> out,
+                                                T scale, const SlidingWindow& window) {
+    SoftmaxRowStatistics<T> kept(q.extent(0) * q.extent(1) * q.extent(2));
+    softmax_forward<Causal>(q, k, v, out, scale, window, &kept);
+    return kept;
   }
-  template <bool Causal, class... Args>
-  static void window_backward(Args&&... args) {
-    softmax_backward<Causal>(std::forward<Args>(args)...);
+  template <bool Causal, Real T>
+  static void window_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
+                              TensorView<const T, 4> v, TensorView<const T, 4> d_out,
+                              TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,
+                              T scale, const SlidingWindow& window, SoftmaxRowStatistics<T> kept,
+                              TensorView<const T, 4> out) {
+    softmax_backward<Causal>(q, k, v, d_out, dq, dk, dv, scale, window, {}, &kept, out);
   }
   template <class Body>
   static void for_heads(index_t heads, Body&& body) {
@@ -577,6 +610,8 @@ struct ConvCompressedParts {
     std::vector<Mat> C(static_cast<std::size_t>(L)), Ql(static_cast<std::size_t>(L)),
         Kl(static_cast<std::size_t>(L)), Vl(static_cast<std::size_t>(L)), Yl(static_cast<std::size_t>(L));
     std::vector<index_t> pre(static_cast<std::size_t>(L), 0);
+    std::vector<SoftmaxRowStatistics<T>> kept;  // levels 1 .. L - 1's window forwards, for their backward
+    kept.reserve(static_cast<std::size_t>(L));
     auto source_of = [&](index_t level) -> std::pair<const T*, index_t> {  // new rows of y^(level - 1)
       if (level == 1) return {y0, y0_stride};
       const auto below = static_cast<std::size_t>(level - 2);
@@ -606,11 +641,12 @@ struct ConvCompressedParts {
       Kl[at].bottomRows(n).noalias() = c * rows_of(w.key_projection(level, h), Dk, Dv, Dv).transpose();
       Vl[at].bottomRows(n).noalias() = c * rows_of(w.value_projection(level, h), Dv, Dv, Dv).transpose();
       Yl[at].resize(rows, Dv);
-      if (rows > 0)
-        reference::softmax_forward<Causal>(TensorView<const T, 4>(sequence(Ql[at].data(), rows, Dk)),
-                                           TensorView<const T, 4>(sequence(Kl[at].data(), rows, Dk)),
-                                           TensorView<const T, 4>(sequence(Vl[at].data(), rows, Dv)),
-                                           sequence(Yl[at].data(), rows, Dv), scale, window);
+      kept.emplace_back(rows);
+      if (rows > 0)  // one head: serial inside for_heads' threads
+        softmax_forward<Causal>(TensorView<const T, 4>(sequence(Ql[at].data(), rows, Dk)),
+                                TensorView<const T, 4>(sequence(Kl[at].data(), rows, Dk)),
+                                TensorView<const T, 4>(sequence(Vl[at].data(), rows, Dv)),
+                                sequence(Yl[at].data(), rows, Dv), scale, window, &kept.back());
     }
     (void)levels;  // the reference's per-head workspace; these GEMMs keep their own
     // The cross read's backward over the stored then the new top-level tokens,
@@ -634,23 +670,40 @@ struct ConvCompressedParts {
       }
       K.bottomRows(n_top).noalias() = top * Wk.transpose();
       V.bottomRows(n_top).noalias() = top * Wv.transpose();
-      const Mat Q = Y0 * Wq.transpose();
-      Mat dQ = Mat::Zero(Tn, Dk), P, dS;
-      // dK and dV sum over every later query block (T / 64 of them), dQ over a
-      // row's keys: in double, as the rows' softmax sums, so that their error
-      // does not grow with T.
-      using Wide = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-      Wide dK_sum = Wide::Zero(total, Dk), dV_sum = Wide::Zero(total, Dv);
       const std::int64_t span = reference::tokens_per_compressed_token(M, L);
       auto visible = [&](index_t t) {
         return Causal ? static_cast<index_t>(std::min<std::int64_t>((states.position + t) / span, total))
                       : total;
       };
+      // Rows before `first` see no compressed token (block-causal): they have
+      // no cross query and give no gradient through it (at T <= M^L, none does).
+      const index_t first = first_where(Tn, [&](index_t t) { return visible(t) > 0; });
+      const index_t reading = Tn - first;
+      const auto Y0_reading = Y0.middleRows(first, reading);
+      // The scores as the forward formed them (scores_through_keys): either
+      // Q_x = Y0 Wq^T against K_x = K, or Q_x = Y0 against K_x = K Wq. The
+      // loop below is the softmax read's backward for (Q_x, K_x, V); the
+      // gradients of Q_x and K_x go back through Wq after it.
+      const bool through_keys = conv_compressed_detail::scores_through_keys(total, Dk, Dv);
+      const index_t Dx = through_keys ? Dv : Dk;
+      Mat Q, Kx;
+      if (through_keys) Kx.noalias() = K * Wq;
+      else Q.noalias() = Y0_reading * Wq.transpose();  // row t - first: Wq_x y^(0)_t
+      const Rows<T> Qx = through_keys ? rows_of(Y0_reading.data(), reading, Dv, Y0.outerStride())
+                                      : rows_of(std::as_const(Q).data(), reading, Dk, Dk);
+      const Rows<T> Keys = through_keys ? rows_of(std::as_const(Kx).data(), total, Dv, Dv)
+                                        : rows_of(std::as_const(K).data(), total, Dk, Dk);
+      Mat dQ(through_keys ? 0 : reading, Dk), P, dS;
+      // dK and dV sum over every later query block (T / 64 of them), dQ over a
+      // row's keys: in double, as the rows' softmax sums, so that their error
+      // does not grow with T.
+      using Wide = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+      Wide dK_sum = Wide::Zero(total, Dx), dV_sum = Wide::Zero(total, Dv), dQ_sum;
       constexpr index_t rows = 64;
-      for (index_t t0 = 0; t0 < Tn; t0 += rows) {
+      for (index_t t0 = first; t0 < Tn; t0 += rows) {
         const index_t nq = std::min(rows, Tn - t0), seen = visible(t0 + nq - 1);
-        if (seen == 0) continue;
-        P.noalias() = (Q.middleRows(t0, nq) * K.topRows(seen).transpose()) * scale;
+        const auto Q_block = Qx.middleRows(t0 - first, nq);
+        P.noalias() = (Q_block * Keys.topRows(seen).transpose()) * scale;
         dS.noalias() = G.middleRows(t0, nq) * V.topRows(seen).transpose();  // dP
         for (index_t r = 0; r < nq; ++r) {
           const index_t count = visible(t0 + r);
@@ -670,17 +723,23 @@ struct ConvCompressedParts {
         }
         // dQ sums over the row's keys (the compressed past): per block of
         // block_keys keys, in double, as the forward's read is compensated.
-        Wide dQ_sum = Wide::Zero(nq, Dk);
+        dQ_sum.setZero(nq, Dx);
         using conv_compressed_detail::block_keys;
         for (index_t j0 = 0; j0 < seen; j0 += block_keys) {
           const index_t nk = std::min(block_keys, seen - j0);
-          dQ_sum += Mat(dS.middleCols(j0, nk) * K.middleRows(j0, nk)).template cast<double>();
+          dQ_sum += Mat(dS.middleCols(j0, nk) * Keys.middleRows(j0, nk)).template cast<double>();
         }
-        dQ.middleRows(t0, nq) = (dQ_sum * double(scale)).template cast<T>();
-        dK_sum.topRows(seen) += (Mat(dS.transpose() * Q.middleRows(t0, nq)) * scale).template cast<double>();
+        if (through_keys)  // Q_x = y^(0): its gradient is y^(0)'s
+          dY0.middleRows(t0, nq) += (dQ_sum * double(scale)).template cast<T>();
+        else
+          dQ.middleRows(t0 - first, nq) = (dQ_sum * double(scale)).template cast<T>();
+        dK_sum.topRows(seen) += (Mat(dS.transpose() * Q_block) * scale).template cast<double>();
         dV_sum.topRows(seen) += Mat(P.transpose() * G.middleRows(t0, nq)).template cast<double>();
       }
-      Mat dK = dK_sum.template cast<T>(), dV = dV_sum.template cast<T>();
+      // K_x = K Wq: dK = dK_x Wq^T and dWq += K^T dK_x (in double, as the sums).
+      Mat dK = through_keys ? Mat((dK_sum * Wq.transpose().template cast<double>()).template cast<T>())
+                            : Mat(dK_sum.template cast<T>());
+      Mat dV = dV_sum.template cast<T>();
       // The compressed store: the final state's gradient in, the stored tokens' out.
       if (states.d_final.compressed_keys != nullptr) {
         dK += rows_of(states.d_final.compressed_keys, total, Dk, Dk);
@@ -690,8 +749,14 @@ struct ConvCompressedParts {
         rows_of(states.d_initial.compressed_keys, stored, Dk, Dk) += dK.topRows(stored);
         rows_of(states.d_initial.compressed_values, stored, Dv, Dv) += dV.topRows(stored);
       }
-      dY0.noalias() += dQ * Wq;
-      add_to_double(Mat(dQ.transpose() * Y0), flat(&reference::ConvCompressedWeightGradients::cross_query, h * Dk * Dv));
+      if (through_keys) {
+        add_to_double(Wide(K.template cast<double>().transpose() * dK_sum),
+                      flat(&reference::ConvCompressedWeightGradients::cross_query, h * Dk * Dv));
+      } else {
+        dY0.middleRows(first, reading).noalias() += dQ * Wq;
+        add_to_double(Mat(dQ.transpose() * Y0_reading),
+                      flat(&reference::ConvCompressedWeightGradients::cross_query, h * Dk * Dv));
+      }
       if (n_top > 0) {
         add_to_double(Mat(dK.bottomRows(n_top).transpose() * top),
                       flat(&reference::ConvCompressedWeightGradients::cross_key, h * Dk * Dv));
@@ -749,12 +814,13 @@ struct ConvCompressedParts {
       const index_t rows = p + n_below;
       Mat dq_l = Mat::Zero(rows, Dk), dk_l = Mat::Zero(rows, Dk), dv_l = Mat::Zero(rows, Dv);
       if (rows > 0)
-        reference::softmax_backward<Causal>(
+        softmax_backward<Causal>(
             TensorView<const T, 4>(sequence(Ql[below].data(), rows, Dk)),
             TensorView<const T, 4>(sequence(Kl[below].data(), rows, Dk)),
             TensorView<const T, 4>(sequence(Vl[below].data(), rows, Dv)),
             TensorView<const T, 4>(sequence(dY.data(), rows, Dv)), sequence(dq_l.data(), rows, Dk),
-            sequence(dk_l.data(), rows, Dk), sequence(dv_l.data(), rows, Dv), scale, window);
+            sequence(dk_l.data(), rows, Dk), sequence(dv_l.data(), rows, Dv), scale, window, {},
+            &kept[below], TensorView<const T, 4>(sequence(Yl[below].data(), rows, Dv)));
       const index_t ring_level = level - 1;
       auto in_ring = [&](auto* field, index_t D) { return field ? field + ring_level * R * D : nullptr; };
       reference::ring_gradients(in_ring(states.d_final.window_keys, Dk), in_ring(states.d_final.window_values, Dv),

@@ -171,9 +171,22 @@ void attend_query_block(const T* q, index_t q_stride, index_t i0, index_t nq, in
     O.row(r) = s.row_sum[r] > T(0) ? (acc.row(r) / s.row_sum[r]).eval() : acc.row(r).eval();
 }
 
+/// Each row t's softmax statistics, at (b H + h) T + t: m_t and 1 / l_t from
+/// the flash step, and D_t = <g_t, o_t> for the backward. A softmax_forward
+/// given one keeps m_t and 1 / l_t, so that a softmax_backward given it and the
+/// forward's output skips its pass 1 (the flash step again).
+template <Real T>
+struct SoftmaxRowStatistics {
+  AlignedVector<T> row_max, inverse_sum, row_dot;  // m_t, 1 / l_t, D_t
+  explicit SoftmaxRowStatistics(index_t rows)
+      : row_max(static_cast<std::size_t>(rows)), inverse_sum(static_cast<std::size_t>(rows)),
+        row_dot(static_cast<std::size_t>(rows)) {}
+};
+
 template <bool Causal, Window Win, Real T>
 void softmax_forward(TensorView<const T, 4> q, TensorView<const T, 4> k, TensorView<const T, 4> v,
-                     TensorView<T, 4> out, T scale, const Win& window) {
+                     TensorView<T, 4> out, T scale, const Win& window,
+                     SoftmaxRowStatistics<T>* keep = nullptr) {
   constexpr index_t block_q = 64, block_k = 64;
   const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), Dk = q.extent(3);
   const index_t Dv = v.extent(3);
@@ -197,6 +210,14 @@ void softmax_forward(TensorView<const T, 4> q, TensorView<const T, 4> k, TensorV
                        key_lo - key_lo % block_k, block_k, scale, lowest, highest,
                        scratch[static_cast<std::size_t>(worker)], out.row(b, i0, h),
                        out.stride(1));
+    if (keep != nullptr) {
+      const OnlineSoftmaxScratch<T>& s = scratch[static_cast<std::size_t>(worker)];
+      for (index_t r = 0; r < nq; ++r) {
+        const auto at = static_cast<std::size_t>(bh * Tn + i0 + r);
+        keep->row_max[at] = s.row_max[static_cast<std::size_t>(r)];
+        keep->inverse_sum[at] = T(1) / s.row_sum[static_cast<std::size_t>(r)];
+      }
+    }
   });
 }
 
@@ -250,15 +271,6 @@ VisibleColumns visible_columns(index_t t, index_t j0, index_t nk, Lowest&& lowes
   return {std::max<index_t>(lowest(t) - j0, 0), std::min<index_t>(highest(t) - j0, nk - 1)};
 }
 
-/// The statistics pass 1 keeps of every row t: (b H + h) T + t.
-template <Real T>
-struct SoftmaxRowStatistics {
-  AlignedVector<T> row_max, inverse_sum, row_dot;  // m_t, 1 / l_t, D_t = <g_t, o_t>
-  explicit SoftmaxRowStatistics(index_t rows)
-      : row_max(static_cast<std::size_t>(rows)), inverse_sum(static_cast<std::size_t>(rows)),
-        row_dot(static_cast<std::size_t>(rows)) {}
-};
-
 /// P and dS of the tile of query rows i0 .. i0 + nq - 1 and keys j0 .. j0 + nk - 1:
 ///   P_rc = exp(scale q_r . k_c - m_r) / l_r,  dS_rc = P_rc (<g_r, v_c> - D_r)
 /// where row i0 + r sees key j0 + c, and exactly 0 elsewhere (a NaN in a key or
@@ -308,7 +320,9 @@ template <bool Causal, Window Win, Real T>
 void softmax_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
                       TensorView<const T, 4> v, TensorView<const T, 4> d_out,
                       TensorView<T, 4> d_q, TensorView<T, 4> d_k, TensorView<T, 4> d_v, T scale,
-                      const Win& window, TensorView<T, 3> row_dots = {}) {
+                      const Win& window, TensorView<T, 3> row_dots = {},
+                      SoftmaxRowStatistics<T>* kept = nullptr,
+                      TensorView<const T, 4> kept_out = {}) {
   constexpr index_t block_q = 64, block_k = 64;
   const index_t B = q.extent(0), Tn = q.extent(1), H = q.extent(2), Dk = q.extent(3);
   const index_t Dv = v.extent(3);
@@ -318,7 +332,13 @@ void softmax_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
   const int workers = thread_count();
   std::vector<SoftmaxBackwardScratch<T>> scratch(
       static_cast<std::size_t>(workers), SoftmaxBackwardScratch<T>(block_q, block_k, Dk, Dv));
-  SoftmaxRowStatistics<T> statistics(B * H * Tn);
+  // With `kept` (softmax_forward's statistics of these inputs) and its output
+  // `kept_out`, pass 1 only forms D_t: the flash step would give the same
+  // statistics. kept_out may be d_q itself: a head's pass 1 ends before
+  // anything writes its d_q rows (by head: pass 1, then d_q; else pass 1 is
+  // done for every head before passes 2 and 3).
+  SoftmaxRowStatistics<T> own_statistics(kept != nullptr ? 0 : B * H * Tn);
+  SoftmaxRowStatistics<T>& statistics = kept != nullptr ? *kept : own_statistics;
   auto lowest = [&](index_t t) { return window.lowest_key(t); };
   auto highest = [&](index_t t) {
     const index_t hi = window.highest_key(t, Tn);
@@ -333,6 +353,16 @@ void softmax_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
   auto row_statistics = [&](index_t bh, index_t qb, SoftmaxBackwardScratch<T>& s) {
     const index_t b = bh / H, h = bh % H;
     const index_t i0 = qb * block_q, nq = std::min(block_q, Tn - i0);
+    if (kept != nullptr) {
+      const auto G = rows(d_out, b, i0, h, nq);
+      const auto O = rows(kept_out, b, i0, h, nq);
+      for (index_t r = 0; r < nq; ++r) {
+        const std::size_t at = static_cast<std::size_t>(bh * Tn + i0 + r);
+        statistics.row_dot[at] = G.row(r).dot(O.row(r));
+        if (!row_dots.empty()) row_dots(b, i0 + r, h) = statistics.row_dot[at];
+      }
+      return;
+    }
     const index_t key_lo = lowest(i0);
     attend_query_block(q.row(b, i0, h), q.stride(1), i0, nq, Dk, Dv,
                        KeyValueRows<T>{k.row(b, 0, h), k.stride(1), v.row(b, 0, h), v.stride(1)},

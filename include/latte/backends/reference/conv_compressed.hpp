@@ -20,6 +20,7 @@
 // the Dv x Dv matrix of tap i. Sliding windows use FlashAttention's
 // convention (SlidingWindow{left, right}) at every level.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -28,6 +29,7 @@
 #include <vector>
 
 #include "latte/backends/reference/softmax.hpp"
+#include "latte/core/huge_page_allocator.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
 #include "latte/policies/window.hpp"
@@ -690,15 +692,27 @@ void conv_compressed_levels_backward(Y0Row&& y0_row, GRow&& g_row, DY0Row&& dy0_
 
 /// The reference backend's parts of the backward: the level-0 window
 /// attention's forward and backward, a loop over heads, and each head's levels
-/// above y^(0) with their backward.
+/// above y^(0) with their backward. window_forward returns what it keeps for
+/// window_backward (which is also given the forward's output): here nothing,
+/// the definition's backward recomputes what it needs. window_backward may be
+/// given that output in its own dq (conv_compressed_backward does so): it must
+/// have read it before it writes dq.
 struct ReferenceConvCompressedParts {
-  template <bool Causal, class... Args>
-  static void window_forward(Args&&... args) {
-    softmax_forward<Causal>(std::forward<Args>(args)...);
+  struct NothingKept {};
+  template <bool Causal, Real T>
+  static NothingKept window_forward(TensorView<const T, 4> q, TensorView<const T, 4> k,
+                                    TensorView<const T, 4> v, TensorView<T, 4> out, T scale,
+                                    const SlidingWindow& window) {
+    softmax_forward<Causal>(q, k, v, out, scale, window);
+    return {};
   }
-  template <bool Causal, class... Args>
-  static void window_backward(Args&&... args) {
-    softmax_backward<Causal>(std::forward<Args>(args)...);
+  template <bool Causal, Real T>
+  static void window_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
+                              TensorView<const T, 4> v, TensorView<const T, 4> d_out,
+                              TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,
+                              T scale, const SlidingWindow& window, NothingKept,
+                              TensorView<const T, 4> /*forward's output*/) {
+    softmax_backward<Causal>(q, k, v, d_out, dq, dk, dv, scale, window);
   }
   template <class Body>
   static void for_heads(index_t heads, Body&& body) {
@@ -735,7 +749,10 @@ struct FreshConvCompressedStates {
 /// head's ConvCompressedHeadStates (`states.template of<T>(b, h)`): level 0's
 /// window then runs over the initial ring's last min(R, P) tokens and the
 /// sequence (those rows take no query), its ring's gradients are added here,
-/// the rest in head_backward. Workspace: y^(0) and its gradient [B, T, H, Dv]
+/// the rest in head_backward. `Parts::window_forward` returns what its
+/// backward may reuse (the cpu's row statistics; the reference's nothing).
+/// Workspace: y^(0) (in dq when Dk = Dv and no ring comes first) and its
+/// gradient, B T H Dv each, head-major (the cpu keeps 3 B T H row statistics more)
 /// (with a ring: copies of q, k, v, their gradients, over min(R, P) + T rows)
 /// and, per head in flight, the levels above, O(T / M (Dk + Dv)).
 template <bool Causal, class Parts, Real T, class States = FreshConvCompressedStates>
@@ -751,8 +768,19 @@ void conv_compressed_backward(TensorView<const T, 4> q, TensorView<const T, 4> k
   const index_t R = states.ring, pre = static_cast<index_t>(std::min<std::int64_t>(R, P));
   const index_t rows = pre + Tn;  // level 0's window: the ring's tokens, then the sequence
   auto size = [](index_t n) { return static_cast<std::size_t>(n); };
-  std::vector<T> y0_data(size(B * rows * H * Dv)), dy0_data(y0_data.size());
-  const TensorView<T, 4> y0(y0_data.data(), {B, rows, H, Dv}), dy0(dy0_data.data(), {B, rows, H, Dv});
+  // Written whole before they are read (y^(0) by the window's forward, its
+  // gradient head by head below): not zeroed. Head-major ([B, H, rows, Dv]):
+  // a head's rows are contiguous, so the levels' GEMMs over them (the
+  // convolution's taps, M rows apart) read dense blocks rather than rows
+  // H * Dv apart. y^(0) lives in dq when it fits there (no ring rows ahead,
+  // Dk = Dv): the heads read it before the window's backward, and that reads
+  // it before it writes dq (Parts::window_backward's contract). Fresh memory
+  // is what a call pays for most on a machine whose pages fault slowly.
+  const bool y0_in_dq = pre == 0 && Dk == Dv;
+  UninitializedBuffer<T> y0_data(y0_in_dq ? 0 : size(B * rows * H * Dv)), dy0_data(size(B * rows * H * Dv));
+  const std::array<index_t, 4> head_major{H * rows * Dv, Dv, rows * Dv, 1};
+  const TensorView<T, 4> y0 = y0_in_dq ? dq : TensorView<T, 4>(y0_data.data(), {B, rows, H, Dv}, head_major);
+  const TensorView<T, 4> dy0(dy0_data.data(), {B, rows, H, Dv}, head_major);
   // With a ring ahead: copies of q, k, v and their gradients over `rows` rows.
   std::vector<T> copies(pre > 0 ? size(4 * B * rows * H * Dk + 2 * B * rows * H * Dv) : 0);
   auto dense = [&](std::size_t offset, index_t D) { return TensorView<T, 4>(copies.data() + offset, {B, rows, H, D}); };
@@ -779,7 +807,7 @@ void conv_compressed_backward(TensorView<const T, 4> q, TensorView<const T, 4> k
   const TensorView<const T, 4> window_q = pre > 0 ? TensorView<const T, 4>(Xq) : q;
   const TensorView<const T, 4> window_k = pre > 0 ? TensorView<const T, 4>(Xk) : k;
   const TensorView<const T, 4> window_v = pre > 0 ? TensorView<const T, 4>(Xv) : v;
-  Parts::template window_forward<Causal>(window_q, window_k, window_v, y0, scale, window);
+  auto kept = Parts::template window_forward<Causal>(window_q, window_k, window_v, y0, scale, window);
   // One task per head (each writes only its head's weight and state gradients).
   Parts::for_heads(H, [&](index_t h) {
     ConvCompressedLevels<T> levels;
@@ -794,7 +822,7 @@ void conv_compressed_backward(TensorView<const T, 4> q, TensorView<const T, 4> k
   });
   Parts::template window_backward<Causal>(window_q, window_k, window_v,
                                           TensorView<const T, 4>(dy0), dXq, dXk, dXv, scale,
-                                          window);
+                                          window, std::move(kept), TensorView<const T, 4>(y0));
   if constexpr (Causal) {  // level 0's ring: the final one's gradient in, the initial one's out
     for (index_t b = 0; b < B; ++b)
       for (index_t h = 0; h < H; ++h) {
