@@ -14,7 +14,8 @@
 //  4. the local part's backward over the band (FlashAttention-2's): P = exp(S - m) / l
 //     (m and l kept apart, not as lse = m + log l: docs/backward.md "Softmax"),
 //     dP = dF V^T, dS = P (.) (dP - rowdot(dF, F)), dQ += scale dS K,
-//     dK += scale dS^T Q, dV += P^T dF (GEMMs), dP_bias[(s - t) + w - 1] += dS.
+//     dK += scale dS^T Q, dV += P^T dF (P and dP as GEMMs over the tile, the three
+//     products over the band only: band_products.hpp), dP_bias[(s - t) + w - 1] += dS.
 // Workspace per worker: F and dF [T x d], m and l [T], 2 r values per window,
 // the forward's block scratch and seven 64 x r / 64 x 128 panels; parameter
 // gradients per (batch, head) in double, summed over the batch at the end.
@@ -29,6 +30,7 @@
 #include "latte/backends/cpu/lavo/forward.hpp"
 #include "latte/backends/cpu/parallel.hpp"
 #include "latte/backends/cpu/simd.hpp"
+#include "latte/backends/cpu/softmax.hpp"
 #include "latte/backends/reference/lavo.hpp"
 #include "latte/core/checked_size.hpp"
 #include "latte/core/tensor_view.hpp"
@@ -95,7 +97,6 @@ void local_backward_block(const T* queries, index_t query_stride, T* dq, index_t
   const ConstMap<T> Q(queries, nq, d, Eigen::OuterStride<>(query_stride));
   const ConstMap<T> F(features, nq, d, Eigen::OuterStride<>(d));
   const ConstMap<T> dF(feature_gradients, nq, d, Eigen::OuterStride<>(d));
-  Map<T> dQ(dq, nq, d, Eigen::OuterStride<>(dq_stride));
   for (index_t row = 0; row < nq; ++row) s.row_dots[row] = dF.row(row).dot(F.row(row));
   auto lowest = [&](index_t t) { return std::max<index_t>(t - (w - 1), -rows.pre); };
   auto highest = [&](index_t t) { return causal ? t : std::min<index_t>(t + (w - 1), Tn - 1); };
@@ -136,11 +137,19 @@ void local_backward_block(const T* queries, index_t query_stride, T* dq, index_t
         for (index_t c = 0; c < n; ++c) into[c] += static_cast<double>(ds[c_lo + c]);
       }
     }
-    dQ.noalias() += (dS * K) * scale;
-    Map<T>(dkey_rows, nk, d, Eigen::OuterStride<>(dkey_stride)).noalias() +=
-        (dS.transpose() * Q) * scale;
-    Map<T>(dvalue_rows, nk, d, Eigen::OuterStride<>(dvalue_stride)).noalias() +=
-        P.transpose() * dF;
+    // dQ += dS K, dK += dS^T Q, dV += P^T dF over the band only
+    // (band_products.hpp): a block's tile is a window's parallelogram, about
+    // half of it outside every row's band, and a GEMM would multiply those
+    // zeros too (and by a NaN in a row no query of the tile may see).
+    dS *= scale;
+    const auto band = tile_band(i0, j_first, nq, nk, lowest, highest);
+    const index_t ld = s.probabilities.cols();  // P and dS: rows ld apart
+    band_product(nq, BandTile<T>{dS.data(), ld, 1}, StridedRows<const T>{key_rows, key_stride}, d,
+                 StridedRows<T>{dq, dq_stride}, band.keys_first(), band.keys_last());
+    band_product(nk, BandTile<T>{dS.data(), 1, ld}, StridedRows<const T>{queries, query_stride}, d,
+                 StridedRows<T>{dkey_rows, dkey_stride}, band.rows_first(), band.rows_last());
+    band_product(nk, BandTile<T>{P.data(), 1, ld}, StridedRows<const T>{feature_gradients, d}, d,
+                 StridedRows<T>{dvalue_rows, dvalue_stride}, band.rows_first(), band.rows_last());
   };
 
   const index_t key_lo = lowest(i0), key_hi = highest(i0 + nq - 1);
