@@ -642,7 +642,7 @@ struct ConvCompressedParts {
       Vl[at].bottomRows(n).noalias() = c * rows_of(w.value_projection(level, h), Dv, Dv, Dv).transpose();
       Yl[at].resize(rows, Dv);
       kept.emplace_back(rows);
-      if (rows > 0)  // one head: serial inside for_heads' threads
+      if (rows > 0)  // serial when heads run in parallel (parallel.hpp)
         softmax_forward<Causal>(TensorView<const T, 4>(sequence(Ql[at].data(), rows, Dk)),
                                 TensorView<const T, 4>(sequence(Kl[at].data(), rows, Dk)),
                                 TensorView<const T, 4>(sequence(Vl[at].data(), rows, Dv)),
