@@ -144,7 +144,7 @@ void cross_block(T* out_rows, index_t out_stride, index_t i0, index_t nq, const 
   Map<T> Y(out_rows, nq, Dv, Eigen::OuterStride<>(out_stride));
   if (query_weight != nullptr) {
     const ConstMap<T> Wq(query_weight, Dk, Dv, Eigen::OuterStride<>(Dv));
-    s.query.topRows(nq).noalias() = Y * Wq.transpose();  // Wq_x y^(0)_t
+    s.query.topLeftCorner(nq, Dk).noalias() = Y * Wq.transpose();  // Wq_x y^(0)_t
   } else {
     s.query.topLeftCorner(nq, Dv) = Y;  // y^(0)_t against K_x Wq_x (Y is updated below)
   }
