@@ -637,27 +637,26 @@ class ConvCompressedAttention {
     add(flat.cross_value, into.cross_value);
   }
 
-  /// Zeros in the flat layout fill_weights gives (reference::ConvCompressedWeights'
-  /// field comments), sized once: the backward's accumulator of the weights' gradients.
+  /// Zeros shaped as the flat weights this object holds (weights_double_, which
+  /// fill_weights laid out), each field sized once: the backward's accumulator of
+  /// the weights' gradients.
   [[nodiscard]] reference::ConvCompressedWeightGradients zero_weight_gradients() const {
     reference::ConvCompressedWeightGradients w;
-    w.heads = dims_.heads;
-    w.key_dim = dims_.key_dim;
-    w.value_dim = dims_.value_dim;
-    w.group_size = dims_.group_size;
-    w.levels = dims_.levels;
-    const index_t H = w.heads, Dk = w.key_dim, Dv = w.value_dim, L = w.levels;
-    auto zeros = [](std::vector<double>& field, index_t count) {
-      field.assign(static_cast<std::size_t>(count), 0.0);
-    };
-    zeros(w.conv_weight, L * H * w.group_size * Dv * Dv);
-    zeros(w.conv_bias, L * H * Dv);
-    zeros(w.level_query, (L - 1) * H * Dk * Dv);
-    zeros(w.level_key, (L - 1) * H * Dk * Dv);
-    zeros(w.level_value, (L - 1) * H * Dv * Dv);
-    zeros(w.cross_query, H * Dk * Dv);
-    zeros(w.cross_key, H * Dk * Dv);
-    zeros(w.cross_value, H * Dv * Dv);
+    w.heads = weights_double_.heads;
+    w.key_dim = weights_double_.key_dim;
+    w.value_dim = weights_double_.value_dim;
+    w.group_size = weights_double_.group_size;
+    w.levels = weights_double_.levels;
+    using Field = std::vector<double> reference::ConvCompressedWeightGradients::*;
+    for (Field field : {&reference::ConvCompressedWeightGradients::conv_weight,
+                        &reference::ConvCompressedWeightGradients::conv_bias,
+                        &reference::ConvCompressedWeightGradients::level_query,
+                        &reference::ConvCompressedWeightGradients::level_key,
+                        &reference::ConvCompressedWeightGradients::level_value,
+                        &reference::ConvCompressedWeightGradients::cross_query,
+                        &reference::ConvCompressedWeightGradients::cross_key,
+                        &reference::ConvCompressedWeightGradients::cross_value})
+      (w.*field).assign((weights_double_.*field).size(), 0.0);
     return w;
   }
 
