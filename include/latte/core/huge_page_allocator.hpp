@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <new>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__linux__)
@@ -89,13 +90,25 @@ class UninitializedBuffer {
       : data_(count > 0 ? HugePageAllocator<T>().allocate(count) : nullptr), count_(count) {}
   UninitializedBuffer(const UninitializedBuffer&) = delete;
   UninitializedBuffer& operator=(const UninitializedBuffer&) = delete;
-  ~UninitializedBuffer() {
-    if (data_ != nullptr) HugePageAllocator<T>().deallocate(data_, count_);
+  UninitializedBuffer(UninitializedBuffer&& other) noexcept
+      : data_(std::exchange(other.data_, nullptr)), count_(std::exchange(other.count_, 0)) {}
+  UninitializedBuffer& operator=(UninitializedBuffer&& other) noexcept {
+    if (this != &other) {
+      release();
+      data_ = std::exchange(other.data_, nullptr);
+      count_ = std::exchange(other.count_, 0);
+    }
+    return *this;
   }
+  ~UninitializedBuffer() { release(); }
   [[nodiscard]] T* data() noexcept { return data_; }
   [[nodiscard]] std::size_t size() const noexcept { return count_; }
 
  private:
+  void release() noexcept {
+    if (data_ != nullptr) HugePageAllocator<T>().deallocate(data_, count_);
+  }
+
   T* data_;
   std::size_t count_;
 };

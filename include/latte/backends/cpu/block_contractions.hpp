@@ -143,6 +143,14 @@ struct NoTileHook {
 
 }  // namespace detail
 
+/// to = from^T for a rows x cols row-major `from` (the backward's transposed
+/// carries, read by read_memory_rows as the other side's memory).
+template <Real T>
+void transpose_into(const T* from, index_t rows, index_t cols, T* to) noexcept {
+  for (index_t r = 0; r < rows; ++r)
+    for (index_t c = 0; c < cols; ++c) to[c * rows + r] = from[r * cols + c];
+}
+
 /// memory[l][d] += sum_{s < n} e[s][l] v[s][d]: e is n x L and v n x Dv, both
 /// contiguous; memory is L x Dv, contiguous.
 template <Real T, class Hook = detail::NoTileHook>

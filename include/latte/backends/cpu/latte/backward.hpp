@@ -24,10 +24,11 @@
 // over the whole past (pass 1) and future (pass 2) are compensated
 // (compensated_sums.hpp's ScaledTermWindow; latte_causal_backward_head).
 //
-// Bidirectional (DESIGN §3.6): five GEMM-shaped products per (batch, head),
-// Eigen GEMMs over T x L and T x Dv matrices (W = exp(K - shift), P, dp and,
-// under VAPOR, the rotated values and d_out): M^ = W^T V~, dp = G~ M^^T / alpha^,
-// Mbar = (P / alpha^)^T G~, dv~ = W Mbar, dk = W o (V~ Mbar^T + Abar).
+// Bidirectional (DESIGN §3.6): five products per (batch, head), M^ = W^T V~,
+// dp = G~ M^^T / alpha^, Mbar = (P / alpha^)^T G~, dv~ = W Mbar and
+// dk = W o (V~ Mbar^T + Abar), in blocks of 64 tokens through the forward's
+// register-tiled block contractions (W = exp(K - shift) taken again for the
+// last two rather than kept: no T-long workspace).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -35,6 +36,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "latte/backends/cpu/block_contractions.hpp"
+#include "latte/backends/cpu/column_exps.hpp"
 #include "latte/backends/cpu/compensated_sums.hpp"
 #include "latte/backends/cpu/latte/forward.hpp"
 #include "latte/backends/cpu/parallel.hpp"
@@ -45,6 +48,7 @@
 #include "latte/backends/reference/latte.hpp"
 #include "latte/core/checked_size.hpp"
 #include "latte/core/eigen.hpp"
+#include "latte/core/huge_page_allocator.hpp"
 #include "latte/core/tensor_view.hpp"
 #include "latte/core/types.hpp"
 #include "latte/policies/positional.hpp"
@@ -291,7 +295,8 @@ struct LatteBackwardScratch {
         token_rescaled(static_cast<std::size_t>(Tn)), window(L, Dv),
         rotation(Dv / 2, backward_chunk_tokens),
         rotation_rows(static_cast<std::size_t>(2 * backward_chunk_tokens * Dv)) {}
-  AlignedVector<T> per_token, carry, memory_bar, latent, rows;
+  UninitializedBuffer<T> per_token;  // written by pass 1 before pass 2 reads it
+  AlignedVector<T> carry, memory_bar, latent, rows;
   std::vector<unsigned char> token_rescaled;  // per token: did a running maximum move (a c != 1)
   ScaledTermWindow<T> window;
   RunRotations<T> rotation;      // VAPOR: a chunk's rotations (run_rotations.hpp),
@@ -585,106 +590,193 @@ void latte_causal_backward(TensorView<const T, 4> q, TensorView<const T, 4> k,
   });
 }
 
+/// Tokens per block of the bidirectional backward: a block's key
+/// exponentials, latent weights and rows (3 x 16 KiB for L = Dv = 64, fp32)
+/// stay in L1 while block_contractions.hpp's tiles stream them, as in the
+/// forward's bidirectional pass.
+inline constexpr index_t bidirectional_backward_block = 64;
+
+/// Per-worker scratch of the bidirectional backward: one block's exponentials
+/// W, weights P / alpha^, dp and rows (V~ or G~, and dV~ or the outputs y), a
+/// head's M^ and Mbar with their transposes, and per latent the shift,
+/// 1 / alpha^ and Abar. Nothing grows with T.
+template <Real T>
+struct LatteBidirectionalBackwardScratch {
+  LatteBidirectionalBackwardScratch(index_t L, index_t Dv)
+      : latent_blocks(static_cast<std::size_t>(3 * bidirectional_backward_block * L)),
+        row_blocks(static_cast<std::size_t>(2 * bidirectional_backward_block * Dv)),
+        memories(static_cast<std::size_t>(4 * L * Dv)),
+        latents(static_cast<std::size_t>(5 * L)),
+        ones(static_cast<std::size_t>(bidirectional_backward_block), T(1)),
+        beta(static_cast<std::size_t>(bidirectional_backward_block)),
+        rotation(Dv / 2), out_rotation(Dv / 2) {}
+  AlignedVector<T> latent_blocks, row_blocks, memories, latents, ones, beta;
+  RotationStepper<T> rotation, out_rotation;  // VAPOR: R^{-s} of the rows, R^{s} of dV~
+};
+
 /// One (batch, head) of the bidirectional backward: views of [1, T, 1, *].
+///
+/// DESIGN §3.6 in blocks of bidirectional_backward_block tokens, each product
+/// a register-tiled contraction of a block with an L x Dv matrix
+/// (block_contractions.hpp: E^T V and G M, as the forward's bidirectional pass):
+///   keys:    W = exp(K - shift) (the shift each latent's column maximum, the
+///            forward's reference), alpha^ = 1^T W, M^ = W^T V~;
+///   queries: dp = G~ M^^T / alpha^, D_t = <p_t, dp_t>, dq = p o (dp - D),
+///            rw = p / alpha^, Abar = -sum_t rw o dp, Mbar = rw^T G~;
+///   keys:    dV~ = W Mbar, dk = W o (V~ Mbar^T + Abar)  (W again, not kept).
+/// VAPOR rotates the rows as they are copied into the block (RotationStepper,
+/// the forward's), and dV~ back by R^{s}.
 template <Stabilizer Stab, Positional Pos, Real T>
 void latte_bidirectional_backward_head(TensorView<const T, 4> q, TensorView<const T, 4> k,
                                        TensorView<const T, 4> v, TensorView<const T, 4> g,
                                        TensorView<T, 4> dq, TensorView<T, 4> dk,
                                        TensorView<T, 4> dv, const double* theta,
-                                       double* d_theta, T* read_dots, index_t read_dots_stride) {
-  constexpr index_t W = simd::width<T>;
+                                       double* d_theta, T* read_dots, index_t read_dots_stride,
+                                       LatteBidirectionalBackwardScratch<T>& scratch) {
+  using B = simd::batch<T>;
+  constexpr index_t C = bidirectional_backward_block;
+  constexpr T lowest = -std::numeric_limits<T>::infinity();
   const index_t Tn = q.extent(1), L = q.extent(3), Dv = v.extent(3);
   if (Tn == 0) return;
-  const auto Q = head_matrix(q, 0, 0), K = head_matrix(k, 0, 0);
-  auto dQ = head_matrix(dq, 0, 0), dK = head_matrix(dk, 0, 0), dV = head_matrix(dv, 0, 0);
-  // One workspace, carved into the matrices below (so that latte-compare's
-  // allocation counter sees it: Eigen's own temporaries bypass operator new).
-  const index_t rotated_rows = Pos::rotates_values ? Tn : 0, y_rows = d_theta ? Tn : 0;
-  AlignedVector<T> workspace(static_cast<std::size_t>(latte::detail::checked_sum(
-      "query_logits", {3 * Tn * L, (2 * rotated_rows + Tn + y_rows) * Dv, 2 * L * Dv, 3 * L})));
-  T* next = workspace.data();
-  auto matrix = [&](index_t rows, index_t cols) {
-    HeadMatrix<T> m(next, rows, cols, Eigen::OuterStride<>(cols));
-    next += rows * cols;
-    return m;
+  T* const w = scratch.latent_blocks.data();  // [C][L] exp(K - shift)
+  T* const p = w + C * L;                     // [C][L] p, then rw = p / alpha^
+  T* const dp = p + C * L;                    // [C][L]
+  T* const rows = scratch.row_blocks.data();  // [C][Dv] V~ or G~
+  T* const out_rows = rows + C * Dv;          // [C][Dv] dV~ or y
+  T* const memory = scratch.memories.data();  // M^ [L][Dv]
+  T* const memory_t = memory + L * Dv;        // M^^T [Dv][L]
+  T* const memory_bar = memory_t + L * Dv;    // Mbar [L][Dv]
+  T* const memory_bar_t = memory_bar + L * Dv;
+  T* const shift = scratch.latents.data();
+  T* const inverse_alpha = shift + L;
+  T* const normaliser_bar = inverse_alpha + L;  // Abar
+  T* const column_sum = normaliser_bar + L;
+  T* const column_max = column_sum + L;
+  const T* const ones = scratch.ones.data();
+  std::fill(memory, memory + L * Dv, T(0));
+  std::fill(memory_bar, memory_bar + L * Dv, T(0));
+  std::fill(inverse_alpha, inverse_alpha + L, T(0));  // alpha^ until it is inverted
+  std::fill(normaliser_bar, normaliser_bar + L, T(0));
+  const index_t ks = k.stride(1), vs = v.stride(1), qs = q.stride(1);
+
+  // The shift: each latent's column maximum over the whole sequence.
+  std::fill(shift, shift + L, lowest);
+  for (index_t t0 = 0; t0 < Tn; t0 += C) {
+    const index_t n = std::min(C, Tn - t0);
+    column_max_rows(k.row(0, t0, 0), ks, n, L, column_max);
+    for (index_t l = 0; l < L; ++l) shift[l] = std::max(shift[l], column_max[l]);
+  }
+  for (index_t l = 0; l < L; ++l) shift[l] = Stab::reference_for(shift[l]);
+  // W of the block at t0, its value rows R^{-s} v_s into `rows` (copied in the
+  // pass over the keys).
+  auto key_block = [&](index_t t0, index_t n) {
+    const RowCopy<T> values{v.row(0, t0, 0), vs, Dv, rows};
+    shifted_column_exps(k.row(0, t0, 0), ks, n, L, shift, w, column_sum, column_max,
+                                     &values);
+    if constexpr (Pos::rotates_values)
+      for (index_t r = 0; r < n; ++r) {
+        scratch.rotation.rotate(rows + r * Dv, /*forward=*/false);
+        scratch.rotation.next();
+      }
   };
-  auto rotated_v = matrix(rotated_rows, Dv), rotated_g = matrix(rotated_rows, Dv);
-  auto weight = matrix(Tn, L), p = matrix(Tn, L), dp = matrix(Tn, L);
-  auto d_vtilde = matrix(Tn, Dv), y = matrix(y_rows, Dv);
-  auto memory = matrix(L, Dv), memory_bar = matrix(L, Dv);
-  auto shift = matrix(1, L), alpha = matrix(1, L), normaliser_bar = matrix(1, L);
-  // V~ = R^{-s} v_s and G~ = R^{-t} g_t under VAPOR (copies), else the inputs.
-  if constexpr (Pos::rotates_values) {
-    rotated_v = head_matrix(v, 0, 0);
-    rotated_g = head_matrix(g, 0, 0);
-    for (index_t t = 0; t < Tn; ++t) {
-      Pos::rotate(rotated_v.row(t).data(), Dv, theta, -t);
-      Pos::rotate(rotated_g.row(t).data(), Dv, theta, -t);
-    }
+
+  // Keys: alpha^ and M^ = W^T V~.
+  if constexpr (Pos::rotates_values) scratch.rotation.seek(theta, 0);
+  for (index_t t0 = 0; t0 < Tn; t0 += C) {
+    const index_t n = std::min(C, Tn - t0);
+    key_block(t0, n);
+    for (index_t l = 0; l < L; ++l) inverse_alpha[l] += column_sum[l];
+    accumulate_outer_products(w, n, L, rows, memory, Dv);
   }
-  auto constant = [](const HeadMatrix<T>& m) {
-    return ConstHeadMatrix<T>(m.data(), m.rows(), m.cols(), Eigen::OuterStride<>(m.outerStride()));
-  };
-  const ConstHeadMatrix<T> Vt = Pos::rotates_values ? constant(rotated_v) : head_matrix(v, 0, 0);
-  const ConstHeadMatrix<T> Gt = Pos::rotates_values ? constant(rotated_g) : head_matrix(g, 0, 0);
-  // W = exp(K - shift), the shift each latent's column maximum (the forward's).
-  for (index_t l = 0; l < L; ++l) {
-    T column_max = -std::numeric_limits<T>::infinity();
-    for (index_t s = 0; s < Tn; ++s) column_max = std::max(column_max, K(s, l));
-    shift(0, l) = Stab::reference_for(column_max);
-  }
-  for (index_t s = 0; s < Tn; ++s) {
-    const T* key = K.row(s).data();
-    T* out = weight.row(s).data();
-    index_t l = 0;
-    for (; l + W <= L; l += W)
-      simd::store(out + l, simd::exp(simd::load(key + l) - simd::load(shift.data() + l)));
-    for (; l < L; ++l) out[l] = std::exp(key[l] - shift(0, l));
-  }
-  alpha = weight.colwise().sum();
-  memory.noalias() = weight.transpose() * Vt;  // M^ [L x Dv]
-  // P = softmax rows of Q; dp = <g~_t, M^_l> / alpha^_l; rw = P / alpha^ (0 where alpha^ = 0).
-  dp.noalias() = Gt * memory.transpose();
-  for (index_t t = 0; t < Tn; ++t) {
-    T beta;
-    latent_softmax_exps(Q.row(t).data(), 0, 1, L, p.row(t).data(), &beta);
-    const T inverse_beta = beta == T(0) ? T(0) : T(1) / beta;
-    T mean = 0;
-    for (index_t l = 0; l < L; ++l) {
-      const T pl = p(t, l) * inverse_beta;
-      const T dpl = alpha(0, l) != T(0) ? dp(t, l) / alpha(0, l) : T(0);
-      mean += pl * dpl;
-      dp(t, l) = dpl;
-      p(t, l) = pl;
-    }
-    if (read_dots) read_dots[t * read_dots_stride] = mean;  // <g_t, o_t>
-    for (index_t l = 0; l < L; ++l) {
-      dQ(t, l) = p(t, l) * (dp(t, l) - mean);
-      p(t, l) = alpha(0, l) != T(0) ? p(t, l) / alpha(0, l) : T(0);  // now rw
-    }
-  }
-  memory_bar.noalias() = p.transpose() * Gt;                                // Mbar [L x Dv]
-  normaliser_bar = -(p.array() * dp.array()).colwise().sum();               // Abar
-  d_vtilde.noalias() = weight * memory_bar;                                 // [T x Dv]
-  dK.noalias() = Vt * memory_bar.transpose();
-  for (index_t s = 0; s < Tn; ++s)
-    for (index_t l = 0; l < L; ++l)
-      dK(s, l) = weight(s, l) == T(0) ? T(0) : weight(s, l) * (dK(s, l) + normaliser_bar(0, l));
-  if constexpr (Pos::rotates_values) {
-    if (d_theta) {
-      y.noalias() = p * memory;  // the unrotated outputs
-      for (index_t t = 0; t < Tn; ++t) {
-        reference::accumulate_angle_gradient(d_theta, Dv, Gt.row(t).data(), y.row(t).data(), t);
-        reference::accumulate_angle_gradient(d_theta, Dv, d_vtilde.row(t).data(), Vt.row(t).data(), -t);
+  for (index_t l = 0; l < L; ++l)  // 0 for an empty latent (alpha^ = 0)
+    inverse_alpha[l] = inverse_alpha[l] == T(0) ? T(0) : T(1) / inverse_alpha[l];
+  transpose_into(memory, L, Dv, memory_t);
+
+  // Queries: dp, dq, rw, Abar and Mbar = rw^T G~.
+  if constexpr (Pos::rotates_values) scratch.rotation.seek(theta, 0);
+  for (index_t t0 = 0; t0 < Tn; t0 += C) {
+    const index_t n = std::min(C, Tn - t0);
+    for (index_t r = 0; r < n; ++r) {
+      simd::copy(g.row(0, t0 + r, 0), Dv, rows + r * Dv);
+      if constexpr (Pos::rotates_values) {
+        scratch.rotation.rotate(rows + r * Dv, /*forward=*/false);  // G~ = R^{-t} g_t
+        scratch.rotation.next();
       }
     }
-    for (index_t s = 0; s < Tn; ++s) Pos::rotate(d_vtilde.row(s).data(), Dv, theta, s);
-  } else {
-    (void)theta;
-    (void)d_theta;
-    (void)y;
+    read_memory_rows(rows, n, Dv, memory_t, L, dp, L, ones);  // <g~_t, M^_l>
+    latent_softmax_exps(q.row(0, t0, 0), qs, n, L, p, scratch.beta.data());
+    for (index_t r = 0; r < n; ++r) {
+      T* pr = p + r * L;
+      T* dpr = dp + r * L;
+      const T beta = scratch.beta[static_cast<std::size_t>(r)];
+      const B inverse_beta(beta == T(0) ? T(0) : T(1) / beta);
+      B mean_lanes(T(0));
+      simd::for_each_vector<T>(L, [&](index_t l, index_t count, auto tail) {
+        constexpr bool part = tail.value;  // lanes past L: 0, stored nowhere
+        const B pl = simd::load_lanes<part>(pr + l, count) * inverse_beta;
+        const B dpl = simd::load_lanes<part>(dpr + l, count) * simd::load_lanes<part>(inverse_alpha + l, count);
+        simd::store_lanes<part>(pr + l, pl, count);
+        simd::store_lanes<part>(dpr + l, dpl, count);
+        mean_lanes = simd::fma(pl, dpl, mean_lanes);
+      });
+      const T mean_dp = simd::reduce_add(mean_lanes);  // D_t = <g_t, o_t>
+      if (read_dots) read_dots[(t0 + r) * read_dots_stride] = mean_dp;
+      const B mean(mean_dp);
+      T* dqt = dq.row(0, t0 + r, 0);
+      simd::for_each_vector<T>(L, [&](index_t l, index_t count, auto tail) {
+        constexpr bool part = tail.value;
+        const B pl = simd::load_lanes<part>(pr + l, count), dpl = simd::load_lanes<part>(dpr + l, count);
+        const B rw = pl * simd::load_lanes<part>(inverse_alpha + l, count);
+        simd::store_lanes<part>(dqt + l, pl * (dpl - mean), count);
+        simd::store_lanes<part>(pr + l, rw, count);
+        simd::store_lanes<part>(normaliser_bar + l,
+                                simd::load_lanes<part>(normaliser_bar + l, count) - rw * dpl, count);
+      });
+    }
+    if constexpr (Pos::rotates_values) {
+      if (d_theta) {  // y_t = sum_l rw_l M^_l, the unrotated output
+        read_memory_rows(p, n, L, memory, Dv, out_rows, Dv, ones);
+        for (index_t r = 0; r < n; ++r)
+          reference::accumulate_angle_gradient(d_theta, Dv, rows + r * Dv, out_rows + r * Dv, t0 + r);
+      }
+    }
+    accumulate_outer_products(p, n, L, rows, memory_bar, Dv);
   }
-  dV = d_vtilde;
+  transpose_into(memory_bar, L, Dv, memory_bar_t);
+
+  // Keys again: dV~ = W Mbar and dk = W o (V~ Mbar^T + Abar).
+  if constexpr (Pos::rotates_values) {
+    scratch.rotation.seek(theta, 0);
+    scratch.out_rotation.seek(theta, 0);
+  }
+  for (index_t t0 = 0; t0 < Tn; t0 += C) {
+    const index_t n = std::min(C, Tn - t0);
+    key_block(t0, n);
+    if constexpr (Pos::rotates_values) {
+      read_memory_rows(w, n, L, memory_bar, Dv, out_rows, Dv, ones);
+      for (index_t r = 0; r < n; ++r) {
+        T* dvt = out_rows + r * Dv;
+        if (d_theta) reference::accumulate_angle_gradient(d_theta, Dv, dvt, rows + r * Dv, -(t0 + r));
+        scratch.out_rotation.rotate(dvt, /*forward=*/true);  // dv = R^{s} dV~
+        scratch.out_rotation.next();
+        simd::copy(dvt, Dv, dv.row(0, t0 + r, 0));
+      }
+    } else {
+      read_memory_rows(w, n, L, memory_bar, Dv, dv.row(0, t0, 0), dv.stride(1), ones);
+    }
+    read_memory_rows(rows, n, Dv, memory_bar_t, L, dk.row(0, t0, 0), dk.stride(1), ones);
+    for (index_t r = 0; r < n; ++r) {
+      T* dkt = dk.row(0, t0 + r, 0);
+      const T* wr = w + r * L;
+      simd::for_each_vector<T>(L, [&](index_t l, index_t count, auto tail) {
+        constexpr bool part = tail.value;
+        const B wl = simd::load_lanes<part>(wr + l, count);
+        const B term = wl * (simd::load_lanes<part>(dkt + l, count) +
+                             simd::load_lanes<part>(normaliser_bar + l, count));
+        simd::store_lanes<part>(dkt + l, simd::replace_where_equal(wl, T(0), B(T(0)), term), count);
+      });
+    }
+  }
 }
 
 /// Bidirectional Latte backward; the arguments are reference::latte_bidirectional_backward's.
@@ -695,14 +787,16 @@ void latte_bidirectional_backward(TensorView<const T, 4> q, TensorView<const T, 
                                   const std::vector<double>& angles, double* d_angles,
                                   TensorView<T, 3> read_dots = {}) {
   using detail::head_view;
+  std::vector<LatteBidirectionalBackwardScratch<T>> scratch;  // one per worker
+  for (int worker = 0; worker < thread_count(); ++worker) scratch.emplace_back(q.extent(3), v.extent(3));
   detail::for_each_head<T>(q, v.extent(3), angles, d_angles,
                            [&](index_t b, index_t h, const double* theta,
-                               double* head_d_angles, int) {
+                               double* head_d_angles, int worker) {
     latte_bidirectional_backward_head<Stab, Pos>(
         head_view(q, b, h), head_view(k, b, h), head_view(v, b, h), head_view(g, b, h),
         head_view(dq, b, h), head_view(dk, b, h), head_view(dv, b, h),
         theta, head_d_angles, detail::head_row(read_dots, b, h),
-        read_dots.empty() ? 0 : read_dots.stride(1));
+        read_dots.empty() ? 0 : read_dots.stride(1), scratch[static_cast<std::size_t>(worker)]);
   });
 }
 

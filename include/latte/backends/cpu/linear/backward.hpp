@@ -28,6 +28,7 @@
 
 #include <Eigen/Core>
 
+#include "latte/backends/cpu/block_contractions.hpp"
 #include "latte/backends/cpu/compensated_sums.hpp"
 #include "latte/backends/cpu/linear/forward.hpp"
 #include "latte/backends/cpu/memory_pass.hpp"
@@ -113,13 +114,6 @@ struct LinearBackwardWorkspace {
   ScaledTermWindow<T> memory_window, adjoint_window;
   AlignedVector<T> normaliser_low, d_normaliser_low;
 };
-
-/// to = from^T for a rows x cols row-major `from`.
-template <Real T>
-void transpose_into(const T* from, index_t rows, index_t cols, T* to) noexcept {
-  for (index_t r = 0; r < rows; ++r)
-    for (index_t c = 0; c < cols; ++c) to[c * rows + r] = from[r * cols + c];
-}
 
 /// S (memory, E x Dv) and z (normaliser, E) laid out in `storage`.
 template <Real T>
