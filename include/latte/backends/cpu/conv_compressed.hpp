@@ -689,10 +689,13 @@ struct ConvCompressedParts {
       Mat Q, Kx;
       if (through_keys) Kx.noalias() = K * Wq;
       else Q.noalias() = Y0_reading * Wq.transpose();  // row t - first: Wq_x y^(0)_t
-      const Rows<T> Qx = through_keys ? rows_of(Y0_reading.data(), reading, Dv, Y0.outerStride())
-                                      : rows_of(std::as_const(Q).data(), reading, Dk, Dk);
-      const Rows<T> Keys = through_keys ? rows_of(std::as_const(Kx).data(), total, Dv, Dv)
-                                        : rows_of(std::as_const(K).data(), total, Dk, Dk);
+      // Qualified: latte::cpu::Rows (linear/forward.hpp) is visible too when
+      // that header comes first.
+      using ReadRows = conv_backward_detail::Rows<T>;
+      const ReadRows Qx = through_keys ? rows_of(Y0_reading.data(), reading, Dv, Y0.outerStride())
+                                       : rows_of(std::as_const(Q).data(), reading, Dk, Dk);
+      const ReadRows Keys = through_keys ? rows_of(std::as_const(Kx).data(), total, Dv, Dv)
+                                         : rows_of(std::as_const(K).data(), total, Dk, Dk);
       Mat dQ(through_keys ? 0 : reading, Dk), P, dS;
       // dK and dV sum over every later query block (T / 64 of them), dQ over a
       // row's keys: in double, as the rows' softmax sums, so that their error
