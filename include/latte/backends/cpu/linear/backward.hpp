@@ -52,22 +52,6 @@ namespace latte::cpu {
 /// thread: 233 ms at 16, 246 ms at 32, 273 ms at 64).
 inline constexpr index_t linear_backward_block = 16;
 
-/// <x, y> over n values.
-template <Real T>
-[[nodiscard]] T dot(const T* x, const T* y, index_t n) noexcept {
-  index_t i = 0;
-  T tail = 0;
-#if LATTE_WITH_XSIMD
-  using B = simd::batch<T>;
-  constexpr index_t W = simd::width<T>;
-  B total(T(0));
-  for (; i + W <= n; i += W) total = simd::fma(simd::load(x + i), simd::load(y + i), total);
-  tail = simd::reduce_add(total);
-#endif
-  for (; i < n; ++i) tail += x[i] * y[i];
-  return tail;
-}
-
 /// One worker's backward workspace: a block's features and their gradients,
 /// the carries S, z and U, u, and the C x C score matrices.
 template <Real T>
