@@ -465,10 +465,11 @@ void linear_bidirectional_backward(TensorView<const T, 4> q, TensorView<const T,
     const double* theta = spec.theta(h);
     const LinearCarry<T> carry = carry_in(ws.carry, E, Dv);
     const LinearCarry<T> adjoint = carry_in(ws.adjoint, E, Dv);
-    const ConstRows<T> S(carry.memory, E, Dv, Eigen::OuterStride<>(Dv));
     const Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>> z(carry.normaliser, E);
-    Rows<T> U(adjoint.memory, E, Dv, Eigen::OuterStride<>(Dv));
     Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>> u(adjoint.normaliser, E);
+    T* const S_t = ws.memory_t.data();  // S^T [Dv x E], then U^T
+    T ones[linear_backward_block];
+    std::fill_n(ones, linear_backward_block, T(1));
     auto backward_row = [&](Side side, const T* x, const T* phi, index_t t,
                             const T* d_numerator, const T* d_denominator, T* d_x) {
       token_backward<Map, Rw, Pos>(
@@ -478,52 +479,67 @@ void linear_bidirectional_backward(TensorView<const T, 4> q, TensorView<const T,
           },
           d_numerator, d_denominator, ws.feature_scratch.data(), d_x);
     };
+    // The next block's rows into L2 (a head's rows are H * width elements
+    // apart, where the hardware prefetchers stop; as the causal sweeps).
+    auto prefetch_next_block = [&](index_t c0, index_t length, const auto&... views) {
+      const index_t next = c0 + linear_backward_block;
+      for (index_t t = next; t < std::min(length, next + linear_backward_block); ++t)
+        prefetch_token_rows<CacheLevel::l2>(b, t, h, views...);
+    };
     reference::linear_reset(carry, E, Dv);  // S = E_K^T V, z = 1^T E'_K over the source
     seek_rotation<Pos>(fs, spec, h, 0);
     for (index_t c0 = 0; c0 < Sn; c0 += linear_backward_block) {
       const index_t n = std::min(linear_backward_block, Sn - c0);
+      prefetch_next_block(c0, Sn, k, v);
       block_features<Map, Rw, Pos>(no_view, &k, b, h, c0, n, c0, spec, proportion_of, fs);
       absorb_block(fs, separate, rows_of(v, b, h, c0, n), n, carry, E, Dv);
     }
+    transpose_into(carry.memory, E, Dv, S_t);
     reference::linear_reset(adjoint, E, Dv);
     reference::ReadGradient<T> reads[linear_backward_block];
     seek_rotation<Pos>(fs, spec, h, 0);
     for (index_t c0 = 0; c0 < Tn; c0 += linear_backward_block) {  // queries: their gradients, U and u
       const index_t n = std::min(linear_backward_block, Tn - c0);
+      prefetch_next_block(c0, Tn, q, d_out, d_q);
       block_features<Map, Rw, Pos>(&q, no_view, b, h, c0, n, c0, spec, proportion_of, fs);
+      // The block's products through the register-tiled contractions
+      // (block_contractions.hpp; Eigen's GEMMs on 16-token blocks spent their
+      // time packing): E_Q S, G S^T against S^T, U += E_Q^T G.
       const ConstRows<T> qn(fs.query_numerator.data(), n, E, Eigen::OuterStride<>(E));
       const ConstRows<T> qd(separate ? fs.query_denominator.data() : fs.query_numerator.data(), n,
                             E, Eigen::OuterStride<>(E));
-      auto numerators = ws.numerators.topRows(n);
-      numerators.noalias() = qn * S;
-      Eigen::Map<Eigen::Matrix<T, Eigen::Dynamic, 1>>(fs.denominator.data(), n).noalias() =
-          qd * z.transpose();
+      read_memory_rows(fs.query_numerator.data(), n, E, carry.memory, Dv, ws.numerators.data(), Dv,
+                       ones);
+      for (index_t r = 0; r < n; ++r) fs.denominator[r] = dot(qd.row(r).data(), carry.normaliser, E);
       block_read_gradients<T>(rows_of(d_out, b, h, c0, n), n, spec.normaliser, ws, reads);
-      auto G = ws.scaled.topRows(n);
       auto d_qn = ws.d_query_numerator.topRows(n);
       auto d_qd = ws.d_query_denominator.topRows(n);
-      d_qn.noalias() = G * S.transpose();
+      read_memory_rows(ws.scaled.data(), n, Dv, S_t, E, d_qn.data(), E, ones);
       for (index_t r = 0; r < n; ++r) {
         d_qd.row(r) = reads[r].d_denominator * z;
         u += reads[r].d_denominator * qd.row(r);
       }
-      U.noalias() += qn.transpose() * G;
+      accumulate_outer_products(fs.query_numerator.data(), n, E, ws.scaled.data(), adjoint.memory, Dv);
       for (index_t r = 0; r < n; ++r)
         backward_row(Side::query, q.row(b, c0 + r, h), qn.row(r).data(), c0 + r,
                      d_qn.row(r).data(),
                      d_qd.row(r).data(), d_q.row(b, c0 + r, h));
     }
+    transpose_into(adjoint.memory, E, Dv, S_t);  // U^T
     seek_rotation<Pos>(fs, spec, h, 0);
     for (index_t c0 = 0; c0 < Sn; c0 += linear_backward_block) {  // keys and values
       const index_t n = std::min(linear_backward_block, Sn - c0);
+      prefetch_next_block(c0, Sn, k, v, d_k, d_v);
       block_features<Map, Rw, Pos>(no_view, &k, b, h, c0, n, c0, spec, proportion_of, fs);
       const ConstRows<T> kn(fs.key_numerator.data(), n, E, Eigen::OuterStride<>(E));
-      const ConstRows<T> values = rows_of(v, b, h, c0, n);
+      T* values = fs.block_values.data();  // the value rows contiguous
+      for (index_t r = 0; r < n; ++r) simd::copy(v.row(b, c0 + r, h), Dv, values + r * Dv);
       auto d_kn = ws.d_key_numerator.topRows(n);
       auto d_kd = ws.d_key_denominator.topRows(n);
-      d_kn.noalias() = values * U.transpose();
+      read_memory_rows(values, n, Dv, S_t, E, d_kn.data(), E, ones);  // V U^T
       d_kd = u.replicate(n, 1);
-      Rows<T>(d_v.row(b, c0, h), n, Dv, Eigen::OuterStride<>(d_v.stride(1))).noalias() = kn * U;
+      read_memory_rows(fs.key_numerator.data(), n, E, adjoint.memory, Dv, d_v.row(b, c0, h),
+                       d_v.stride(1), ones);  // E_K U
       for (index_t r = 0; r < n; ++r)
         backward_row(Side::key, k.row(b, c0 + r, h), kn.row(r).data(), c0 + r,
                      d_kn.row(r).data(),
