@@ -30,7 +30,7 @@
 //   decode step (per token):       latte 4*B*H*L*D; softmax 2*B*H*context*(Dk+Dv)
 //                                  (Latte's step is timed in batches of 1000 steps,
 //                                  the contexts taking turns after all lengths ran)
-//   linear causal (elu+1, cosFormer): B*T*H*(4*E*D + 3*E), E = expanded features
+//   linear (elu+1 causal and bidirectional, cosFormer causal): B*T*H*(4*E*D + 3*E), E = expanded features
 //                                  (Dk for elu+1, 2*Dk for cosFormer; the L column)
 //   bf16 rows (latte_bf16, and latte_bf16_products for the bidirectional
 //                                  forward with latte::bf16_products, against
@@ -284,6 +284,7 @@ int main(int argc, char** argv) {
   const latte::LatteAttention<latte::Bidirectional> latte_bidirectional({H, L, D});
   const latte::SoftmaxAttention<latte::Causal> softmax_causal({H, D, D});
   const latte::LinearAttention<latte::Causal, latte::EluPlusOne> linear_causal({H, L, D});
+  const latte::LinearAttention<latte::Bidirectional, latte::EluPlusOne> linear_bidirectional({H, L, D});
   const latte::CosFormer<latte::Causal> cosformer_causal({H, L, D});  // M = T
   const latte::SoftmaxAttention<latte::Causal, latte::SlidingWindow> softmax_window(
       {H, D, D}, {.left = window});
@@ -374,6 +375,8 @@ int main(int argc, char** argv) {
         timed(name, "causal", E, double(B) * T * H * (4.0 * E * D + 3.0 * E), f, 1, 1000);
       };
       linear_run("linear_elu", L, [&] { linear_causal.forward(latte::exec::cpu, q, k, v, out.view()); });
+      timed("linear_elu", "bidirectional", L, double(B) * T * H * (4.0 * L * D + 3.0 * L),
+            [&] { linear_bidirectional.forward(latte::exec::cpu, q, k, v, out.view()); }, 1, 1000);
       // The same two with q, k, v and out starting 16 bytes past a cache line, as NumPy's and
       // malloc's (std::vector's) large arrays do: every row straddles one line more.
       if (options.wanted("latte_unaligned") || options.wanted("linear_elu_unaligned")) {
@@ -408,6 +411,9 @@ int main(int argc, char** argv) {
         timed("linear_elu_forward_backward", "causal", L, 3 * linear_flops, [&] {
           linear_causal.forward(latte::exec::cpu, q, k, v, out.view());
           linear_causal.backward(latte::exec::cpu, q, k, v, d_out, gradients);
+        }, 1, 1000);
+        timed("linear_elu_backward", "bidirectional", L, 2 * linear_flops, [&] {
+          linear_bidirectional.backward(latte::exec::cpu, q, k, v, d_out, gradients);
         }, 1, 1000);
       }
       linear_run("cosformer", 2 * L,
