@@ -59,4 +59,16 @@ inline void prefetch_token_rows(index_t b, index_t t, index_t h, const Views&...
    ...);
 }
 
+/// The rows of tokens [c0 + block, c0 + 2 block) (those before `end`) of (b, h)
+/// into L2: what a blocked pass reads next while it runs the block at c0. A
+/// head's rows are H * width elements apart, where the hardware prefetchers
+/// stop (the bidirectional passes at B1 H8 L64 D64, T = 16K, 2 threads: Latte's
+/// backward 54.2 -> 47.7 ms, the linear family's forward 24.1 -> 19.9 ms).
+template <class... Views>
+inline void prefetch_next_block(index_t b, index_t h, index_t c0, index_t block, index_t end,
+                                const Views&... views) noexcept {
+  for (index_t t = c0 + block; t < end && t < c0 + 2 * block; ++t)
+    prefetch_token_rows<CacheLevel::l2>(b, t, h, views...);
+}
+
 }  // namespace latte::cpu

@@ -667,12 +667,6 @@ void latte_bidirectional_backward_head(TensorView<const T, 4> q, TensorView<cons
     for (index_t l = 0; l < L; ++l) shift[l] = std::max(shift[l], column_max[l]);
   }
   for (index_t l = 0; l < L; ++l) shift[l] = Stab::reference_for(shift[l]);
-  // The next block's rows into L2 (a head's rows are H * width elements
-  // apart, where the hardware prefetchers stop), as the causal backward does.
-  auto prefetch_next_block = [&](index_t t0, const auto&... views) {
-    for (index_t t = t0 + C; t < std::min(Tn, t0 + 2 * C); ++t)
-      prefetch_token_rows<CacheLevel::l2>(0, t, 0, views...);
-  };
   // W of the block at t0, its value rows R^{-s} v_s into `rows` (copied in the
   // pass over the keys).
   auto key_block = [&](index_t t0, index_t n) {
@@ -690,7 +684,7 @@ void latte_bidirectional_backward_head(TensorView<const T, 4> q, TensorView<cons
   if constexpr (Pos::rotates_values) scratch.rotation.seek(theta, 0);
   for (index_t t0 = 0; t0 < Tn; t0 += C) {
     const index_t n = std::min(C, Tn - t0);
-    prefetch_next_block(t0, k, v);
+    prefetch_next_block(0, 0, t0, C, Tn, k, v);
     key_block(t0, n);
     for (index_t l = 0; l < L; ++l) inverse_alpha[l] += column_sum[l];
     accumulate_outer_products(w, n, L, rows, memory, Dv);
@@ -703,7 +697,7 @@ void latte_bidirectional_backward_head(TensorView<const T, 4> q, TensorView<cons
   if constexpr (Pos::rotates_values) scratch.rotation.seek(theta, 0);
   for (index_t t0 = 0; t0 < Tn; t0 += C) {
     const index_t n = std::min(C, Tn - t0);
-    prefetch_next_block(t0, q, g, dq);
+    prefetch_next_block(0, 0, t0, C, Tn, q, g, dq);
     for (index_t r = 0; r < n; ++r) {
       simd::copy(g.row(0, t0 + r, 0), Dv, rows + r * Dv);
       if constexpr (Pos::rotates_values) {
@@ -759,7 +753,7 @@ void latte_bidirectional_backward_head(TensorView<const T, 4> q, TensorView<cons
   }
   for (index_t t0 = 0; t0 < Tn; t0 += C) {
     const index_t n = std::min(C, Tn - t0);
-    prefetch_next_block(t0, k, v, dk, dv);
+    prefetch_next_block(0, 0, t0, C, Tn, k, v, dk, dv);
     key_block(t0, n);
     if constexpr (Pos::rotates_values) {
       read_memory_rows(w, n, L, memory_bar, Dv, out_rows, Dv, ones);

@@ -479,18 +479,11 @@ void linear_bidirectional_backward(TensorView<const T, 4> q, TensorView<const T,
           },
           d_numerator, d_denominator, ws.feature_scratch.data(), d_x);
     };
-    // The next block's rows into L2 (a head's rows are H * width elements
-    // apart, where the hardware prefetchers stop; as the causal sweeps).
-    auto prefetch_next_block = [&](index_t c0, index_t length, const auto&... views) {
-      const index_t next = c0 + linear_backward_block;
-      for (index_t t = next; t < std::min(length, next + linear_backward_block); ++t)
-        prefetch_token_rows<CacheLevel::l2>(b, t, h, views...);
-    };
     reference::linear_reset(carry, E, Dv);  // S = E_K^T V, z = 1^T E'_K over the source
     seek_rotation<Pos>(fs, spec, h, 0);
     for (index_t c0 = 0; c0 < Sn; c0 += linear_backward_block) {
       const index_t n = std::min(linear_backward_block, Sn - c0);
-      prefetch_next_block(c0, Sn, k, v);
+      prefetch_next_block(b, h, c0, linear_backward_block, Sn, k, v);
       block_features<Map, Rw, Pos>(no_view, &k, b, h, c0, n, c0, spec, proportion_of, fs);
       absorb_block(fs, separate, rows_of(v, b, h, c0, n), n, carry, E, Dv);
     }
@@ -500,7 +493,7 @@ void linear_bidirectional_backward(TensorView<const T, 4> q, TensorView<const T,
     seek_rotation<Pos>(fs, spec, h, 0);
     for (index_t c0 = 0; c0 < Tn; c0 += linear_backward_block) {  // queries: their gradients, U and u
       const index_t n = std::min(linear_backward_block, Tn - c0);
-      prefetch_next_block(c0, Tn, q, d_out, d_q);
+      prefetch_next_block(b, h, c0, linear_backward_block, Tn, q, d_out, d_q);
       block_features<Map, Rw, Pos>(&q, no_view, b, h, c0, n, c0, spec, proportion_of, fs);
       // The block's products through the register-tiled contractions
       // (block_contractions.hpp; Eigen's GEMMs on 16-token blocks spent their
@@ -529,7 +522,7 @@ void linear_bidirectional_backward(TensorView<const T, 4> q, TensorView<const T,
     seek_rotation<Pos>(fs, spec, h, 0);
     for (index_t c0 = 0; c0 < Sn; c0 += linear_backward_block) {  // keys and values
       const index_t n = std::min(linear_backward_block, Sn - c0);
-      prefetch_next_block(c0, Sn, k, v, d_k, d_v);
+      prefetch_next_block(b, h, c0, linear_backward_block, Sn, k, v, d_k, d_v);
       block_features<Map, Rw, Pos>(no_view, &k, b, h, c0, n, c0, spec, proportion_of, fs);
       const ConstRows<T> kn(fs.key_numerator.data(), n, E, Eigen::OuterStride<>(E));
       T* values = fs.block_values.data();  // the value rows contiguous

@@ -350,7 +350,8 @@ template <Real T>
   return ConstRows<T>(x.row(b, t0, h), n, x.extent(3), Eigen::OuterStride<>(x.stride(1)));
 }
 
-/// S += E_K^T V, z += 1^T E'_K over the `n` key rows in the scratch (a GEMM).
+/// S += E_K^T V, z += 1^T E'_K over the `n` key rows in the scratch (the
+/// register-tiled contraction).
 template <Real T>
 void absorb_block(LinearScratch<T>& scratch, bool separate, const ConstRows<T>& values,
                   index_t n, LinearCarry<T> carry, index_t E, index_t Dv) noexcept {
@@ -519,16 +520,6 @@ void chunked_scan(const TensorView<const T, 4>& q, const TensorView<const T, 4>&
   }
 }
 
-/// The rows of the block after the one at c0 (up to `end`) of (b, h) into L2:
-/// a head's rows are H * width elements apart, where the hardware prefetchers
-/// stop (the bidirectional forward at B1 H8 E64 D64, T = 16K, 2 threads: 24.1
-/// -> 19.9 ms).
-template <class... Views>
-void prefetch_next_block(index_t b, index_t h, index_t c0, index_t end, const Views&... views) noexcept {
-  for (index_t t = c0 + linear_block; t < std::min(end, c0 + 2 * linear_block); ++t)
-    prefetch_token_rows<CacheLevel::l2>(b, t, h, views...);
-}
-
 /// S, z of tokens [t0, t1) of (b, h) added into `carry` (no outputs): register-tiled
 /// contractions per block.
 template <FeatureMap Map, Reweight Rw, Positional Pos, Real T, class ProportionOf>
@@ -542,7 +533,7 @@ void absorb_segment(const TensorView<const T, 4>& k, const TensorView<const T, 4
   seek_rotation<Pos>(scratch, spec, h, position);
   for (index_t c0 = t0; c0 < t1; c0 += linear_block) {
     const index_t n = std::min(linear_block, t1 - c0);
-    prefetch_next_block(b, h, c0, t1, k, v);
+    prefetch_next_block(b, h, c0, linear_block, t1, k, v);
     block_features<Map, Rw, Pos>(static_cast<const TensorView<const T, 4>*>(nullptr), &k, b, h, c0, n, position + (c0 - t0), spec,
                                  proportion_of, scratch);
     if (compensated)
@@ -826,13 +817,14 @@ void linear_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 
     seek_rotation<Pos>(s, spec, h, t0);
     for (index_t c0 = t0; c0 < t1; c0 += linear_block) {
       const index_t n = std::min(linear_block, t1 - c0);
-      prefetch_next_block(b, h, c0, t1, q, out);
+      prefetch_next_block(b, h, c0, linear_block, t1, q, out);
       block_features<Map, Rw, Pos>(&q, static_cast<const TensorView<const T, 4>*>(nullptr), b, h, c0, n, c0, spec, proportion_of, s);
       const T* qd = separate ? s.query_denominator.data() : s.query_numerator.data();
       // Each row's 1 / n_t (normalise's factor), then o = diag(1 / n) E_Q S through
       // the register-tiled read (block_contractions.hpp; an Eigen GEMM into the
-      // strided rows packed its operands and cleared the rows first: the whole
-      // forward took 35.6 ms at B1 H8 E64 D64, T = 16K, 2 threads).
+      // strided rows packed its operands and cleared the rows first: with the
+      // Eigen absorb below, the forward went 29.0 -> 24.6 ms at B1 H8 E64 D64,
+      // T = 16K, 2 threads).
       for (index_t r = 0; r < n; ++r)
         s.denominator[r] = T(1) / spec.normaliser.apply(dot(qd + r * E, carry.normaliser, E));
       read_memory_rows(s.query_numerator.data(), n, E, carry.memory, Dv, out.row(b, c0, h),
