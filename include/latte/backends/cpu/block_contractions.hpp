@@ -23,6 +23,7 @@
 // `after_tile()` runs after each full register tile (the bidirectional pass
 // requests the next block's rows there, a few per tile).
 #include <cstddef>
+#include <type_traits>
 
 #include "latte/backends/cpu/simd.hpp"
 #include "latte/core/types.hpp"
@@ -97,7 +98,7 @@ inline void outer_products_columns(const T* e, index_t n, index_t L, const T* v,
 }
 
 /// o[s0 + r][d0 + c W ..] = scale[s0 + r] sum_l g[s0 + r][l] M[l][d0 + c W ..],
-/// r < R, c < CV.
+/// r < R, c < CV (unscaled where scale is null).
 template <Real T, int R, int CV, bool Tail>
 LATTE_FLATTEN void read_tile(const T* g, index_t L, const T* memory, index_t Dv, const T* scale,
                              T* out, index_t out_stride, index_t s0, index_t d0,
@@ -112,7 +113,8 @@ LATTE_FLATTEN void read_tile(const T* g, index_t L, const T* memory, index_t Dv,
   simd::unrolled<R * CV>([&](auto k) {
     constexpr bool part = Tail && decltype(k)::value % CV == CV - 1;
     simd::store_lanes<part>(tile + (k / CV) * out_stride + (k % CV) * W,
-                            acc[k / CV][k % CV] * B(scale[s0 + k / CV]), last);
+                            scale ? acc[k / CV][k % CV] * B(scale[s0 + k / CV]) : acc[k / CV][k % CV],
+                            last);
   });
 }
 
@@ -165,10 +167,11 @@ void accumulate_outer_products(const T* e, index_t n, index_t L, const T* v, T* 
 
 /// out[s][d] = scale[s] sum_{l < L} g[s][l] memory[l][d] for s < n: g is
 /// n x L, contiguous; memory L x Dv, contiguous; output row s at
-/// out + s * out_stride.
+/// out + s * out_stride. A null `scale` leaves the rows unscaled.
 template <Real T, class Hook = detail::NoTileHook>
 void read_memory_rows(const T* g, index_t n, index_t L, const T* memory, index_t Dv, T* out,
-                      index_t out_stride, const T* scale, Hook&& after_tile = {}) noexcept {
+                      index_t out_stride, std::type_identity_t<const T*> scale,
+                      Hook&& after_tile = {}) noexcept {
   simd::for_each_vector_group<T, tile_vectors>(
       Dv, [&](index_t d0, index_t last, auto vectors, auto tail) {
         detail::read_columns<T, vectors.value, tail.value>(g, n, L, memory, Dv, scale, out,

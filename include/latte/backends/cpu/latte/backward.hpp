@@ -607,10 +607,9 @@ struct LatteBidirectionalBackwardScratch {
         row_blocks(static_cast<std::size_t>(2 * bidirectional_backward_block * Dv)),
         memories(static_cast<std::size_t>(4 * L * Dv)),
         latents(static_cast<std::size_t>(5 * L)),
-        ones(static_cast<std::size_t>(bidirectional_backward_block), T(1)),
         beta(static_cast<std::size_t>(bidirectional_backward_block)),
         rotation(Dv / 2), out_rotation(Dv / 2) {}
-  AlignedVector<T> latent_blocks, row_blocks, memories, latents, ones, beta;
+  AlignedVector<T> latent_blocks, row_blocks, memories, latents, beta;
   RotationStepper<T> rotation, out_rotation;  // VAPOR: R^{-s} of the rows, R^{s} of dV~
 };
 
@@ -652,7 +651,6 @@ void latte_bidirectional_backward_head(TensorView<const T, 4> q, TensorView<cons
   T* const normaliser_bar = inverse_alpha + L;  // Abar
   T* const column_sum = normaliser_bar + L;
   T* const column_max = column_sum + L;
-  const T* const ones = scratch.ones.data();
   std::fill(memory, memory + L * Dv, T(0));
   std::fill(memory_bar, memory_bar + L * Dv, T(0));
   std::fill(inverse_alpha, inverse_alpha + L, T(0));  // alpha^ until it is inverted
@@ -671,8 +669,7 @@ void latte_bidirectional_backward_head(TensorView<const T, 4> q, TensorView<cons
   // pass over the keys).
   auto key_block = [&](index_t t0, index_t n) {
     const RowCopy<T> values{v.row(0, t0, 0), vs, Dv, rows};
-    shifted_column_exps(k.row(0, t0, 0), ks, n, L, shift, w, column_sum, column_max,
-                                     &values);
+    shifted_column_exps(k.row(0, t0, 0), ks, n, L, shift, w, column_sum, column_max, &values);
     if constexpr (Pos::rotates_values)
       for (index_t r = 0; r < n; ++r) {
         scratch.rotation.rotate(rows + r * Dv, /*forward=*/false);
@@ -705,7 +702,7 @@ void latte_bidirectional_backward_head(TensorView<const T, 4> q, TensorView<cons
         scratch.rotation.next();
       }
     }
-    read_memory_rows(rows, n, Dv, memory_t, L, dp, L, ones);  // <g~_t, M^_l>
+    read_memory_rows(rows, n, Dv, memory_t, L, dp, L, nullptr);  // <g~_t, M^_l>
     latent_softmax_exps(q.row(0, t0, 0), qs, n, L, p, scratch.beta.data());
     for (index_t r = 0; r < n; ++r) {
       T* pr = p + r * L;
@@ -737,7 +734,7 @@ void latte_bidirectional_backward_head(TensorView<const T, 4> q, TensorView<cons
     }
     if constexpr (Pos::rotates_values) {
       if (d_theta) {  // y_t = sum_l rw_l M^_l, the unrotated output
-        read_memory_rows(p, n, L, memory, Dv, out_rows, Dv, ones);
+        read_memory_rows(p, n, L, memory, Dv, out_rows, Dv, nullptr);
         for (index_t r = 0; r < n; ++r)
           reference::accumulate_angle_gradient(d_theta, Dv, rows + r * Dv, out_rows + r * Dv, t0 + r);
       }
@@ -756,7 +753,7 @@ void latte_bidirectional_backward_head(TensorView<const T, 4> q, TensorView<cons
     prefetch_next_block(0, 0, t0, C, Tn, k, v, dk, dv);
     key_block(t0, n);
     if constexpr (Pos::rotates_values) {
-      read_memory_rows(w, n, L, memory_bar, Dv, out_rows, Dv, ones);
+      read_memory_rows(w, n, L, memory_bar, Dv, out_rows, Dv, nullptr);
       for (index_t r = 0; r < n; ++r) {
         T* dvt = out_rows + r * Dv;
         if (d_theta) reference::accumulate_angle_gradient(d_theta, Dv, dvt, rows + r * Dv, -(t0 + r));
@@ -765,9 +762,9 @@ void latte_bidirectional_backward_head(TensorView<const T, 4> q, TensorView<cons
         simd::copy(dvt, Dv, dv.row(0, t0 + r, 0));
       }
     } else {
-      read_memory_rows(w, n, L, memory_bar, Dv, dv.row(0, t0, 0), dv.stride(1), ones);
+      read_memory_rows(w, n, L, memory_bar, Dv, dv.row(0, t0, 0), dv.stride(1), nullptr);
     }
-    read_memory_rows(rows, n, Dv, memory_bar_t, L, dk.row(0, t0, 0), dk.stride(1), ones);
+    read_memory_rows(rows, n, Dv, memory_bar_t, L, dk.row(0, t0, 0), dk.stride(1), nullptr);
     for (index_t r = 0; r < n; ++r) {
       T* dkt = dk.row(0, t0 + r, 0);
       const T* wr = w + r * L;

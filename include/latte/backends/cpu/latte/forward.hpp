@@ -1050,7 +1050,7 @@ void latte_bidirectional_forward(TensorView<const In, 4> q, TensorView<const In,
     // (C++20 allows capturing a binding; clang before 16 rejects it).
     const index_t first = head_range(item).first, last = head_range(item).second;
     const index_t begin = time_range(item).first, end = time_range(item).second;
-    AlignedVector<T> gamma(block * L), row_scale(block);
+    AlignedVector<T> gamma(block * L), row_sum(block);
     AlignedVector<T> staged_queries(staged ? block * L : 0), staged_out(staged ? block * Dv : 0);
     AlignedVector<std::uint32_t> read_pairs(pair_products ? block * latent_pairs : 0);
     std::vector<RotationStepper<T>> rotation(Pos::rotates_values ? last - first : 0,
@@ -1063,7 +1063,7 @@ void latte_bidirectional_forward(TensorView<const In, 4> q, TensorView<const In,
         const index_t b = j / H, h = j % H;
         const bool unrequested = unrequested_item(j, t0, begin, first, last);
         if (unrequested) prefetch_first_rows(q, out, b, h, t0, n);
-        // row_scale: each row's sum beta_t, then 1 / beta_t (0 for a row of -inf).
+        // row_sum: each row's sum beta_t (0 for a row of -inf).
         for (index_t r0 = 0; r0 < n; r0 += stage_tokens) {
           const index_t rows = std::min(stage_tokens, n - r0);
           if (unrequested)
@@ -1072,19 +1072,18 @@ void latte_bidirectional_forward(TensorView<const In, 4> q, TensorView<const In,
             for (index_t r = r0; r < r0 + rows; ++r)
               widen_row(q.row(b, t0 + r, h), staged_queries.data() + r * L, L);
             latent_softmax_exps(staged_queries.data() + r0 * L, L, rows, L, gamma.data() + r0 * L,
-                                row_scale.data() + r0);
+                                row_sum.data() + r0);
           } else {
             latent_softmax_exps(q.row(b, t0 + r0, h), q_stride, rows, L, gamma.data() + r0 * L,
-                                row_scale.data() + r0);
+                                row_sum.data() + r0);
           }
         }
         // p(l|t) = e_{t,l} / beta_t before the contraction, not after: the sum
         // of p(l|t) M_l is bounded by max |M_l|, the sum of e_{t,l} M_l only by
         // L times that (a value near the largest finite number overflowed).
         for (index_t r = 0; r < n; ++r) {
-          const T inverse = row_scale[r] == T(0) ? T(0) : T(1) / row_scale[r];
+          const T inverse = row_sum[r] == T(0) ? T(0) : T(1) / row_sum[r];
           for (index_t l = 0; l < L; ++l) gamma[r * L + l] *= inverse;
-          row_scale[r] = T(1);
         }
         T* out_rows;
         index_t out_stride;
@@ -1104,7 +1103,7 @@ void latte_bidirectional_forward(TensorView<const In, 4> q, TensorView<const In,
                                 after_tile);
         } else {
           read_memory_rows(gamma.data(), n, L, memory.data() + state_of(j, 0) * L * Dv, Dv, out_rows,
-                           out_stride, row_scale.data(), after_tile);
+                           out_stride, nullptr, after_tile);
         }
         if constexpr (Pos::rotates_values)
           for (index_t i = 0; i < n; ++i) {

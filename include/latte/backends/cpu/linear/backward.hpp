@@ -468,8 +468,6 @@ void linear_bidirectional_backward(TensorView<const T, 4> q, TensorView<const T,
     const Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>> z(carry.normaliser, E);
     Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>> u(adjoint.normaliser, E);
     T* const S_t = ws.memory_t.data();  // S^T [Dv x E], then U^T
-    T ones[linear_backward_block];
-    std::fill_n(ones, linear_backward_block, T(1));
     auto backward_row = [&](Side side, const T* x, const T* phi, index_t t,
                             const T* d_numerator, const T* d_denominator, T* d_x) {
       token_backward<Map, Rw, Pos>(
@@ -502,12 +500,12 @@ void linear_bidirectional_backward(TensorView<const T, 4> q, TensorView<const T,
       const ConstRows<T> qd(separate ? fs.query_denominator.data() : fs.query_numerator.data(), n,
                             E, Eigen::OuterStride<>(E));
       read_memory_rows(fs.query_numerator.data(), n, E, carry.memory, Dv, ws.numerators.data(), Dv,
-                       ones);
+                       nullptr);
       for (index_t r = 0; r < n; ++r) fs.denominator[r] = dot(qd.row(r).data(), carry.normaliser, E);
       block_read_gradients<T>(rows_of(d_out, b, h, c0, n), n, spec.normaliser, ws, reads);
       auto d_qn = ws.d_query_numerator.topRows(n);
       auto d_qd = ws.d_query_denominator.topRows(n);
-      read_memory_rows(ws.scaled.data(), n, Dv, S_t, E, d_qn.data(), E, ones);
+      read_memory_rows(ws.scaled.data(), n, Dv, S_t, E, d_qn.data(), E, nullptr);
       for (index_t r = 0; r < n; ++r) {
         d_qd.row(r) = reads[r].d_denominator * z;
         u += reads[r].d_denominator * qd.row(r);
@@ -529,10 +527,10 @@ void linear_bidirectional_backward(TensorView<const T, 4> q, TensorView<const T,
       for (index_t r = 0; r < n; ++r) simd::copy(v.row(b, c0 + r, h), Dv, values + r * Dv);
       auto d_kn = ws.d_key_numerator.topRows(n);
       auto d_kd = ws.d_key_denominator.topRows(n);
-      read_memory_rows(values, n, Dv, S_t, E, d_kn.data(), E, ones);  // V U^T
+      read_memory_rows(values, n, Dv, S_t, E, d_kn.data(), E, nullptr);  // V U^T
       d_kd = u.replicate(n, 1);
       read_memory_rows(fs.key_numerator.data(), n, E, adjoint.memory, Dv, d_v.row(b, c0, h),
-                       d_v.stride(1), ones);  // E_K U
+                       d_v.stride(1), nullptr);  // E_K U
       for (index_t r = 0; r < n; ++r)
         backward_row(Side::key, k.row(b, c0 + r, h), kn.row(r).data(), c0 + r,
                      d_kn.row(r).data(),

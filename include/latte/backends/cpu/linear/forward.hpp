@@ -355,8 +355,11 @@ template <Real T>
 template <Real T>
 void absorb_block(LinearScratch<T>& scratch, bool separate, const ConstRows<T>& values,
                   index_t n, LinearCarry<T> carry, index_t E, index_t Dv) noexcept {
-  // As absorb_block_compensated: the value rows copied contiguous, then the
-  // register-tiled contraction straight into S.
+  // The value rows copied contiguous, then the register-tiled contraction
+  // (block_contractions.hpp): on these small blocks Eigen's GEMM spends much
+  // of its time packing (linear elu+1 H8 E64 Dv64, T = 16K: 1.9x the plain
+  // forward through Eigen, latte-compare --only sums; the bidirectional
+  // forward 29.0 -> 24.6 ms with its read, docs/backward.md).
   T* rows = scratch.block_values.data();
   for (index_t r = 0; r < n; ++r)
     std::copy(values.row(r).data(), values.row(r).data() + Dv, rows + r * Dv);
@@ -375,18 +378,8 @@ template <Real T>
 void absorb_block_compensated(LinearScratch<T>& scratch, bool separate, const ConstRows<T>& values,
                               index_t n, LinearCarry<T> carry, T* folded_memory,
                               T* folded_normaliser, index_t E, index_t Dv) noexcept {
-  // The value rows copied contiguous, then the register-tiled contraction
-  // (block_contractions.hpp): on these small blocks Eigen's GEMM spends much
-  // of its time packing (linear elu+1 H8 E64 Dv64, T = 16K: 1.9x the plain
-  // forward through Eigen, latte-compare --only sums).
-  T* rows = scratch.block_values.data();
-  for (index_t r = 0; r < n; ++r)
-    std::copy(values.row(r).data(), values.row(r).data() + Dv, rows + r * Dv);
-  T* pending = scratch.pending.data();
-  accumulate_outer_products(scratch.key_numerator.data(), n, E, rows, pending, Dv);
-  const T* denominators = separate ? scratch.key_denominator.data() : scratch.key_numerator.data();
-  for (index_t r = 0; r < n; ++r)
-    for (index_t e = 0; e < E; ++e) pending[E * Dv + e] += denominators[r * E + e];
+  T* pending = scratch.pending.data();  // zero: fold_pending leaves it so
+  absorb_block(scratch, separate, values, n, LinearCarry<T>{pending, pending + E * Dv}, E, Dv);
   fold_pending(carry.memory, folded_memory, carry.memory_low, pending, E * Dv);
   fold_pending(carry.normaliser, folded_normaliser, carry.normaliser_low, pending + E * Dv, E);
 }
@@ -828,7 +821,7 @@ void linear_bidirectional_forward(TensorView<const T, 4> q, TensorView<const T, 
       for (index_t r = 0; r < n; ++r)
         s.denominator[r] = T(1) / spec.normaliser.apply(dot(qd + r * E, carry.normaliser, E));
       read_memory_rows(s.query_numerator.data(), n, E, carry.memory, Dv, out.row(b, c0, h),
-                       out.stride(1), s.denominator.data());
+                       out.stride(1), s.denominator.data());  // scaled by 1 / n_t
     }
   };
   if (parts == 1) {
